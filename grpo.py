@@ -1,0 +1,784 @@
+# GRPO and its variants (Dr. GRPO, DAPO, GSPO) in one file. Docs: README.md, section "grpo.py".
+"""Group Relative Policy Optimization for language models, with vLLM or Hugging Face `generate` for sampling.
+
+For each prompt, sample G completions, score them with reward functions, and push up the completions that beat
+their group's mean (DeepSeekMath, arXiv 2402.03300). Variants, chosen by flags:
+  --loss-type grpo | bnpo | dr_grpo (arXiv 2503.20783) | dapo (arXiv 2503.14476, the default)
+  --importance-sampling-level sequence      GSPO (arXiv 2507.18071)
+  --epsilon-high 0.28                       DAPO clip-higher;  --delta 4  two-sided clipping (arXiv 2505.07291)
+  --dynamic-sampling                        DAPO dynamic sampling: refill the batch with groups that carry signal
+  --scale-rewards none                      Dr. GRPO: no division by the group std
+
+Examples:
+  # CPU, about a minute, bundled 260K-parameter model learns to say "ball"
+  python grpo.py --model-name-or-path tests/assets/stories260K --dataset-name tests/assets/stories_prompts.jsonl \
+      --prompt-column prompt --answer-column "" --reward-funcs keyword_reward --no-use-chat-template \
+      --learning-rate 3e-3 --max-completion-length 24 --max-steps 30 --no-bf16 --output-dir runs/quickstart
+  # one GPU, vLLM inside the training process
+  python grpo.py --use-vllm --vllm-mode colocate --vllm-enable-sleep-mode
+  # trainer on GPU 0, a stock vLLM server on GPU 1 (README.md, "Using vLLM")
+  python grpo.py --use-vllm --vllm-mode server
+"""
+import json
+import math
+import os
+import random
+import shutil
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Literal
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+import tyro
+from torch.utils.checkpoint import checkpoint
+from tqdm import tqdm
+
+import rewards
+
+
+@dataclass
+class Args:
+    # Experiment
+    exp_name: str = "grpo"
+    """name of this experiment (used in the run name)"""
+    seed: int = 1
+    """seed of the experiment: prompt order, sampling and initialisation"""
+    track: bool = False
+    """log metrics to Weights & Biases"""
+    wandb_project_name: str = "vllm-rl"
+    """the wandb project name"""
+    wandb_entity: str | None = None
+    """the wandb entity (team)"""
+    output_dir: str = "runs/grpo"
+    """where checkpoints, metrics.jsonl and the final model + tokenizer are written"""
+
+    # Model
+    model_name_or_path: str = "Qwen/Qwen2.5-0.5B-Instruct"
+    """Hugging Face causal LM: a hub name or a local path"""
+    param_dtype: Literal["float32", "bfloat16"] = "float32"
+    """dtype of the trained weights (float32 keeps small AdamW updates from rounding away; see --bf16)"""
+    bf16: bool = True
+    """run forward/backward under bfloat16 autocast on CUDA (ignored on the CPU)"""
+    gradient_checkpointing: bool = False
+    """recompute activations in the backward pass to save memory"""
+    use_chat_template: bool = True
+    """wrap plain-text prompts as a user message and apply the tokenizer's chat template (if it has one)"""
+    system_prompt: str | None = None
+    """optional system message put before every prompt"""
+
+    # Data
+    dataset_name: str = "openai/gsm8k"
+    """hub dataset name, or a local .json / .jsonl / .parquet file"""
+    dataset_config: str | None = "main"
+    """dataset configuration name (hub datasets only)"""
+    dataset_split: str = "train"
+    """split to train on"""
+    prompt_column: str = "question"
+    """column holding the prompt: a string, or a list of chat messages"""
+    answer_column: str = "answer"
+    """column holding the reference answer, passed to rewards as `answer` ("" if there is none)"""
+    max_prompt_length: int | None = None
+    """drop prompts with more tokens than this (default: keep all; an over-long prompt is an error)"""
+
+    # Generation
+    num_generations: int = 8
+    """G: completions sampled per prompt"""
+    prompts_per_step: int = 16
+    """unique prompts per generation round (the round is num_prompts x G completions)"""
+    max_completion_length: int = 512
+    """maximum new tokens per completion"""
+    temperature: float = 1.0
+    """sampling temperature (training log-probs are computed at the same temperature)"""
+    top_p: float = 1.0
+    """nucleus sampling"""
+    top_k: int = 0
+    """top-k sampling (0 = off)"""
+    min_p: float = 0.0
+    """min-p sampling (0 = off)"""
+    repetition_penalty: float = 1.0
+    """repetition penalty (1 = off)"""
+
+    # vLLM (README.md, "Using vLLM")
+    use_vllm: bool = False
+    """generate with vLLM instead of Hugging Face `generate`"""
+    vllm_mode: Literal["colocate", "server"] = "colocate"
+    """colocate: a vllm.LLM inside this process; server: a separate `vllm serve` reached over HTTP + NCCL"""
+    vllm_gpu_memory_utilization: float = 0.3
+    """colocate: share of the GPU's memory vLLM may take (weights + KV cache)"""
+    vllm_tensor_parallel_size: int = 1
+    """colocate: tensor-parallel size of the in-process engine"""
+    vllm_max_model_len: int | None = None
+    """colocate: context length of the engine (default: longest prompt + max_completion_length)"""
+    vllm_enable_sleep_mode: bool = False
+    """colocate: free vLLM's memory (sleep level 2) while training"""
+    vllm_server_host: str = "127.0.0.1"
+    """server: host of `vllm serve`"""
+    vllm_server_port: int = 8000
+    """server: port of `vllm serve`"""
+    vllm_server_timeout: float = 240.0
+    """server: seconds to wait for the server to answer /health"""
+    vllm_group_port: int = 51216
+    """server: TCP port the trainer opens for the NCCL weight-sync rendezvous"""
+    vllm_importance_sampling_correction: bool = True
+    """correct the vLLM/trainer log-prob mismatch with a truncated or masked importance ratio"""
+    vllm_importance_sampling_mode: Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"] = (
+        "sequence_mask"
+    )
+    """level (token or whole sequence) and kind (clamp, or zero outside the bounds) of the correction"""
+    vllm_importance_sampling_clip_min: float | None = None
+    """lower bound of the importance ratio (None = unbounded)"""
+    vllm_importance_sampling_clip_max: float | None = 3.0
+    """upper bound of the importance ratio"""
+
+    # Rewards and advantages
+    reward_funcs: list[str] = field(default_factory=lambda: ["gsm8k_accuracy"])
+    """names of functions in rewards.py; their weighted sum is the reward"""
+    reward_weights: list[float] | None = None
+    """one weight per reward function (default: all 1)"""
+    reward_kwargs: dict[str, float] = field(default_factory=dict)
+    """extra keyword arguments for every reward function, e.g. overlong_buffer_length 128"""
+    scale_rewards: Literal["group", "batch", "none"] = "group"
+    """divide centred rewards by the group's std, the batch's std, or nothing (Dr. GRPO)"""
+    dynamic_sampling: bool = False
+    """DAPO dynamic sampling: drop groups whose rewards all match and sample more prompts until the round is full"""
+    dynamic_sampling_max_rounds: int = 8
+    """give up refilling after this many generation rounds (and train on the groups found)"""
+
+    # Loss
+    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo"] = "dapo"
+    """how per-token losses are averaged (see policy_loss_weights)"""
+    importance_sampling_level: Literal["token", "sequence"] = "token"
+    """token: PPO ratio per token; sequence: one length-normalised ratio per completion (GSPO)"""
+    epsilon: float = 0.2
+    """lower clipping range: ratios below 1 - epsilon are clipped"""
+    epsilon_high: float | None = None
+    """upper clipping range (default: epsilon); DAPO uses 0.28"""
+    delta: float | None = None
+    """two-sided clipping: cap the unclipped ratio at delta (INTELLECT-2); None = off"""
+    beta: float = 0.0
+    """weight of the k3 KL penalty to a frozen reference model (0 = no reference model)"""
+    num_iterations: int = 1
+    """mu: optimisation passes over each generated batch (old log-probs are stored when > 1)"""
+    steps_per_generation: int = 1
+    """optimizer steps per generated batch (the batch is split into this many mini-batches of whole groups)"""
+    mask_truncated_completions: bool = False
+    """exclude completions that hit max_completion_length from the loss (DAPO overlong filtering)"""
+
+    # Optimization
+    learning_rate: float = 1e-6
+    """AdamW learning rate"""
+    weight_decay: float = 0.0
+    """AdamW weight decay"""
+    adam_beta1: float = 0.9
+    """AdamW beta1"""
+    adam_beta2: float = 0.999
+    """AdamW beta2"""
+    lr_scheduler_type: Literal["constant", "linear", "cosine"] = "linear"
+    """learning-rate schedule after warmup"""
+    warmup_steps: int = 0
+    """linear warmup optimizer steps"""
+    max_grad_norm: float = 1.0
+    """gradient clipping norm"""
+    max_steps: int = 200
+    """total optimizer steps"""
+    micro_batch_tokens: int = 16384
+    """token budget (rows x padded length) of one forward/backward micro-batch; gradients accumulate over them"""
+
+    # Logging and checkpoints
+    logging_steps: int = 1
+    """print a metrics line every this many optimizer steps"""
+    save_steps: int = 0
+    """write a resumable checkpoint every this many optimizer steps (0 = only the final model)"""
+    save_total_limit: int | None = 2
+    """keep only the newest this many checkpoints"""
+    resume_from_checkpoint: str | None = None
+    """a checkpoint directory, or "latest" for the newest one in output_dir"""
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Data
+
+
+def load_prompts(args, tokenizer, max_context):
+    """Load the dataset and return (prompt_ids, columns, is_conversational): token ids per row, and the other columns
+    (answer column renamed to `answer`) that reward functions receive by name."""
+    from datasets import load_dataset
+
+    name = args.dataset_name
+    if name.endswith((".json", ".jsonl", ".parquet")):
+        if not os.path.exists(name):
+            raise FileNotFoundError(f"dataset file {name} does not exist")
+        dataset = load_dataset("parquet" if name.endswith(".parquet") else "json", data_files=name, split="train")
+    else:
+        dataset = load_dataset(name, args.dataset_config, split=args.dataset_split)
+    for option, column in (("--prompt-column", args.prompt_column), ("--answer-column", args.answer_column)):
+        if column and column not in dataset.column_names:
+            raise ValueError(
+                f"dataset {name} has no column '{column}' (its columns: {dataset.column_names}). "
+                f"Pass {option} with one of those" + (', or --answer-column "" if it has none.' if "answer" in option else ".")
+            )
+    prompts = dataset[args.prompt_column]
+    conversational = isinstance(prompts[0], list)
+    use_template = conversational or (args.use_chat_template and tokenizer.chat_template is not None)
+    prompt_ids = []
+    for prompt in prompts:
+        if use_template:
+            messages = prompt if conversational else [{"role": "user", "content": prompt}]
+            if args.system_prompt:
+                messages = [{"role": "system", "content": args.system_prompt}] + messages
+            ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+        else:
+            text = f"{args.system_prompt}\n\n{prompt}" if args.system_prompt else prompt
+            ids = tokenizer(text)["input_ids"]
+        prompt_ids.append(list(ids))
+    columns = {c: dataset[c] for c in dataset.column_names if c != args.prompt_column}
+    if args.answer_column and args.answer_column != "answer":
+        columns["answer"] = columns.pop(args.answer_column)
+
+    keep = list(range(len(prompt_ids)))
+    if args.max_prompt_length is not None:
+        keep = [i for i in keep if len(prompt_ids[i]) <= args.max_prompt_length]
+        print(f"--max-prompt-length {args.max_prompt_length}: kept {len(keep)} of {len(prompt_ids)} prompts")
+        if not keep:
+            raise ValueError(f"no prompt is at most {args.max_prompt_length} tokens long; raise --max-prompt-length")
+    longest = max(keep, key=lambda i: len(prompt_ids[i]))
+    if len(prompt_ids[longest]) + args.max_completion_length > max_context:
+        raise ValueError(
+            f"prompt {longest} has {len(prompt_ids[longest])} tokens, and with --max-completion-length "
+            f"{args.max_completion_length} it exceeds the model's context of {max_context} tokens. Pass "
+            f"--max-prompt-length {max_context - args.max_completion_length} to drop such prompts, or lower "
+            f"--max-completion-length."
+        )
+    return [prompt_ids[i] for i in keep], {c: [v[i] for i in keep] for c, v in columns.items()}, use_template
+
+
+def prompt_stream(num_prompts, seed, start=0):
+    """Yield prompt indices forever: a new seeded permutation each epoch. `start` skips that many (for resuming)."""
+    epoch = 0
+    while True:
+        order = torch.randperm(num_prompts, generator=torch.Generator().manual_seed(seed + epoch)).tolist()
+        for index in order:
+            if start > 0:
+                start -= 1
+                continue
+            yield index
+        epoch += 1
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Rewards and advantages
+
+
+def score_completions(reward_fns, completions, columns):
+    """Call each reward function; returns rewards (num_completions, num_funcs) with NaN where a function gave None."""
+    scores = torch.full((len(completions), len(reward_fns)), float("nan"))
+    for k, fn in enumerate(reward_fns):
+        try:
+            values = fn(completions=completions, **columns)
+        except Exception as error:
+            raise RuntimeError(
+                f"reward function '{fn.__name__}' raised {type(error).__name__}: {error}. It receives completions and "
+                f"the keyword columns {sorted(columns)}; fix the function or the dataset columns it reads."
+            ) from error
+        if len(values) != len(completions):
+            raise ValueError(f"reward function '{fn.__name__}' returned {len(values)} values for {len(completions)} completions")
+        scores[:, k] = torch.tensor([float("nan") if v is None else float(v) for v in values])
+    return scores
+
+
+def group_advantages(rewards, num_generations, scale_rewards="group", eps=1e-4):
+    """A_i = (r_i - mean(group)) / (std + eps), DeepSeekMath eq. in sec. 4.1.2; std of the group, of the batch, or 1.
+
+    rewards: (N,) with N = num_groups * G, groups contiguous; NaN marks an unscorable completion, which is left out
+    of its group's statistics and gets advantage 0."""
+    grouped = rewards.view(-1, num_generations)  # (num_groups, G)
+    valid = ~grouped.isnan()
+    count = valid.sum(1, keepdim=True)
+    mean = torch.where(valid, grouped, 0).sum(1, keepdim=True) / count.clamp(min=1)
+    advantages = grouped - mean
+    if scale_rewards == "group":
+        var = torch.where(valid, advantages**2, 0).sum(1, keepdim=True) / (count - 1).clamp(min=1)
+        advantages = advantages / (var.sqrt() + eps)
+    elif scale_rewards == "batch":
+        flat = rewards[~rewards.isnan()]
+        advantages = advantages / ((flat.std() if flat.numel() > 1 else 0.0) + eps)
+    return torch.nan_to_num(advantages, nan=0.0).view(-1)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Log-probabilities and losses
+
+
+def collate(prompt_ids, completion_ids, device, pad_id):
+    """Left-pad prompts and right-pad completions into one (B, P + C) batch.
+
+    Returns input_ids, attention_mask, position_ids (B, P + C), completion_mask (B, C) and P."""
+    P = max(len(p) for p in prompt_ids)
+    C = max(max(len(c) for c in completion_ids), 1)
+    input_ids = torch.full((len(prompt_ids), P + C), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros_like(input_ids)
+    for i, (p, c) in enumerate(zip(prompt_ids, completion_ids)):
+        input_ids[i, P - len(p) : P + len(c)] = torch.tensor(p + c)
+        attention_mask[i, P - len(p) : P + len(c)] = 1
+    # positions count from each prompt's first real token, as in generation
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    completion_mask = attention_mask[:, P:].float()
+    return input_ids.to(device), attention_mask.to(device), position_ids.to(device), completion_mask.to(device), P
+
+
+def _token_logprobs(hidden, targets, lm_head, temperature):
+    # hidden: (n, H) -> logits (n, V) in float32 for this chunk only
+    logits = lm_head(hidden).float() / temperature
+    return logits.log_softmax(-1).gather(-1, targets[:, None]).squeeze(-1)
+
+
+def per_token_logprobs(model, input_ids, attention_mask, position_ids, completion_mask, prompt_length,
+                       temperature=1.0, chunk_tokens=1024, with_entropy=False):
+    """log pi(token) of each completion token at the sampling temperature, (B, C), 0 on padding.
+
+    The fp32 logits of a 150k vocabulary would be the memory peak, so they never exist for the whole batch: the LM
+    head runs on chunks of `chunk_tokens` completion tokens, each under activation checkpointing, so the backward pass
+    recomputes one chunk at a time too."""
+    hidden = model.base_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                              use_cache=False).last_hidden_state
+    hidden = hidden[:, prompt_length - 1 : -1]  # (B, C, H): position t predicts completion token t
+    targets = input_ids[:, prompt_length:]
+    mask = completion_mask.bool()
+    hidden, targets = hidden[mask], targets[mask]  # (n_tokens, H), (n_tokens,)
+    lm_head = model.get_output_embeddings()
+    pieces, entropies = [], []
+    for start in range(0, targets.numel(), chunk_tokens):
+        h, t = hidden[start : start + chunk_tokens], targets[start : start + chunk_tokens]
+        if torch.is_grad_enabled():
+            pieces.append(checkpoint(_token_logprobs, h, t, lm_head, temperature, use_reentrant=False))
+        else:
+            pieces.append(_token_logprobs(h, t, lm_head, temperature))
+        if with_entropy:
+            with torch.no_grad():
+                logits = lm_head(h).float() / temperature
+                entropies.append(logits.logsumexp(-1) - (logits.softmax(-1) * logits).sum(-1))
+    logprobs = torch.zeros(mask.shape, device=input_ids.device)
+    logprobs = logprobs.masked_scatter(mask, torch.cat(pieces)) if pieces else logprobs
+    if not with_entropy:
+        return logprobs
+    entropy = torch.zeros(mask.shape, device=input_ids.device)
+    return logprobs, entropy.masked_scatter(mask, torch.cat(entropies)) if entropies else entropy
+
+
+def policy_loss(logprobs, old_logprobs, advantages, completion_mask, epsilon_low=0.2, epsilon_high=0.2, delta=None,
+                importance_sampling_level="token"):
+    """Per-token clipped surrogate loss, (B, C): -min(r * A, clip(r, 1 - eps_low, 1 + eps_high) * A).
+
+    token level (PPO / GRPO, arXiv 2402.03300 eq. 3):  r_t = pi(o_t) / pi_old(o_t)
+    sequence level (GSPO, arXiv 2507.18071 eq. 7):     s = exp(mean_t log r_t), one ratio per completion
+    delta (INTELLECT-2, arXiv 2505.07291): the unclipped branch uses min(r, delta), bounding the loss when A < 0.
+    Returns the loss and the ratio (for clip metrics)."""
+    log_ratio = logprobs - old_logprobs
+    if importance_sampling_level == "sequence":
+        log_ratio = (log_ratio * completion_mask).sum(-1, keepdim=True) / completion_mask.sum(-1, keepdim=True).clamp(min=1)
+    ratio = torch.exp(log_ratio)  # (B, C) or (B, 1)
+    A = advantages[:, None]
+    unclipped = (torch.clamp(ratio, max=delta) if delta is not None else ratio) * A
+    clipped = torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high) * A
+    return -torch.min(unclipped, clipped), ratio.expand_as(logprobs)
+
+
+def policy_loss_weights(completion_mask, loss_type, max_completion_length, total_tokens=None):
+    """Weight of each token's loss so that summing loss * weight gives the batch loss of `loss_type`:
+
+      grpo    (arXiv 2402.03300 eq. 3):  1/N sum_i 1/|o_i| sum_t l_it   (mean over sequences of token means)
+      bnpo:                              sum_it l_it / sum_it m_it      (token mean over this mini-batch)
+      dr_grpo (arXiv 2503.20783 eq. 2):  sum_it l_it / (N * max_completion_length)
+      dapo    (arXiv 2503.14476 eq. 8):  sum_it l_it / total_tokens     (token mean over the whole generated batch,
+                                         per mini-batch; equals bnpo when steps_per_generation = 1)
+    completion_mask: (N, C) for every completion of one optimizer step, so micro-batching does not change the loss."""
+    N = completion_mask.shape[0]
+    if loss_type == "grpo":
+        return completion_mask / completion_mask.sum(-1, keepdim=True).clamp(min=1) / N
+    if loss_type == "bnpo":
+        return completion_mask / completion_mask.sum().clamp(min=1)
+    if loss_type == "dr_grpo":
+        return completion_mask / (N * max_completion_length)
+    if loss_type == "dapo":
+        return completion_mask / max(total_tokens, 1)
+    raise ValueError(f"unknown loss_type {loss_type}")
+
+
+def k3_kl(logprobs, ref_logprobs):
+    """Per-token KL(pi || pi_ref) estimate k3 = exp(ref - logp) - (ref - logp) - 1 >= 0 (Schulman 2020;
+    DeepSeekMath eq. 4)."""
+    diff = ref_logprobs - logprobs
+    return torch.exp(diff) - diff - 1
+
+
+def vllm_importance_ratio(old_logprobs, sampling_logprobs, completion_mask, mode="sequence_mask", clip_min=None,
+                          clip_max=3.0):
+    """Importance weight pi_trainer / pi_vllm that corrects for vLLM sampling from slightly different numerics
+    (truncated IS, "Your efficient RL framework secretly brings you off-policy RL training", Yao et al. 2025).
+
+    token_*: one ratio per token; sequence_*: exp(sum_t log ratio_t), one per completion (the product of token
+    ratios). *_truncate clamps to [clip_min, clip_max]; *_mask sets ratios outside the bounds to 0. NaN log-probs
+    (vLLM gave none) count as ratio 1. Returns (B, C) weights (no gradient) and |log ratio| per token."""
+    diff = torch.nan_to_num((old_logprobs - sampling_logprobs) * completion_mask, nan=0.0)
+    log_ratio = diff.sum(-1, keepdim=True) if mode.startswith("sequence") else diff
+    ratio = torch.exp(log_ratio)
+    low = clip_min if clip_min is not None else 0.0
+    high = clip_max if clip_max is not None else float("inf")
+    if mode.endswith("truncate"):
+        ratio = ratio.clamp(min=low, max=high)
+    else:
+        ratio = torch.where((ratio >= low) & (ratio <= high), ratio, torch.zeros_like(ratio))
+    return ratio.expand_as(old_logprobs).detach(), diff.abs()
+
+
+def token_budget_batches(rows, prompt_lengths, completion_lengths, budget):
+    """Split `rows` into micro-batches whose padded size (rows x (max prompt + max completion)) fits `budget`.
+    Rows are sorted by length so that similar lengths share a micro-batch (less padding)."""
+    order = sorted(rows, key=lambda i: prompt_lengths[i] + completion_lengths[i])
+    batches, current, max_p, max_c = [], [], 0, 0
+    for i in order:
+        p, c = max(max_p, prompt_lengths[i]), max(max_c, completion_lengths[i])
+        if current and (len(current) + 1) * (p + c) > budget:
+            batches.append(current)
+            current, p, c = [], prompt_lengths[i], completion_lengths[i]
+        current.append(i)
+        max_p, max_c = p, c
+    return batches + [current] if current else batches
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Generation with Hugging Face `generate` (the vLLM paths live in vllm_utils.py)
+
+
+@torch.no_grad()
+def hf_generate(model, prompt_ids, args, eos_ids, pad_id):
+    """Sample num_generations completions per prompt; returns completion token ids (prompt-major), each cut after
+    its first EOS (the EOS is kept as the last token)."""
+    from transformers import GenerationConfig
+
+    repeated = [p for p in prompt_ids for _ in range(args.num_generations)]
+    P = max(len(p) for p in repeated)
+    input_ids = torch.full((len(repeated), P), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros_like(input_ids)
+    for i, p in enumerate(repeated):
+        input_ids[i, P - len(p) :] = torch.tensor(p)
+        attention_mask[i, P - len(p) :] = 1
+    config = GenerationConfig(
+        do_sample=True, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k or None,
+        min_p=args.min_p or None, repetition_penalty=args.repetition_penalty, max_new_tokens=args.max_completion_length,
+        eos_token_id=eos_ids, pad_token_id=pad_id, use_cache=True,
+    )
+    model.eval()
+    with torch.autocast(model.device.type, torch.bfloat16, enabled=args.bf16 and model.device.type == "cuda"):
+        out = model.generate(input_ids=input_ids.to(model.device), attention_mask=attention_mask.to(model.device),
+                             generation_config=config)
+    completions = []
+    for row in out[:, P:].tolist():
+        end = next((t + 1 for t, token in enumerate(row) if token in eos_ids), len(row))
+        completions.append(row[:end])
+    return completions, None
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Checkpoints
+
+
+def save_atomically(path, write):
+    """Run write(tmp_dir) then rename tmp_dir to `path`: a crash never leaves a half-written `path`."""
+    tmp = f"{path}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    write(tmp)
+    if os.path.isdir(path):
+        old = f"{path}.old-{os.getpid()}"
+        os.replace(path, old)
+        os.replace(tmp, path)
+        shutil.rmtree(old)
+    else:
+        os.replace(tmp, path)
+
+
+def save_final(output_dir, model, tokenizer):
+    """save_pretrained into output_dir itself, next to checkpoints and metrics: the files are written to a temporary
+    folder, then each is moved in with an atomic rename, config.json last, so a config.json means a complete model."""
+    tmp = os.path.join(output_dir, f".final-tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    for name in sorted(os.listdir(tmp), key=lambda n: n == "config.json"):
+        os.replace(os.path.join(tmp, name), os.path.join(output_dir, name))
+    os.rmdir(tmp)
+
+
+def find_checkpoint(output_dir, name):
+    """Resolve --resume-from-checkpoint: a directory, or "latest" = the highest checkpoint-N in output_dir."""
+    if name != "latest":
+        return name
+    steps = [int(d.split("-")[1]) for d in os.listdir(output_dir) if d.startswith("checkpoint-") and d.split("-")[1].isdigit()] if os.path.isdir(output_dir) else []
+    if not steps:
+        raise FileNotFoundError(f"--resume-from-checkpoint latest: no checkpoint-N directory in {output_dir}")
+    return os.path.join(output_dir, f"checkpoint-{max(steps)}")
+
+
+if __name__ == "__main__":
+    args = tyro.cli(Args)
+    epsilon_high = args.epsilon_high if args.epsilon_high is not None else args.epsilon
+    if args.num_generations < 2:
+        raise ValueError("--num-generations must be at least 2: advantages compare completions of the same prompt")
+    if args.prompts_per_step % args.steps_per_generation:
+        raise ValueError("--prompts-per-step must be divisible by --steps-per-generation (whole groups per step)")
+    run_name = f"{args.exp_name}__{args.seed}__{int(time.time())}"
+    os.makedirs(args.output_dir, exist_ok=True)
+
+    # TRY NOT TO MODIFY: seeding
+    random.seed(args.seed)
+    np.random.seed(args.seed)
+    torch.manual_seed(args.seed)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    autocast = dict(device_type=device.type, dtype=torch.bfloat16, enabled=args.bf16 and device.type == "cuda")
+
+    # Model, tokenizer, reference model
+    from transformers import AutoModelForCausalLM, AutoTokenizer, get_scheduler
+
+    checkpoint_dir = find_checkpoint(args.output_dir, args.resume_from_checkpoint) if args.resume_from_checkpoint else None
+    model_path = checkpoint_dir or args.model_name_or_path
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, args.param_dtype)).to(device)
+    for module in model.modules():  # dropout would make two passes over the same tokens disagree (ratio != 1)
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+    if args.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    ref_model = None
+    if args.beta > 0:
+        ref_model = AutoModelForCausalLM.from_pretrained(args.model_name_or_path, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32).to(device).eval()
+        ref_model.requires_grad_(False)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    eos_ids = set(model.generation_config.eos_token_id if isinstance(model.generation_config.eos_token_id, list) else [model.generation_config.eos_token_id])
+    eos_ids = sorted((eos_ids | {tokenizer.eos_token_id}) - {None})
+
+    # Data and rewards
+    max_context = getattr(model.config, "max_position_embeddings", None) or 10**9
+    prompt_ids, columns, conversational = load_prompts(args, tokenizer, max_context)
+    reward_fns = []
+    for name in args.reward_funcs:
+        if name.startswith("_") or not callable(getattr(rewards, name, None)):
+            public = [n for n in dir(rewards) if not n.startswith("_") and callable(getattr(rewards, n)) and getattr(rewards, n).__module__ == "rewards"]
+            raise ValueError(f"unknown reward function '{name}'. --reward-funcs takes names from rewards.py: {public}")
+        reward_fns.append(getattr(rewards, name))
+    reward_weights = torch.tensor(args.reward_weights or [1.0] * len(reward_fns))
+    if len(reward_weights) != len(reward_fns):
+        raise ValueError(f"--reward-weights has {len(reward_weights)} values for {len(reward_fns)} --reward-funcs")
+
+    # Optimizer and schedule
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2),
+                                  weight_decay=args.weight_decay)
+    scheduler = get_scheduler(args.lr_scheduler_type, optimizer, args.warmup_steps, args.max_steps)
+    global_step, prompts_consumed = 0, 0
+    if checkpoint_dir:
+        state = torch.load(os.path.join(checkpoint_dir, "trainer_state.pt"), weights_only=False)
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        global_step, prompts_consumed = state["global_step"], state["prompts_consumed"]
+        torch.set_rng_state(state["torch_rng"])
+        print(f"resumed from {checkpoint_dir} at step {global_step}")
+    prompts = prompt_stream(len(prompt_ids), args.seed, start=prompts_consumed)
+
+    # Generator: Hugging Face generate, or vLLM (colocated engine or a `vllm serve` server)
+    if args.use_vllm:
+        import vllm_utils
+
+        engine = vllm_utils.start(args, model_path, max(len(p) for p in prompt_ids))
+        generate = lambda batch_prompt_ids: vllm_utils.generate(engine, batch_prompt_ids, args)  # noqa: E731
+    else:
+        generate = lambda batch_prompt_ids: hf_generate(model, batch_prompt_ids, args, eos_ids, pad_id)  # noqa: E731
+
+    if args.track:
+        import wandb
+
+        wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, name=run_name, config=asdict(args))
+    metrics_file = open(os.path.join(args.output_dir, "metrics.jsonl"), "a")
+    progress = tqdm(total=args.max_steps, initial=global_step, desc="grpo", dynamic_ncols=True)
+
+    while global_step < args.max_steps:
+        round_start = time.perf_counter()
+        metrics = {}
+        # ALGO LOGIC: 1. sample prompts and generate G completions each (dynamic sampling: until the round is full
+        # of groups whose rewards differ)
+        batch_prompts, batch_completions, batch_rows, batch_scores, batch_sampling_lp = [], [], [], [], []
+        all_scores, generation_time, num_generation_rounds = [], 0.0, 0
+        while len(batch_rows) < args.prompts_per_step and num_generation_rounds < (args.dynamic_sampling_max_rounds if args.dynamic_sampling else 1):
+            rows = [next(prompts) for _ in range(args.prompts_per_step)]
+            prompts_consumed += len(rows)
+            num_generation_rounds += 1
+            t0 = time.perf_counter()
+            completion_ids, sampling_logprobs = generate([prompt_ids[i] for i in rows])
+            generation_time += time.perf_counter() - t0
+            # 2. score: reward functions see the decoded completions and this row's dataset columns by name
+            texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+            completions = [[{"role": "assistant", "content": t}] for t in texts] if conversational else texts
+            repeated = lambda values: [values[i] for i in rows for _ in range(args.num_generations)]  # noqa: E731
+            reward_columns = {c: repeated(v) for c, v in columns.items()}
+            reward_columns.update(prompts=repeated([tokenizer.decode(p) for p in prompt_ids]), completion_ids=completion_ids,
+                                  max_completion_length=args.max_completion_length, **args.reward_kwargs)
+            scores = score_completions(reward_fns, completions, reward_columns)  # (len(rows) * G, num_funcs)
+            all_scores.append(scores)
+            total = (scores * reward_weights).nansum(-1).masked_fill(scores.isnan().all(-1), float("nan"))
+            for g, row in enumerate(rows):
+                group = slice(g * args.num_generations, (g + 1) * args.num_generations)
+                if args.dynamic_sampling and (total[group].nan_to_num(-1e9).unique().numel() == 1):
+                    continue  # every completion of this prompt got the same reward: no signal
+                batch_rows.append(row)
+                batch_prompts += [prompt_ids[row]] * args.num_generations
+                batch_completions += completion_ids[group]
+                batch_scores.append(total[group])
+                if sampling_logprobs is not None:
+                    batch_sampling_lp += sampling_logprobs[group]
+        if not batch_rows:
+            print(f"dynamic sampling found no group with differing rewards in {num_generation_rounds} rounds; skipping")
+            continue
+        keep = min(len(batch_rows), args.prompts_per_step) // args.steps_per_generation * args.steps_per_generation
+        keep = keep or len(batch_rows)
+        N = keep * args.num_generations
+        batch_prompts, batch_completions = batch_prompts[:N], batch_completions[:N]
+        rewards_total = torch.cat(batch_scores)[:N]
+
+        # 3. advantages: group-relative
+        advantages = group_advantages(rewards_total, args.num_generations, args.scale_rewards)
+
+        # 4. old and reference log-probs, before any update (no gradient)
+        prompt_lengths = [len(p) for p in batch_prompts]
+        completion_lengths = [len(c) for c in batch_completions]
+        truncated = torch.tensor([not (c and c[-1] in eos_ids) for c in batch_completions])
+        C = max(max(completion_lengths), 1)
+        completion_mask_all = (torch.arange(C)[None] < torch.tensor(completion_lengths)[:, None]).float()
+        loss_mask_all = completion_mask_all * (~truncated[:, None]).float() if args.mask_truncated_completions else completion_mask_all
+        use_vllm_is = args.use_vllm and args.vllm_importance_sampling_correction and batch_sampling_lp
+        need_old = args.num_iterations > 1 or args.steps_per_generation > 1 or use_vllm_is
+        old_logprobs = torch.zeros(N, C) if need_old else None
+        ref_logprobs = torch.zeros(N, C) if ref_model is not None else None
+        micro_batches_all = token_budget_batches(range(N), prompt_lengths, completion_lengths, args.micro_batch_tokens)
+        if need_old or ref_model is not None:
+            model.eval()
+            with torch.no_grad(), torch.autocast(**autocast):
+                for mb in micro_batches_all:
+                    ids, attn, pos, cmask, P = collate([batch_prompts[i] for i in mb], [batch_completions[i] for i in mb], device, pad_id)
+                    if need_old:
+                        old_logprobs[mb, : cmask.shape[1]] = per_token_logprobs(model, ids, attn, pos, cmask, P, args.temperature).cpu()
+                    if ref_model is not None:
+                        ref_logprobs[mb, : cmask.shape[1]] = per_token_logprobs(ref_model, ids, attn, pos, cmask, P, args.temperature).cpu()
+        is_ratio = None
+        if use_vllm_is:
+            sampling_lp = torch.zeros(N, C)
+            for i, lp in enumerate(batch_sampling_lp[:N]):
+                sampling_lp[i, : len(lp)] = torch.tensor([float("nan") if v is None else v for v in lp])
+            is_ratio, logp_diff = vllm_importance_ratio(old_logprobs, sampling_lp, completion_mask_all,
+                                                        args.vllm_importance_sampling_mode,
+                                                        args.vllm_importance_sampling_clip_min,
+                                                        args.vllm_importance_sampling_clip_max)
+            valid = completion_mask_all.bool()
+            metrics["sampling/sampling_logp_difference/mean"] = logp_diff[valid].mean().item()
+            metrics["sampling/sampling_logp_difference/max"] = logp_diff[valid].max().item()
+            metrics["sampling/importance_sampling_ratio/min"] = is_ratio[valid].min().item()
+            metrics["sampling/importance_sampling_ratio/mean"] = is_ratio[valid].mean().item()
+            metrics["sampling/importance_sampling_ratio/max"] = is_ratio[valid].max().item()
+
+        # 5. optimise: num_iterations passes; each pass is steps_per_generation optimizer steps over whole groups
+        model.train()
+        train_stats = {"kl": [], "entropy": [], "clip_ratio/low_mean": [], "clip_ratio/high_mean": [], "clip_ratio/region_mean": []}
+        groups_per_step = keep // args.steps_per_generation
+        total_tokens = loss_mask_all.sum().item() / args.steps_per_generation  # DAPO: tokens of the generated batch per step
+        for iteration in range(args.num_iterations):
+            for s in range(args.steps_per_generation):
+                if global_step >= args.max_steps:
+                    break
+                step_rows = list(range(s * groups_per_step * args.num_generations, (s + 1) * groups_per_step * args.num_generations))
+                weights_all = policy_loss_weights(loss_mask_all[step_rows], args.loss_type, args.max_completion_length, total_tokens)
+                optimizer.zero_grad(set_to_none=True)
+                step_loss = 0.0
+                for mb in token_budget_batches(step_rows, prompt_lengths, completion_lengths, args.micro_batch_tokens):
+                    ids, attn, pos, cmask, P = collate([batch_prompts[i] for i in mb], [batch_completions[i] for i in mb], device, pad_id)
+                    Cm = cmask.shape[1]
+                    local = [step_rows.index(i) for i in mb]
+                    with torch.autocast(**autocast):
+                        logprobs, entropy = per_token_logprobs(model, ids, attn, pos, cmask, P, args.temperature, with_entropy=True)
+                    old = old_logprobs[mb, :Cm].to(device) if need_old else logprobs.detach()
+                    A = advantages[mb].to(device)
+                    per_token_loss, ratio = policy_loss(logprobs, old, A, cmask, args.epsilon, epsilon_high, args.delta,
+                                                        args.importance_sampling_level)
+                    if is_ratio is not None:
+                        per_token_loss = per_token_loss * is_ratio[mb, :Cm].to(device)
+                    if ref_model is not None:
+                        kl = k3_kl(logprobs, ref_logprobs[mb, :Cm].to(device))
+                        per_token_loss = per_token_loss + args.beta * kl
+                        train_stats["kl"].append(((kl * cmask).sum() / cmask.sum()).item())
+                    loss = (per_token_loss * weights_all[local, :Cm].to(device)).sum()
+                    loss.backward()
+                    step_loss += loss.item()
+                    # metrics (TRL's definitions): clipped low with A < 0, high with A > 0, token means
+                    n_tokens = cmask.sum().clamp(min=1)
+                    low = ((ratio < 1 - args.epsilon) & (A[:, None] < 0)).float()
+                    high = ((ratio > 1 + epsilon_high) & (A[:, None] > 0)).float()
+                    train_stats["entropy"].append(((entropy * cmask).sum() / n_tokens).item())
+                    train_stats["clip_ratio/low_mean"].append(((low * cmask).sum() / n_tokens).item())
+                    train_stats["clip_ratio/high_mean"].append(((high * cmask).sum() / n_tokens).item())
+                    train_stats["clip_ratio/region_mean"].append((((low + high).clamp(max=1) * cmask).sum() / n_tokens).item())
+                grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+                optimizer.step()
+                scheduler.step()
+                global_step += 1
+                progress.update(1)
+
+        # 6. push the new weights to vLLM before the next generation round
+        sync_time = 0.0
+        if args.use_vllm:
+            t0 = time.perf_counter()
+            vllm_utils.sync_weights(engine, model)
+            sync_time = time.perf_counter() - t0
+
+        # TRY NOT TO MODIFY: logging (TRL's metric names) and checkpoints
+        scores = torch.cat(all_scores)
+        total = (scores * reward_weights).nansum(-1)
+        grouped = total.view(-1, args.num_generations)
+        metrics.update({
+            "step": global_step, "reward": total.mean().item(), "reward_std": total.std().item(),
+            "frac_reward_zero_std": (grouped.std(1) < 1e-6).float().mean().item(),
+            "completions/mean_length": float(np.mean(completion_lengths)), "completions/min_length": min(completion_lengths),
+            "completions/max_length": max(completion_lengths), "completions/clipped_ratio": truncated.float().mean().item(),
+            "grad_norm": grad_norm.item(), "learning_rate": scheduler.get_last_lr()[0], "loss": step_loss,
+            "num_tokens": sum(prompt_lengths) + sum(completion_lengths), "timing/generation": generation_time,
+            "timing/weight_sync": sync_time, "step_time": time.perf_counter() - round_start,
+        })
+        for k, fn in enumerate(reward_fns):
+            metrics[f"rewards/{fn.__name__}/mean"] = scores[:, k].nanmean().item()
+            metrics[f"rewards/{fn.__name__}/std"] = scores[:, k][~scores[:, k].isnan()].std().item() if (~scores[:, k].isnan()).sum() > 1 else 0.0
+        metrics.update({k: float(np.mean(v)) for k, v in train_stats.items() if v})
+        if args.dynamic_sampling:
+            metrics["dynamic_sampling/generation_rounds"] = num_generation_rounds
+        progress.set_postfix(reward=f"{metrics['reward']:.3f}", kl=f"{metrics.get('kl', 0):.4f}", len=f"{metrics['completions/mean_length']:.0f}")
+        if global_step % args.logging_steps == 0:
+            tqdm.write(" | ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in metrics.items()))
+        metrics_file.write(json.dumps(metrics) + "\n")
+        metrics_file.flush()
+        if args.track:
+            wandb.log(metrics, step=global_step)
+        if args.save_steps and global_step % args.save_steps == 0 and global_step < args.max_steps:
+            def write_checkpoint(tmp):
+                model.save_pretrained(tmp)
+                tokenizer.save_pretrained(tmp)
+                torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "global_step": global_step,
+                            "prompts_consumed": prompts_consumed, "torch_rng": torch.get_rng_state()}, os.path.join(tmp, "trainer_state.pt"))
+            save_atomically(os.path.join(args.output_dir, f"checkpoint-{global_step}"), write_checkpoint)
+            checkpoints = sorted((d for d in os.listdir(args.output_dir) if d.startswith("checkpoint-") and d[11:].isdigit()), key=lambda d: int(d[11:]))
+            for old in checkpoints[: -args.save_total_limit] if args.save_total_limit else []:
+                shutil.rmtree(os.path.join(args.output_dir, old))
+
+    # final model + tokenizer, loadable with from_pretrained(output_dir)
+    progress.close()
+    save_final(args.output_dir, model, tokenizer)
+    print(f"saved the final model to {args.output_dir}")
+    metrics_file.close()
+    if args.track:
+        wandb.finish()
