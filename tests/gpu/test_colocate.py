@@ -1,0 +1,53 @@
+"""Colocate + sleep mode on one GPU: sleep frees most of vLLM's memory, and after wake + weight load the engine
+samples from the trainer's (changed) weights: its log-probs match the trainer's within 0.02 mean absolute."""
+import time
+
+import torch
+from conftest import MODEL, mean_abs_diff, record, trainer_logprobs
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+import vllm_utils
+
+
+def test_colocate_sleep_wake_sync():
+    tokenizer = AutoTokenizer.from_pretrained(MODEL)
+    model = AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.bfloat16).cuda()
+    free_start = torch.cuda.mem_get_info()[0]
+    t0 = time.perf_counter()
+    llm = vllm_utils.colocate_engine(MODEL, gpu_memory_utilization=0.3, max_model_len=512, enable_sleep_mode=True)
+    startup_s = time.perf_counter() - t0
+    free_awake = torch.cuda.mem_get_info()[0]
+    t0 = time.perf_counter()
+    llm.sleep(level=2)
+    sleep_s = time.perf_counter() - t0
+    torch.cuda.empty_cache()
+    free_asleep = torch.cuda.mem_get_info()[0]
+    vllm_bytes = free_start - free_awake
+    freed = free_asleep - free_awake
+    assert freed > 0.8 * vllm_bytes, f"sleep freed {freed / 2**30:.1f} GiB of vLLM's {vllm_bytes / 2**30:.1f} GiB"
+
+    # change the trainer's weights so that the engine's checkpoint weights would be visibly wrong
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * p.float().std().to(p.dtype) * 0.1)
+    t0 = time.perf_counter()
+    llm.wake_up(tags=["weights"])
+    vllm_utils.colocate_load_weights(llm, list(vllm_utils.named_weights(model)))
+    llm.reset_prefix_cache()
+    llm.wake_up(tags=["kv_cache"])
+    wake_load_s = time.perf_counter() - t0
+
+    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True)
+               for q in ["What is 7 + 5?", "Name a colour.", "Write a haiku about rain."]]
+    prompts = [list(p["input_ids"]) if hasattr(p, "keys") else list(p) for p in prompts]
+    fields = {"temperature": 0.9, "top_p": 1.0, "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0, "max_tokens": 32}
+    completion_ids, vllm_lp = vllm_utils.colocate_generate(llm, prompts, 4, fields)
+    assert len(completion_ids) == 12 and all(len(c) == len(lp) for c, lp in zip(completion_ids, vllm_lp))
+    trainer_lp, mask = trainer_logprobs(model, [p for p in prompts for _ in range(4)], completion_ids, 0.9)
+    mean_diff, max_diff = mean_abs_diff(trainer_lp, vllm_lp, mask)
+    llm.sleep(level=2)
+    record("colocate_sleep", {"model": MODEL, "startup_s": startup_s, "vllm_gib": vllm_bytes / 2**30,
+                              "freed_by_sleep_gib": freed / 2**30, "sleep_s": sleep_s, "wake_load_s": wake_load_s,
+                              "logprob_mean_abs_diff": mean_diff, "logprob_max_abs_diff": max_diff})
+    assert mean_diff < 0.02

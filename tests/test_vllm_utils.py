@@ -1,0 +1,158 @@
+"""CPU tests of vllm_utils.py: the request sent to /v1/completions, how its response is read back, the weight
+metadata, and the errors a misconfigured server gets. A small HTTP server on 127.0.0.1 plays `vllm serve`."""
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from types import SimpleNamespace
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import vllm_utils
+
+
+def test_completions_request_sends_every_sampling_field():
+    args = SimpleNamespace(temperature=0.7, top_p=0.9, top_k=0, min_p=0.05, repetition_penalty=1.1, max_completion_length=64)
+    fields = vllm_utils.sampling_fields(args)
+    body = vllm_utils.completions_request("m", [[1, 2, 3], [4, 5]], 4, fields)
+    assert body["prompt"] == [[1, 2, 3], [4, 5]] and body["n"] == 4 and body["model"] == "m"
+    # a server fills any missing field from the model's generation_config.json, so none may be missing
+    assert {k: body[k] for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_tokens")} == {
+        "temperature": 0.7, "top_p": 0.9, "top_k": -1, "min_p": 0.05, "repetition_penalty": 1.1, "max_tokens": 64}
+    assert body["logprobs"] == 0 and body["return_token_ids"] is True
+    assert json.loads(json.dumps(body)) == body  # JSON-serialisable as is
+
+
+def _response(choices):
+    return {"choices": [{"index": i, "token_ids": ids, "logprobs": {"token_logprobs": lps}, "finish_reason": fr}
+                        for i, (ids, lps, fr) in enumerate(choices)]}
+
+
+def test_parse_completions_prompt_major_eos_last_and_alignment():
+    eos = 2
+    # 2 prompts x n=2; choice k belongs to prompt k // 2; a stop on EOS keeps the EOS as the last token
+    response = _response([([5, 6, eos], [-0.1, -0.2, -0.3], "stop"), ([7], [-1.0], "length"),
+                          ([8, eos], [-0.5, None], "stop"), ([9, 9, 9], [-0.1, -0.1, -0.1], "length")])
+    response["choices"] = response["choices"][::-1]  # order on the wire does not matter: `index` does
+    ids, lps = vllm_utils.parse_completions(response, num_prompts=2, n=2)
+    assert ids == [[5, 6, eos], [7], [8, eos], [9, 9, 9]]
+    assert lps[0] == [-0.1, -0.2, -0.3] and lps[2] == [-0.5, None]
+    assert all(len(i) == len(l) for i, l in zip(ids, lps))
+
+
+def test_parse_completions_rejects_wrong_count_and_misaligned_logprobs():
+    with pytest.raises(RuntimeError, match="3 completions for 2 prompts x 2"):
+        vllm_utils.parse_completions(_response([([1], [-1.0], "stop")] * 3), 2, 2)
+    with pytest.raises(RuntimeError, match="1 log-probs for 2 tokens"):
+        vllm_utils.parse_completions(_response([([1, 2], [-1.0], "stop")]), 1, 1)
+
+
+def test_weight_metadata_describes_exactly_the_streamed_tensors():
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+                         num_key_value_heads=1, tie_word_embeddings=True)
+    model = LlamaForCausalLM(config)
+    weights = list(vllm_utils.named_weights(model, torch.bfloat16))
+    meta = vllm_utils.weight_metadata(weights)
+    params = list(model.named_parameters())
+    assert meta["names"] == [n for n, _ in params]  # every parameter, in order, HF checkpoint names
+    assert "lm_head.weight" not in meta["names"]  # tied: the shared tensor is sent once, as embed_tokens
+    assert meta["shapes"] == [list(p.shape) for _, p in params]
+    assert meta["dtype_names"] == ["bfloat16"] * len(params)
+    for (name, tensor), dtype_name, shape in zip(weights, meta["dtype_names"], meta["shapes"]):
+        assert getattr(torch, dtype_name) == tensor.dtype and list(tensor.shape) == shape
+    assert torch.equal(weights[0][1], params[0][1].detach().to(torch.bfloat16))
+    # packed sizes the receiver derives from the metadata equal the bytes the sender packs
+    sent = sum(t.numel() * t.element_size() for _, t in weights)
+    derived = sum(torch.Size(s).numel() * getattr(torch, d).itemsize for s, d in zip(meta["shapes"], meta["dtype_names"]))
+    assert sent == derived
+
+
+class FakeServer:
+    """Answers GET/POST paths from a dict {path: (status, json body)}."""
+
+    def __init__(self, routes):
+        routes_ = routes
+
+        class Handler(BaseHTTPRequestHandler):
+            def _answer(self):
+                status, body = routes_.get(self.path.split("?")[0], (404, {"detail": "Not Found"}))
+                data = json.dumps(body).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            do_GET = do_POST = _answer
+
+            def log_message(self, *a):
+                pass
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.httpd.shutdown()
+
+
+def _routes(weight_transfer={"backend": "nccl"}, version=None, logprobs_mode="processed_logprobs"):
+    import vllm
+
+    return {"/health": (200, {}), "/version": (200, {"version": version or vllm.__version__}),
+            "/v1/models": (200, {"data": [{"id": "served-model", "max_model_len": 2048}]}),
+            "/server_info": (200, {"vllm_config": {"weight_transfer_config": weight_transfer,
+                                                   "model_config": {"logprobs_mode": logprobs_mode}}})}
+
+
+def test_check_server_accepts_a_correct_server():
+    server = FakeServer(_routes())
+    try:
+        assert vllm_utils.check_server(server.url, "m") == ("served-model", 2048)
+    finally:
+        server.close()
+
+
+@pytest.mark.parametrize("routes, message", [
+    ({**_routes(), "/server_info": (404, {})}, "VLLM_SERVER_DEV_MODE=1"),
+    (_routes(weight_transfer=None), "--weight-transfer-config"),
+    (_routes(version="0.1.0"), "vLLM 0.1.0 but the trainer has vLLM"),
+])
+def test_check_server_names_the_problem_and_the_fix(routes, message):
+    server = FakeServer(routes)
+    try:
+        with pytest.raises(RuntimeError, match=message) as error:
+            vllm_utils.check_server(server.url, "my/model")
+        if "0.1.0" not in message:
+            assert "vllm serve my/model" in str(error.value)  # the exact command to restart it
+    finally:
+        server.close()
+
+
+def test_unreachable_server_error_prints_the_serve_command():
+    with pytest.raises(ConnectionError) as error:
+        vllm_utils.wait_for_server("http://127.0.0.1:9", timeout=0, model="Qwen/Qwen2.5-0.5B-Instruct")
+    message = str(error.value)
+    assert "--vllm-server-timeout" in message
+    assert ("VLLM_SERVER_DEV_MODE=1 vllm serve Qwen/Qwen2.5-0.5B-Instruct --host 0.0.0.0 --port 9 "
+            "--weight-transfer-config '{\"backend\": \"nccl\"}' --logprobs-mode processed_logprobs --max-logprobs -1") in message
+
+
+def test_weight_endpoint_failure_is_raised_not_retried():
+    calls = []
+    server = FakeServer({"/update_weights": (500, {"error": "bad metadata"})})
+    original = server.httpd.RequestHandlerClass.do_POST
+
+    def counting(handler):
+        calls.append(handler.path)
+        original(handler)
+
+    server.httpd.RequestHandlerClass.do_POST = counting
+    try:
+        with pytest.raises(RuntimeError, match="500.*bad metadata"):
+            vllm_utils._post(server.url, "/update_weights", 5, json={})
+        assert calls == ["/update_weights"]
+    finally:
+        server.close()

@@ -1,0 +1,368 @@
+"""vLLM for online RL: generation and weight sync, for grpo.py / rloo.py / online_dpo.py and their forks.
+
+Two ways to run vLLM next to a trainer (README.md, "Using vLLM"):
+
+* colocate: a `vllm.LLM` inside the training process, on the training GPU. New weights are copied in with the
+  model's own `load_weights` (full HF-named tensors). With sleep mode, vLLM frees its memory while the trainer
+  trains: level-2 sleep, then wake weights -> load every weight -> reset the prefix cache -> wake the KV cache ->
+  generate -> sleep.
+* server: a stock `vllm serve` on other GPUs, started with VLLM_SERVER_DEV_MODE=1 and
+  `--weight-transfer-config '{"backend": "nccl"}' --logprobs-mode processed_logprobs --max-logprobs -1`.
+  Generation goes through /v1/completions with token-id prompts; after each optimizer step the trainer broadcasts
+  its weights over NCCL (vLLM's packed protocol) while the server receives them in /update_weights.
+
+Both return completion token ids and vLLM's log-prob of each sampled token (after temperature and other
+processors: "processed_logprobs"), which the trainer uses to correct the vLLM/trainer mismatch.
+
+The three entry points `start`, `generate` and `sync_weights` take the script's `Args`; every step they take is a
+small function below that a fork can call directly. vLLM is imported only inside functions that need it.
+"""
+import os
+import shlex
+import socket
+import subprocess
+import threading
+import time
+
+import requests
+import torch
+
+GENERATION_TIMEOUT_S = 1800.0  # one /v1/completions call (a whole generation round)
+WEIGHT_SYNC_TIMEOUT_S = 300.0  # init of the NCCL group, and one full weight update
+PACKED_BUFFER_BYTES = 1 << 30  # vLLM's packed-broadcast chunk size; both sides must agree
+PACKED_NUM_BUFFERS = 2
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Weights: what is sent, in which order
+
+
+def named_weights(model, dtype=torch.bfloat16):
+    """(HF name, tensor) for every parameter, cast to `dtype` (vLLM copies into its own dtype anyway; bf16 halves the
+    bytes sent). Tied embeddings appear once, as in the checkpoint; vLLM skips lm_head when it is tied."""
+    for name, param in model.named_parameters():
+        # activation-checkpoint / FSDP wrappers insert these into names; vLLM knows the checkpoint names
+        name = name.replace("_checkpoint_wrapped_module.", "").replace("_fsdp_wrapped_module.", "")
+        tensor = param.detach()
+        if hasattr(tensor, "full_tensor"):  # FSDP2 DTensor: gather the full parameter
+            tensor = tensor.full_tensor()
+        yield name, tensor.to(dtype)
+
+
+def weight_metadata(weights):
+    """The `update_info` lists vLLM needs to receive `weights` (a list of (name, tensor)): the receiver allocates
+    buffers from these, so they must describe exactly the tensors streamed, in the same order."""
+    return {
+        "names": [name for name, _ in weights],
+        "dtype_names": [str(tensor.dtype).removeprefix("torch.") for _, tensor in weights],
+        "shapes": [list(tensor.shape) for _, tensor in weights],
+    }
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Colocate: vllm.LLM in this process
+
+
+def colocate_engine(model_path, gpu_memory_utilization=0.3, tensor_parallel_size=1, max_model_len=None,
+                    enable_sleep_mode=False, seed=0, max_num_seqs=256, dtype="bfloat16"):
+    """A vllm.LLM that lives in this (torchrun or plain) process and shares its GPU.
+
+    external_launcher runs the engine's single worker inside this process (no subprocess), which is what lets the
+    trainer copy weights straight into it. Without torchrun, the env:// variables it needs are filled in."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if world_size % tensor_parallel_size:
+        raise ValueError(f"--vllm-tensor-parallel-size {tensor_parallel_size} must divide the number of processes {world_size}")
+    if "MASTER_PORT" not in os.environ:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(s.getsockname()[1]))
+    for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1"}.items():
+        os.environ.setdefault(key, value)
+    from vllm import LLM
+
+    rank = int(os.environ["RANK"])
+    return LLM(
+        model=model_path, tensor_parallel_size=tensor_parallel_size, gpu_memory_utilization=gpu_memory_utilization,
+        max_model_len=max_model_len, enable_sleep_mode=enable_sleep_mode, dtype=dtype, max_num_seqs=max_num_seqs,
+        distributed_executor_backend="external_launcher", logprobs_mode="processed_logprobs",
+        seed=seed + rank // tensor_parallel_size,  # ranks of one TP group must sample identically
+    )
+
+
+def sampling_fields(args):
+    """Sampling settings shared by both modes, every one explicit (a server would otherwise fill gaps from the
+    model's generation_config.json)."""
+    return {
+        "temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k if args.top_k > 0 else -1,
+        "min_p": args.min_p, "repetition_penalty": args.repetition_penalty, "max_tokens": args.max_completion_length,
+    }
+
+
+def colocate_generate(llm, prompt_ids, n, fields):
+    """Sample n completions per prompt with an in-process engine: (completion ids, sampled-token log-probs), both
+    prompt-major lists (completion k belongs to prompt k // n)."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(n=n, logprobs=0, **fields)
+    outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], params, use_tqdm=False)
+    completion_ids, logprobs = [], []
+    for output in outputs:
+        for sample in output.outputs:
+            completion_ids.append(list(sample.token_ids))
+            logprobs.append([step[token].logprob for token, step in zip(sample.token_ids, sample.logprobs)])
+    return completion_ids, logprobs
+
+
+def colocate_load_weights(llm, weights):
+    """Copy (name, tensor) pairs into the engine's model in place (CUDA graphs stay valid); each TP rank slices its
+    own shard from the full tensors. Fine for bf16/fp16 engines (online-quantized ones need reload_weights)."""
+    llm.llm_engine.model_executor.driver_worker.model_runner.model.load_weights(weights)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Server: a stock `vllm serve` over HTTP + NCCL
+
+
+def serve_command(model, host="0.0.0.0", port=8000, gpus="1"):
+    """The command that starts a server this codebase can train against."""
+    return (f"CUDA_VISIBLE_DEVICES={gpus} VLLM_SERVER_DEV_MODE=1 vllm serve {model} --host {host} --port {port} "
+            "--weight-transfer-config '{\"backend\": \"nccl\"}' --logprobs-mode processed_logprobs --max-logprobs -1")
+
+
+def wait_for_server(base_url, timeout, model):
+    """Poll GET /health until it answers 200; after `timeout` seconds raise with the command that starts it."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if requests.get(f"{base_url}/health", timeout=5).status_code == 200:
+                return
+        except requests.RequestException:
+            pass
+        if time.monotonic() > deadline:
+            host, port = base_url.removeprefix("http://").rsplit(":", 1)
+            raise ConnectionError(
+                f"no vLLM server answered at {base_url}/health within {timeout:.0f} s (--vllm-server-timeout). "
+                f"Start one on GPUs the trainer does not use, e.g.\n  {serve_command(model, port=port)}\n"
+                f"or point --vllm-server-host / --vllm-server-port at it."
+            )
+        time.sleep(2)
+
+
+def check_server(base_url, model):
+    """Fail early, with the fix, when the server cannot do RL: no dev mode, no NCCL weight transfer, or a vLLM version
+    other than the trainer's (both sides of the NCCL protocol are version-specific). Returns (model id, max_model_len)."""
+    import vllm
+
+    response = requests.get(f"{base_url}/server_info", params={"config_format": "json"}, timeout=30)
+    if response.status_code == 404:
+        raise RuntimeError(f"the server at {base_url} has no /server_info: it was started without VLLM_SERVER_DEV_MODE=1, "
+                           f"which the weight-sync endpoints need. Restart it as:\n  {serve_command(model)}")
+    response.raise_for_status()
+    config = response.json()["vllm_config"]
+    if not config.get("weight_transfer_config"):
+        raise RuntimeError(f"the server at {base_url} was started without --weight-transfer-config, so it cannot receive "
+                           f"weights. Restart it as:\n  {serve_command(model)}")
+    logprobs_mode = config.get("model_config", {}).get("logprobs_mode")
+    if logprobs_mode != "processed_logprobs":
+        print(f"warning: the server returns {logprobs_mode}; start it with --logprobs-mode processed_logprobs so that "
+              f"its log-probs include temperature and the importance-sampling correction is right")
+    server_version = requests.get(f"{base_url}/version", timeout=30).json()["version"]
+    if server_version != vllm.__version__:
+        raise RuntimeError(f"the server runs vLLM {server_version} but the trainer has vLLM {vllm.__version__}; the NCCL "
+                           f"weight-transfer protocol differs between versions. Install the same version on both sides (pip install vllm=={vllm.__version__}).")
+    served = requests.get(f"{base_url}/v1/models", timeout=30).json()["data"][0]
+    return served["id"], served.get("max_model_len")
+
+
+def check_gpu_not_shared(base_url):
+    """NCCL cannot put two ranks of one group on the same GPU: refuse to start when a local vLLM process already runs
+    on the trainer's GPU (set CUDA_VISIBLE_DEVICES differently for the two)."""
+    host = base_url.removeprefix("http://").rsplit(":", 1)[0]
+    if host not in ("127.0.0.1", "localhost", "0.0.0.0", socket.gethostname()):
+        return
+    uuid = "GPU-" + str(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid)
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-compute-apps=gpu_uuid,pid", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return
+    for line in out.splitlines():
+        gpu, pid = [part.strip() for part in line.split(",")]
+        if gpu == uuid and int(pid) != os.getpid():
+            try:
+                cmdline = open(f"/proc/{pid}/cmdline", "rb").read().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+            # a server's GPU process is its engine core, titled "VLLM::EngineCore..." (or "vllm serve ..." itself);
+            # a colocated engine inside another trainer is not a server and may share the GPU
+            if any(mark in cmdline for mark in ("VLLM::", "vllm serve", "vllm.entrypoints")):
+                raise RuntimeError(f"the vLLM server (pid {pid}) runs on the trainer's GPU {uuid}. Give them different "
+                                   f"GPUs, e.g. CUDA_VISIBLE_DEVICES=0 for the trainer and CUDA_VISIBLE_DEVICES=1 for "
+                                   f"`vllm serve`.")
+
+
+def _post(base_url, path, timeout, **kwargs):
+    # one attempt, never retried: a repeated /update_weights would wait forever for a broadcast that never comes
+    response = requests.post(f"{base_url}{path}", timeout=timeout, **kwargs)
+    if response.status_code != 200:
+        raise RuntimeError(f"POST {path} failed with {response.status_code}: {response.text[:500]}")
+    return response.json() if response.content else {}
+
+
+def _run_beside(nccl_work, http_call, timeout):
+    """Run the trainer's NCCL side in a daemon thread while the matching HTTP call (which blocks inside the server's
+    side of the same collective) runs here. NCCL has no timeout, so if the HTTP side fails we raise and leave the
+    thread behind rather than hang."""
+    device = torch.cuda.current_device()
+    result, errors = {}, []
+
+    def target():
+        try:
+            torch.cuda.set_device(device)  # the current device is per thread
+            result["value"] = nccl_work()
+        except BaseException as error:  # noqa: BLE001
+            errors.append(error)
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    http_call()
+    thread.join(timeout)
+    if thread.is_alive():
+        raise TimeoutError(f"the trainer's NCCL side did not finish within {timeout:.0f} s after the server's")
+    if errors:
+        raise errors[0]
+    return result.get("value")
+
+
+def server_init_weight_sync(base_url, group_port, master_address="127.0.0.1"):
+    """Form the NCCL group trainer (rank 0) + every server worker (ranks 1..W-1). The trainer hosts the rendezvous at
+    master_address:group_port, which the server must be able to reach."""
+    from vllm.distributed.weight_transfer.nccl_common import trainer_init
+
+    world_size = requests.get(f"{base_url}/get_world_size", timeout=30).json()["world_size"]
+    info = {"master_address": master_address, "master_port": group_port, "rank_offset": 1, "world_size": world_size + 1}
+    return _run_beside(lambda: trainer_init(info),
+                       lambda: _post(base_url, "/init_weight_transfer_engine", WEIGHT_SYNC_TIMEOUT_S, json={"init_info": info}),
+                       WEIGHT_SYNC_TIMEOUT_S)
+
+
+def server_sync_weights(base_url, group, weights):
+    """Send every (name, tensor) in `weights` to the server: start -> packed broadcast beside /update_weights ->
+    finish -> reset the prefix cache (its KV was computed by the old weights)."""
+    from vllm.distributed.weight_transfer.packed_tensor import packed_nccl_broadcast_producer
+
+    update_info = {**weight_metadata(weights), "packed": True, "packed_buffer_size_bytes": PACKED_BUFFER_BYTES,
+                   "packed_num_buffers": PACKED_NUM_BUFFERS}
+    _post(base_url, "/start_weight_update", 60, json={})
+
+    def broadcast():
+        packed_nccl_broadcast_producer(iter(weights), group, 0, lambda item: item[1], PACKED_BUFFER_BYTES, PACKED_NUM_BUFFERS)
+        torch.cuda.synchronize()  # 0.26's producer does not drain its streams
+
+    _run_beside(broadcast, lambda: _post(base_url, "/update_weights", WEIGHT_SYNC_TIMEOUT_S, json={"update_info": update_info}),
+                WEIGHT_SYNC_TIMEOUT_S)
+    _post(base_url, "/finish_weight_update", 60)
+    for _ in range(50):  # False while blocks are still held by running requests
+        if _post(base_url, "/reset_prefix_cache", 60).get("success", True):
+            return
+        time.sleep(0.1)
+    raise RuntimeError("the server's prefix cache could not be reset after a weight update")
+
+
+def completions_request(model_id, prompt_ids, n, fields):
+    """Body of POST /v1/completions: one token-id prompt per entry (each sampled n times), every sampling field
+    explicit, the sampled token's log-prob, and token ids instead of text."""
+    return {"model": model_id, "prompt": prompt_ids, "n": n, **fields, "logprobs": 0, "return_token_ids": True,
+            "return_tokens_as_token_ids": True, "skip_special_tokens": False}
+
+
+def parse_completions(response, num_prompts, n):
+    """Completion ids and per-token log-probs from a /v1/completions response. Choices come prompt-major (choice k
+    belongs to prompt k // n); a stop on EOS leaves the EOS as the last token; a missing log-prob is None."""
+    choices = response["choices"]
+    if len(choices) != num_prompts * n:
+        raise RuntimeError(f"the server returned {len(choices)} completions for {num_prompts} prompts x {n}")
+    choices = sorted(choices, key=lambda choice: choice["index"])
+    completion_ids = [list(choice["token_ids"]) for choice in choices]
+    logprobs = [list(choice["logprobs"]["token_logprobs"]) for choice in choices]
+    for ids, lps in zip(completion_ids, logprobs):
+        if len(ids) != len(lps):
+            raise RuntimeError(f"the server returned {len(lps)} log-probs for {len(ids)} tokens")
+    return completion_ids, logprobs
+
+
+def server_generate(base_url, model_id, prompt_ids, n, fields):
+    """Sample n completions per prompt on the server: (completion ids, sampled-token log-probs), prompt-major."""
+    response = requests.post(f"{base_url}/v1/completions", json=completions_request(model_id, prompt_ids, n, fields),
+                             timeout=GENERATION_TIMEOUT_S)
+    if response.status_code != 200:
+        raise RuntimeError(f"/v1/completions failed with {response.status_code}: {response.text[:500]}")
+    return parse_completions(response.json(), len(prompt_ids), n)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# The three calls the training scripts make
+
+
+def start(args, model_path, max_prompt_length):
+    """Build the generator `args.vllm_mode` asks for; returns a dict handed back to generate / sync_weights."""
+    if not torch.cuda.is_available():
+        raise RuntimeError("--use-vllm needs a CUDA GPU; on the CPU use --no-use-vllm (Hugging Face generate)")
+    engine = {"mode": args.vllm_mode, "fields": sampling_fields(args), "n": args.num_generations}
+    if args.vllm_mode == "colocate":
+        t0 = time.perf_counter()
+        engine["llm"] = colocate_engine(
+            model_path, args.vllm_gpu_memory_utilization, args.vllm_tensor_parallel_size,
+            args.vllm_max_model_len or max_prompt_length + args.max_completion_length, args.vllm_enable_sleep_mode,
+            args.seed, max_num_seqs=args.prompts_per_step * args.num_generations, dtype="bfloat16" if args.bf16 else "auto")
+        engine["sleep"] = args.vllm_enable_sleep_mode  # starts awake with the checkpoint's weights
+        engine["startup_s"] = time.perf_counter() - t0
+        return engine
+    base_url = f"http://{args.vllm_server_host}:{args.vllm_server_port}"
+    t0 = time.perf_counter()
+    wait_for_server(base_url, args.vllm_server_timeout, model_path)
+    engine["model_id"], max_model_len = check_server(base_url, model_path)
+    if max_model_len and max_prompt_length + args.max_completion_length > max_model_len:
+        raise ValueError(f"the longest prompt ({max_prompt_length} tokens) + --max-completion-length "
+                         f"{args.max_completion_length} exceeds the server's --max-model-len {max_model_len}")
+    check_gpu_not_shared(base_url)
+    torch.cuda.set_device(torch.cuda.current_device())
+    # the server's workers connect to this address: loopback for a local server, else this host's routable IP
+    # (vLLM's get_ip honours VLLM_HOST_IP, the override for hosts with several interfaces)
+    if args.vllm_server_host in ("127.0.0.1", "localhost"):
+        master_address = "127.0.0.1"
+    else:
+        from vllm.utils.network_utils import get_ip
+
+        master_address = get_ip()
+    engine.update(base_url=base_url, group=server_init_weight_sync(base_url, args.vllm_group_port, master_address))
+    engine["startup_s"] = time.perf_counter() - t0
+    return engine
+
+
+def generate(engine, prompt_ids, args=None):
+    """(completion ids, vLLM log-probs), prompt-major, num_generations per prompt."""
+    if engine["mode"] == "server":
+        return server_generate(engine["base_url"], engine["model_id"], prompt_ids, engine["n"], engine["fields"])
+    llm = engine["llm"]
+    if engine["sleep"] and engine.get("asleep"):
+        llm.wake_up(tags=["kv_cache"])
+    out = colocate_generate(llm, prompt_ids, engine["n"], engine["fields"])
+    if engine["sleep"]:
+        llm.sleep(level=2)  # drops weights and KV cache: the backward pass gets the memory
+        engine["asleep"] = True
+    return out
+
+
+def sync_weights(engine, model):
+    """Push the trainer's current weights to vLLM (call after each optimizer step, before generating)."""
+    weights = list(named_weights(model))
+    if engine["mode"] == "server":
+        server_sync_weights(engine["base_url"], engine["group"], weights)
+        return
+    llm = engine["llm"]
+    if engine["sleep"] and engine.get("asleep"):
+        torch.cuda.empty_cache()
+        llm.wake_up(tags=["weights"])  # level 2 left garbage: every weight is reloaded below
+    colocate_load_weights(llm, weights)
+    llm.reset_prefix_cache()
