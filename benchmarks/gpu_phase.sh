@@ -7,7 +7,7 @@
 # Every run writes <OUT_DIR>/<name>/metrics.jsonl and <name>.log; benchmarks/summarize.py turns them into JSON.
 set -u
 PHASE=$1; OUT=$2; mkdir -p "$OUT"
-python benchmarks/make_tasks.py /tmp/tasks > /dev/null
+python3 benchmarks/make_tasks.py /tmp/tasks > /dev/null
 export WANDB_MODE=offline PYTHONUNBUFFERED=1
 ADD="--dataset-name /tmp/tasks/addition.jsonl --prompt-column prompt --answer-column answer --reward-funcs gsm8k_accuracy
      --prompts-per-step 16 --num-generations 8 --max-completion-length 32 --learning-rate 1e-5 --max-steps 100 --use-vllm"
@@ -16,27 +16,27 @@ BENCH="--model-name-or-path /tmp/bench-qwen05b --dataset-name /tmp/tasks/bench.j
        --max-completion-length 256 --micro-batch-tokens 11520 --beta 0 --learning-rate 1e-6 --max-steps 8"
 
 serve() {  # serve MODEL PORT: a stock vLLM server on GPU 1, in its own session so that it outlives this command
-  CUDA_VISIBLE_DEVICES=1 VLLM_SERVER_DEV_MODE=1 setsid python -m vllm.entrypoints.cli.main serve "$1" --port "$2" \
+  CUDA_VISIBLE_DEVICES=1 VLLM_SERVER_DEV_MODE=1 setsid python3 -m vllm.entrypoints.cli.main serve "$1" --port "$2" \
     --weight-transfer-config '{"backend": "nccl"}' --logprobs-mode processed_logprobs --max-logprobs -1 \
     > "$OUT/server_$2.log" 2>&1 &
   echo "$(date +%s) started vllm serve $1 on port $2" >> "$OUT/server_$2.log.start"
 }
-wait_server() { for _ in $(seq 300); do curl -sf "localhost:$1/health" > /dev/null && return 0; sleep 2; done; return 1; }
+wait_server() { python3 -c "import sys, vllm_utils; vllm_utils.wait_for_server('http://127.0.0.1:$1', 600, 'server')"; }
 run() {  # run NAME TIMEOUT ARGS...: one grpo.py run
   local name=$1 limit=$2; shift 2
   echo "== $name: python grpo.py $*" | tee "$OUT/$name.log"
-  eval timeout "$limit" python grpo.py --output-dir "$OUT/$name" "$@" >> "$OUT/$name.log" 2>&1
+  eval timeout "$limit" python3 grpo.py --output-dir "$OUT/$name" "$@" >> "$OUT/$name.log" 2>&1
   echo "== $name exit $?" | tee -a "$OUT/$name.log"
 }
 
 if [ "$PHASE" = learn ]; then
   serve /tmp/smol 8000; T0=$(date +%s)
-  CUDA_VISIBLE_DEVICES=0 GPU_RESULTS_DIR=$OUT timeout 240 python -m pytest -x -q tests/gpu/test_colocate.py 2>&1 | tee "$OUT/pytest_colocate.log"
+  CUDA_VISIBLE_DEVICES=0 GPU_RESULTS_DIR=$OUT timeout 240 python3 -m pytest -x -q tests/gpu/test_colocate.py 2>&1 | tee "$OUT/pytest_colocate.log"
   wait_server 8000 && echo "server ready after $(( $(date +%s) - T0 )) s" | tee "$OUT/server_ready.txt"
-  GPU_RESULTS_DIR=$OUT VLLM_TEST_SERVER_URL=http://127.0.0.1:8000 timeout 180 python -m pytest -x -q tests/gpu/test_server.py 2>&1 | tee "$OUT/pytest_server.log"
+  GPU_RESULTS_DIR=$OUT VLLM_TEST_SERVER_URL=http://127.0.0.1:8000 timeout 180 python3 -m pytest -x -q tests/gpu/test_server.py 2>&1 | tee "$OUT/pytest_server.log"
   # server mode (trainer GPU 0, server GPU 1) and colocate mode (GPU 0, sleep on) side by side
-  CUDA_VISIBLE_DEVICES=0 run addition_server 420 --model-name-or-path /tmp/smol $ADD --vllm-mode server --vllm-group-port 51300 &
-  CUDA_VISIBLE_DEVICES=0 run addition_colocate 420 --model-name-or-path /tmp/smol $ADD --vllm-mode colocate --vllm-enable-sleep-mode
+  CUDA_VISIBLE_DEVICES=0 run addition_server 360 --model-name-or-path /tmp/smol $ADD --vllm-mode server --vllm-group-port 51300 &
+  CUDA_VISIBLE_DEVICES=0 run addition_colocate 360 --model-name-or-path /tmp/smol $ADD --vllm-mode colocate --vllm-enable-sleep-mode
   wait
   pkill -f "vllm.entrypoints.cli.main serve /tmp/smol"; sleep 5
   serve /tmp/bench-qwen05b 8001  # warm for the bench phase

@@ -3,7 +3,7 @@ samples from the trainer's (changed) weights: its log-probs match the trainer's 
 import time
 
 import torch
-from conftest import MODEL, mean_abs_diff, record, trainer_logprobs
+from gpu_helpers import MODEL, mean_abs_diff, record, trainer_logprobs
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import vllm_utils

@@ -8,7 +8,7 @@ import time
 
 import pytest
 import torch
-from conftest import MODEL, mean_abs_diff, record, trainer_logprobs
+from gpu_helpers import MODEL, mean_abs_diff, record, trainer_logprobs
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import vllm_utils
