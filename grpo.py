@@ -467,7 +467,7 @@ def hf_generate(model, prompt_ids, args, eos_ids, pad_id):
         input_ids[i, P - len(p) :] = torch.tensor(p)
         attention_mask[i, P - len(p) :] = 1
     config = GenerationConfig(
-        do_sample=True, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k or None,
+        do_sample=True, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
         min_p=args.min_p or None, repetition_penalty=args.repetition_penalty, max_new_tokens=args.max_completion_length,
         eos_token_id=eos_ids, pad_token_id=pad_id, use_cache=True,
     )
@@ -757,6 +757,7 @@ if __name__ == "__main__":
         metrics.update({k: float(np.mean(v)) for k, v in train_stats.items() if v})
         if args.dynamic_sampling:
             metrics["dynamic_sampling/generation_rounds"] = num_generation_rounds
+            metrics["dynamic_sampling/kept_groups"] = keep
         progress.set_postfix(reward=f"{metrics['reward']:.3f}", kl=f"{metrics.get('kl', 0):.4f}", len=f"{metrics['completions/mean_length']:.0f}")
         if global_step % args.logging_steps == 0:
             tqdm.write(" | ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in metrics.items()))

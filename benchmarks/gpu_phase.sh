@@ -21,6 +21,10 @@ serve() {  # serve MODEL PORT: a stock vLLM server on GPU 1, in its own session 
     > "$OUT/server_$2.log" 2>&1 &
   echo "$(date +%s) started vllm serve $1 on port $2" >> "$OUT/server_$2.log.start"
 }
+stop_servers() {  # the engine core renames itself VLLM::EngineCore: kill the whole session of each server
+  for pid in $(pgrep -f "vllm.entrypoints.cli.main serve"); do kill -- -"$(ps -o sid= -p "$pid" | tr -d ' ')"; done
+  sleep 5
+}
 wait_server() { python3 -c "import sys, vllm_utils; vllm_utils.wait_for_server('http://127.0.0.1:$1', 600, 'server')"; }
 run() {  # run NAME TIMEOUT ARGS...: one grpo.py run
   local name=$1 limit=$2; shift 2
@@ -38,7 +42,7 @@ if [ "$PHASE" = learn ]; then
   CUDA_VISIBLE_DEVICES=0 run addition_server 360 --model-name-or-path /tmp/smol $ADD --vllm-mode server --vllm-group-port 51300 &
   CUDA_VISIBLE_DEVICES=0 run addition_colocate 360 --model-name-or-path /tmp/smol $ADD --vllm-mode colocate --vllm-enable-sleep-mode
   wait
-  pkill -f "vllm.entrypoints.cli.main serve /tmp/smol"; sleep 5
+  stop_servers
   serve /tmp/bench-qwen05b 8001  # warm for the bench phase
 fi
 if [ "$PHASE" = bench ]; then
@@ -47,6 +51,14 @@ if [ "$PHASE" = bench ]; then
   wait_server 8001
   CUDA_VISIBLE_DEVICES=0 run bench_server 200 $BENCH --use-vllm --vllm-mode server --vllm-server-port 8001 --vllm-group-port 51301
   CUDA_VISIBLE_DEVICES=0 run bench_no_vllm 300 $BENCH --no-use-vllm
-  pkill -f "vllm.entrypoints.cli.main serve"
+  stop_servers
+fi
+if [ "$PHASE" = tests ]; then  # the two GPU tests, then bench-0.5b without vLLM
+  serve /tmp/smol 8000
+  CUDA_VISIBLE_DEVICES=0 GPU_RESULTS_DIR=$OUT timeout 200 python3 -m pytest -x -q tests/gpu/test_colocate.py 2>&1 | tee "$OUT/pytest_colocate.log"
+  wait_server 8000
+  GPU_RESULTS_DIR=$OUT VLLM_TEST_SERVER_URL=http://127.0.0.1:8000 timeout 120 python3 -m pytest -x -q tests/gpu/test_server.py 2>&1 | tee "$OUT/pytest_server.log"
+  stop_servers
+  CUDA_VISIBLE_DEVICES=0 run bench_no_vllm 170 $BENCH --no-use-vllm
 fi
 nvidia-smi --query-gpu=name,memory.total --format=csv > "$OUT/gpus.txt" 2>&1

@@ -22,7 +22,7 @@ def trainer_logprobs(model, prompt_ids, completion_ids, temperature):
     import grpo
 
     ids, attn, pos, mask, P = grpo.collate(prompt_ids, completion_ids, model.device, pad_id=0)
-    with torch.no_grad():
+    with torch.no_grad(), torch.autocast("cuda", torch.bfloat16):
         return grpo.per_token_logprobs(model, ids, attn, pos, mask, P, temperature), mask
 
 

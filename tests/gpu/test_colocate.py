@@ -11,7 +11,7 @@ import vllm_utils
 
 def test_colocate_sleep_wake_sync():
     tokenizer = AutoTokenizer.from_pretrained(MODEL)
-    model = AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.bfloat16).cuda()
+    model = AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32).cuda()  # as grpo.py: fp32 + bf16 autocast
     free_start = torch.cuda.mem_get_info()[0]
     t0 = time.perf_counter()
     llm = vllm_utils.colocate_engine(MODEL, gpu_memory_utilization=0.3, max_model_len=512, enable_sleep_mode=True)
@@ -30,7 +30,7 @@ def test_colocate_sleep_wake_sync():
     torch.manual_seed(0)
     with torch.no_grad():
         for p in model.parameters():
-            p.add_(torch.randn_like(p) * p.float().std().to(p.dtype) * 0.1)
+            p.add_(torch.randn_like(p) * p.std() * 0.02)
     t0 = time.perf_counter()
     llm.wake_up(tags=["weights"])
     vllm_utils.colocate_load_weights(llm, list(vllm_utils.named_weights(model)))
