@@ -621,7 +621,8 @@ if __name__ == "__main__":
             completions = [[{"role": "assistant", "content": t}] for t in texts] if conversational else texts
             repeated = lambda values: [values[i] for i in rows for _ in range(args.num_generations)]  # noqa: E731
             reward_columns = {c: repeated(v) for c, v in columns.items()}
-            reward_columns.update(prompts=repeated([tokenizer.decode(p) for p in prompt_ids]), completion_ids=completion_ids,
+            prompt_texts = {i: tokenizer.decode(prompt_ids[i]) for i in rows}
+            reward_columns.update(prompts=repeated(prompt_texts), completion_ids=completion_ids,
                                   max_completion_length=args.max_completion_length, **args.reward_kwargs)
             scores = score_completions(reward_fns, completions, reward_columns)  # (len(rows) * G, num_funcs)
             all_scores.append(scores)
@@ -637,8 +638,11 @@ if __name__ == "__main__":
                 if sampling_logprobs is not None:
                     batch_sampling_lp += sampling_logprobs[group]
         if not batch_rows:
-            print(f"dynamic sampling found no group with differing rewards in {num_generation_rounds} rounds; skipping")
-            continue
+            raise RuntimeError(
+                f"dynamic sampling found no prompt whose {args.num_generations} completions got different rewards in "
+                f"{num_generation_rounds} rounds of {args.prompts_per_step} prompts: the rewards carry no signal for this "
+                f"model and data. Check the reward functions and the answer column, or raise --dynamic-sampling-max-rounds."
+            )
         keep = min(len(batch_rows), args.prompts_per_step) // args.steps_per_generation * args.steps_per_generation
         keep = keep or len(batch_rows)
         N = keep * args.num_generations

@@ -59,6 +59,6 @@ if [ "$PHASE" = tests ]; then  # the two GPU tests, then bench-0.5b without vLLM
   wait_server 8000
   GPU_RESULTS_DIR=$OUT VLLM_TEST_SERVER_URL=http://127.0.0.1:8000 timeout 120 python3 -m pytest -x -q tests/gpu/test_server.py 2>&1 | tee "$OUT/pytest_server.log"
   stop_servers
-  CUDA_VISIBLE_DEVICES=0 run bench_no_vllm 170 $BENCH --no-use-vllm
+  [ -n "${WITH_BENCH:-}" ] && CUDA_VISIBLE_DEVICES=0 run bench_no_vllm 170 $BENCH --no-use-vllm
 fi
 nvidia-smi --query-gpu=name,memory.total --format=csv > "$OUT/gpus.txt" 2>&1

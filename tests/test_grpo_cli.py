@@ -139,3 +139,13 @@ def test_error_reward_function_raises(tmp_path):
 def test_error_missing_dataset_file(tmp_path):
     err = failing(*SMALL, "--dataset-name", tmp_path / "nope.jsonl", "--output-dir", tmp_path / "run")
     assert "nope.jsonl does not exist" in err
+
+
+def test_error_dynamic_sampling_without_signal(tmp_path):
+    # a keyword that never appears: every group ties at 0, so dynamic sampling can never fill a step
+    data = write_jsonl(tmp_path / "never.jsonl", [{"prompt": p, "keyword": "zzzqqq"} for p in PROMPTS])
+    result = run_grpo(*SMALL, "--dataset-name", data, "--output-dir", tmp_path / "run", "--max-steps", 2,
+                      "--dynamic-sampling", "--dynamic-sampling-max-rounds", 2)
+    assert result.returncode != 0
+    assert "no prompt whose 4 completions got different rewards in 2 rounds" in result.stderr
+    assert "--dynamic-sampling-max-rounds" in result.stderr

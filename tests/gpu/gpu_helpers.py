@@ -5,6 +5,21 @@ import os
 import torch
 
 MODEL = os.environ.get("VLLM_TEST_MODEL", "/tmp/smol")
+# prompts of the addition task (benchmarks/make_tasks.py), sampled at temperature 1 as in training
+QUESTIONS = [f"What is {a} + {b}? Reply with only the number." for a, b in [(28, 13), (25, 29), (3, 17)]]
+
+
+def change_weights(model, tokenizer, lr=3e-4, steps=3):
+    """Change the weights the way training does (a few AdamW steps of supervised fine-tuning), so that stale weights
+    in vLLM would show while the model stays a sane language model."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    batch = tokenizer(["The answer is 42. I like numbers."] * 4, return_tensors="pt").to(model.device)
+    for _ in range(steps):
+        with torch.autocast("cuda", torch.bfloat16):
+            loss = model(**batch, labels=batch["input_ids"]).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
 
 
 def record(name, values):

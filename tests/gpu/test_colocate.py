@@ -3,7 +3,7 @@ samples from the trainer's (changed) weights: its log-probs match the trainer's 
 import time
 
 import torch
-from gpu_helpers import MODEL, mean_abs_diff, record, trainer_logprobs
+from gpu_helpers import MODEL, QUESTIONS, change_weights, mean_abs_diff, record, trainer_logprobs
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import vllm_utils
@@ -27,10 +27,7 @@ def test_colocate_sleep_wake_sync():
     assert freed > 0.8 * vllm_bytes, f"sleep freed {freed / 2**30:.1f} GiB of vLLM's {vllm_bytes / 2**30:.1f} GiB"
 
     # change the trainer's weights so that the engine's checkpoint weights would be visibly wrong
-    torch.manual_seed(0)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * p.std() * 0.02)
+    change_weights(model, tokenizer)
     t0 = time.perf_counter()
     llm.wake_up(tags=["weights"])
     vllm_utils.colocate_load_weights(llm, list(vllm_utils.named_weights(model)))
@@ -39,12 +36,12 @@ def test_colocate_sleep_wake_sync():
     wake_load_s = time.perf_counter() - t0
 
     prompts = [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True)
-               for q in ["What is 7 + 5?", "Name a colour.", "Write a haiku about rain."]]
+               for q in QUESTIONS]
     prompts = [list(p["input_ids"]) if hasattr(p, "keys") else list(p) for p in prompts]
-    fields = {"temperature": 0.9, "top_p": 1.0, "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0, "max_tokens": 32}
+    fields = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0, "max_tokens": 32}
     completion_ids, vllm_lp = vllm_utils.colocate_generate(llm, prompts, 4, fields)
     assert len(completion_ids) == 12 and all(len(c) == len(lp) for c, lp in zip(completion_ids, vllm_lp))
-    trainer_lp, mask = trainer_logprobs(model, [p for p in prompts for _ in range(4)], completion_ids, 0.9)
+    trainer_lp, mask = trainer_logprobs(model, [p for p in prompts for _ in range(4)], completion_ids, 1.0)
     mean_diff, max_diff = mean_abs_diff(trainer_lp, vllm_lp, mask)
     llm.sleep(level=2)
     record("colocate_sleep", {"model": MODEL, "startup_s": startup_s, "vllm_gib": vllm_bytes / 2**30,

@@ -8,7 +8,7 @@ import time
 
 import pytest
 import torch
-from gpu_helpers import MODEL, mean_abs_diff, record, trainer_logprobs
+from gpu_helpers import MODEL, QUESTIONS, change_weights, mean_abs_diff, record, trainer_logprobs
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import vllm_utils
@@ -48,25 +48,22 @@ def test_server_sync_matches_trainer(server):
     model = AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32).cuda()  # as grpo.py: fp32 + bf16 autocast
     group = vllm_utils.server_init_weight_sync(url, 51216)
 
-    torch.manual_seed(0)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * p.std() * 0.02)
+    change_weights(model, tokenizer)
     prompts = [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True)
-               for q in ["What is 7 + 5?", "Name a colour.", "Write a haiku about rain."]]
+               for q in QUESTIONS]
     prompts = [list(p["input_ids"]) if hasattr(p, "keys") else list(p) for p in prompts]
-    fields = {"temperature": 0.9, "top_p": 1.0, "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0, "max_tokens": 32}
+    fields = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0, "max_tokens": 32}
     repeated = [p for p in prompts for _ in range(4)]
 
     ids_before, lp_before = vllm_utils.server_generate(url, model_id, prompts, 4, fields)
-    trainer_before, mask_before = trainer_logprobs(model, repeated, ids_before, 0.9)
+    trainer_before, mask_before = trainer_logprobs(model, repeated, ids_before, 1.0)
     before, _ = mean_abs_diff(trainer_before, lp_before, mask_before)
     weights = list(vllm_utils.named_weights(model))
     t0 = time.perf_counter()
     vllm_utils.server_sync_weights(url, group, weights)
     sync_s = time.perf_counter() - t0
     ids_after, lp_after = vllm_utils.server_generate(url, model_id, prompts, 4, fields)
-    trainer_lp, mask = trainer_logprobs(model, repeated, ids_after, 0.9)
+    trainer_lp, mask = trainer_logprobs(model, repeated, ids_after, 1.0)
     after, max_after = mean_abs_diff(trainer_lp, lp_after, mask)
     record("server_sync", {"model": MODEL, "server_startup_s": startup_s, "sync_s": sync_s,
                            "synced_gb": sum(t.numel() * t.element_size() for _, t in weights) / 1e9,
