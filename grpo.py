@@ -705,7 +705,7 @@ if __name__ == "__main__":
                 for mb in token_budget_batches(step_rows, prompt_lengths, completion_lengths, args.micro_batch_tokens):
                     ids, attn, pos, cmask, P = collate([batch_prompts[i] for i in mb], [batch_completions[i] for i in mb], device, pad_id)
                     Cm = cmask.shape[1]
-                    local = [step_rows.index(i) for i in mb]
+                    local = [i - step_rows[0] for i in mb]  # step_rows is a contiguous range
                     with torch.autocast(**autocast):
                         logprobs, entropy = per_token_logprobs(model, ids, attn, pos, cmask, P, args.temperature, with_entropy=True)
                     old = old_logprobs[mb, :Cm].to(device) if need_old else logprobs.detach()
@@ -717,18 +717,18 @@ if __name__ == "__main__":
                     if ref_model is not None:
                         kl = k3_kl(logprobs, ref_logprobs[mb, :Cm].to(device))
                         per_token_loss = per_token_loss + args.beta * kl
-                        train_stats["kl"].append(((kl * cmask).sum() / cmask.sum()).item())
+                        train_stats["kl"].append(((kl * cmask).sum() / cmask.sum()).detach())
                     loss = (per_token_loss * weights_all[local, :Cm].to(device)).sum()
                     loss.backward()
-                    step_loss += loss.item()
+                    step_loss += loss.detach()  # summed on the device: no host sync per micro-batch
                     # metrics (TRL's definitions): clipped low with A < 0, high with A > 0, token means
                     n_tokens = cmask.sum().clamp(min=1)
                     low = ((ratio < 1 - args.epsilon) & (A[:, None] < 0)).float()
                     high = ((ratio > 1 + epsilon_high) & (A[:, None] > 0)).float()
-                    train_stats["entropy"].append(((entropy * cmask).sum() / n_tokens).item())
-                    train_stats["clip_ratio/low_mean"].append(((low * cmask).sum() / n_tokens).item())
-                    train_stats["clip_ratio/high_mean"].append(((high * cmask).sum() / n_tokens).item())
-                    train_stats["clip_ratio/region_mean"].append((((low + high).clamp(max=1) * cmask).sum() / n_tokens).item())
+                    train_stats["entropy"].append(((entropy * cmask).sum() / n_tokens).detach())
+                    train_stats["clip_ratio/low_mean"].append(((low * cmask).sum() / n_tokens))
+                    train_stats["clip_ratio/high_mean"].append(((high * cmask).sum() / n_tokens))
+                    train_stats["clip_ratio/region_mean"].append((((low + high).clamp(max=1) * cmask).sum() / n_tokens))
                 grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
                 optimizer.step()
                 scheduler.step()
@@ -751,14 +751,14 @@ if __name__ == "__main__":
             "frac_reward_zero_std": (grouped.std(1) < 1e-6).float().mean().item(),
             "completions/mean_length": float(np.mean(completion_lengths)), "completions/min_length": min(completion_lengths),
             "completions/max_length": max(completion_lengths), "completions/clipped_ratio": truncated.float().mean().item(),
-            "grad_norm": grad_norm.item(), "learning_rate": scheduler.get_last_lr()[0], "loss": step_loss,
+            "grad_norm": grad_norm.item(), "learning_rate": scheduler.get_last_lr()[0], "loss": step_loss.item(),
             "num_tokens": sum(prompt_lengths) + sum(completion_lengths), "timing/generation": generation_time,
             "timing/weight_sync": sync_time, "step_time": time.perf_counter() - round_start,
         })
         for k, fn in enumerate(reward_fns):
             metrics[f"rewards/{fn.__name__}/mean"] = scores[:, k].nanmean().item()
             metrics[f"rewards/{fn.__name__}/std"] = scores[:, k][~scores[:, k].isnan()].std().item() if (~scores[:, k].isnan()).sum() > 1 else 0.0
-        metrics.update({k: float(np.mean(v)) for k, v in train_stats.items() if v})
+        metrics.update({k: torch.stack(v).mean().item() for k, v in train_stats.items() if v})
         if args.dynamic_sampling:
             metrics["dynamic_sampling/generation_rounds"] = num_generation_rounds
             metrics["dynamic_sampling/kept_groups"] = keep
