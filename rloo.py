@@ -1,0 +1,729 @@
+# REINFORCE Leave-One-Out (RLOO) in one file. Docs: README.md, section "rloo.py".
+"""REINFORCE Leave-One-Out for language models, with vLLM or Hugging Face `generate` for sampling.
+
+Ahmadian et al. 2024, "Back to Basics: Revisiting REINFORCE Style Optimization for Learning from Human Feedback in
+LLMs" (arXiv 2402.14740): sample k completions per prompt and use, as each completion's baseline, the mean reward of
+the other k - 1. The whole completion is one action: sequence-level log-probabilities, the KL penalty to the frozen
+reference model folded into the reward (k1, as in the paper; --no-kl-in-reward puts a k3 KL in the loss instead), and a
+PPO-style clipped sequence ratio when a batch is reused (--num-iterations > 1).
+
+Examples:
+  # CPU, about 20 seconds, bundled 260K-parameter model learns to say "play"
+  python rloo.py --model-name-or-path tests/assets/stories260K --dataset-name tests/assets/stories_prompts.jsonl \
+      --prompt-column prompt --answer-column "" --reward-funcs keyword_reward --no-use-chat-template \
+      --num-generations 4 --beta 0 --learning-rate 3e-3 --max-completion-length 24 --max-steps 30 --no-bf16 \
+      --output-dir runs/rloo-quickstart
+  # one GPU, vLLM inside the training process
+  python rloo.py --use-vllm --vllm-mode colocate --vllm-enable-sleep-mode
+  # trainer on GPU 0, a stock vLLM server on GPU 1 (README.md, "Using vLLM")
+  python rloo.py --use-vllm --vllm-mode server
+"""
+import json
+import os
+import random
+import shutil
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Literal
+
+import numpy as np
+import torch
+import tyro
+from torch.utils.checkpoint import checkpoint
+from tqdm import tqdm
+
+import rewards
+
+
+@dataclass
+class Args:
+    # Experiment
+    exp_name: str = "rloo"
+    """name of this experiment (used in the run name)"""
+    seed: int = 1
+    """seed of the experiment: prompt order, sampling and initialisation"""
+    track: bool = False
+    """log metrics to Weights & Biases"""
+    wandb_project_name: str = "vllm-rl"
+    """the wandb project name"""
+    wandb_entity: str | None = None
+    """the wandb entity (team)"""
+    output_dir: str = "runs/rloo"
+    """where checkpoints, metrics.jsonl and the final model + tokenizer are written"""
+
+    # Model
+    model_name_or_path: str = "Qwen/Qwen2.5-0.5B-Instruct"
+    """Hugging Face causal LM: a hub name or a local path"""
+    param_dtype: Literal["float32", "bfloat16"] = "float32"
+    """dtype of the trained weights (float32 keeps small AdamW updates from rounding away; see --bf16)"""
+    bf16: bool = True
+    """run forward/backward under bfloat16 autocast on CUDA (ignored on the CPU)"""
+    gradient_checkpointing: bool = False
+    """recompute activations in the backward pass to save memory"""
+    use_chat_template: bool = True
+    """wrap plain-text prompts as a user message and apply the tokenizer's chat template (if it has one)"""
+    system_prompt: str | None = None
+    """optional system message put before every prompt"""
+
+    # Data
+    dataset_name: str = "openai/gsm8k"
+    """hub dataset name, or a local .json / .jsonl / .parquet file"""
+    dataset_config: str | None = "main"
+    """dataset configuration name (hub datasets only)"""
+    dataset_split: str = "train"
+    """split to train on"""
+    prompt_column: str = "question"
+    """column holding the prompt: a string, or a list of chat messages"""
+    answer_column: str = "answer"
+    """column holding the reference answer, passed to rewards as `answer` ("" if there is none)"""
+    max_prompt_length: int | None = None
+    """drop prompts with more tokens than this (default: keep all; an over-long prompt is an error)"""
+
+    # Generation
+    num_generations: int = 2
+    """k: completions sampled per prompt (each one's baseline is the mean reward of the other k - 1)"""
+    prompts_per_step: int = 16
+    """unique prompts per generation round (the round is num_prompts x G completions)"""
+    max_completion_length: int = 512
+    """maximum new tokens per completion"""
+    temperature: float = 1.0
+    """sampling temperature (training log-probs are computed at the same temperature)"""
+    top_p: float = 1.0
+    """nucleus sampling"""
+    top_k: int = 0
+    """top-k sampling (0 = off)"""
+    min_p: float = 0.0
+    """min-p sampling (0 = off)"""
+    repetition_penalty: float = 1.0
+    """repetition penalty (1 = off)"""
+
+    # vLLM (README.md, "Using vLLM")
+    use_vllm: bool = False
+    """generate with vLLM instead of Hugging Face `generate`"""
+    vllm_mode: Literal["colocate", "server"] = "colocate"
+    """colocate: a vllm.LLM inside this process; server: a separate `vllm serve` reached over HTTP + NCCL"""
+    vllm_gpu_memory_utilization: float = 0.3
+    """colocate: share of the GPU's memory vLLM may take (weights + KV cache)"""
+    vllm_tensor_parallel_size: int = 1
+    """colocate: tensor-parallel size of the in-process engine"""
+    vllm_max_model_len: int | None = None
+    """colocate: context length of the engine (default: longest prompt + max_completion_length)"""
+    vllm_enable_sleep_mode: bool = False
+    """colocate: free vLLM's memory (sleep level 2) while training"""
+    vllm_server_host: str = "127.0.0.1"
+    """server: host of `vllm serve`"""
+    vllm_server_port: int = 8000
+    """server: port of `vllm serve`"""
+    vllm_server_timeout: float = 240.0
+    """server: seconds to wait for the server to answer /health"""
+    vllm_group_port: int = 51216
+    """server: TCP port the trainer opens for the NCCL weight-sync rendezvous"""
+    vllm_importance_sampling_correction: bool = True
+    """correct the vLLM/trainer log-prob mismatch with a truncated or masked importance ratio"""
+    vllm_importance_sampling_mode: Literal["sequence_truncate", "sequence_mask"] = "sequence_mask"
+    """kind of the per-sequence correction (RLOO's loss is per sequence): clamp, or zero outside the bounds"""
+    vllm_importance_sampling_clip_min: float | None = None
+    """lower bound of the importance ratio (None = unbounded)"""
+    vllm_importance_sampling_clip_max: float | None = 3.0
+    """upper bound of the importance ratio"""
+
+    # Rewards and advantages
+    reward_funcs: list[str] = field(default_factory=lambda: ["gsm8k_accuracy"])
+    """names of functions in rewards.py; their weighted sum is the reward"""
+    reward_weights: list[float] | None = None
+    """one weight per reward function (default: all 1)"""
+    reward_kwargs: dict[str, float] = field(default_factory=dict)
+    """extra keyword arguments for every reward function, e.g. overlong_buffer_length 128"""
+    reward_clip_range: tuple[float, float] | None = None
+    """clamp the summed reward to [low, high] before the KL penalty and the baseline"""
+    normalize_advantages: bool = False
+    """whiten the advantages over the whole batch (subtract the mean, divide by std + 1e-4)"""
+
+    # Loss
+    beta: float = 0.05
+    """weight of the KL penalty to the frozen reference model (0 = no reference model)"""
+    kl_in_reward: bool = True
+    """subtract beta * KL (k1, summed over the completion) from the reward, as in the paper; else add beta * k3 KL
+    summed over the completion to the loss"""
+    epsilon: float = 0.2
+    """lower clipping range of the sequence ratio (matters when --num-iterations > 1)"""
+    epsilon_high: float | None = None
+    """upper clipping range (default: epsilon)"""
+    num_iterations: int = 1
+    """optimisation passes over each generated batch (old log-probs are stored for the clipped ratio)"""
+    steps_per_generation: int = 1
+    """optimizer steps per generated batch (the batch is split into this many mini-batches of whole groups)"""
+    mask_truncated_completions: bool = False
+    """exclude completions that hit max_completion_length from the loss (they still count in the baselines)"""
+
+    # Optimization
+    learning_rate: float = 1e-6
+    """AdamW learning rate"""
+    weight_decay: float = 0.0
+    """AdamW weight decay"""
+    adam_beta1: float = 0.9
+    """AdamW beta1"""
+    adam_beta2: float = 0.999
+    """AdamW beta2"""
+    lr_scheduler_type: Literal["constant", "linear", "cosine"] = "linear"
+    """learning-rate schedule after warmup"""
+    warmup_steps: int = 0
+    """linear warmup optimizer steps"""
+    max_grad_norm: float = 1.0
+    """gradient clipping norm"""
+    max_steps: int = 200
+    """total optimizer steps"""
+    micro_batch_tokens: int = 16384
+    """token budget (rows x padded length) of one forward/backward micro-batch; gradients accumulate over them"""
+
+    # Logging and checkpoints
+    logging_steps: int = 1
+    """print a metrics line every this many optimizer steps"""
+    save_steps: int = 0
+    """write a resumable checkpoint every this many optimizer steps (0 = only the final model)"""
+    save_total_limit: int | None = 2
+    """keep only the newest this many checkpoints"""
+    resume_from_checkpoint: str | None = None
+    """a checkpoint directory, or "latest" for the newest one in output_dir"""
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Data
+
+
+def load_prompts(args, tokenizer, max_context):
+    """Load the dataset and return (prompt_ids, columns, is_conversational): token ids per row, and the other columns
+    (answer column renamed to `answer`) that reward functions receive by name."""
+    from datasets import load_dataset
+
+    name = args.dataset_name
+    if name.endswith((".json", ".jsonl", ".parquet")):
+        if not os.path.exists(name):
+            raise FileNotFoundError(f"dataset file {name} does not exist")
+        dataset = load_dataset("parquet" if name.endswith(".parquet") else "json", data_files=name, split="train")
+    else:
+        dataset = load_dataset(name, args.dataset_config, split=args.dataset_split)
+    for option, column in (("--prompt-column", args.prompt_column), ("--answer-column", args.answer_column)):
+        if column and column not in dataset.column_names:
+            raise ValueError(
+                f"dataset {name} has no column '{column}' (its columns: {dataset.column_names}). "
+                f"Pass {option} with one of those" + (', or --answer-column "" if it has none.' if "answer" in option else ".")
+            )
+    prompts = dataset[args.prompt_column]
+    conversational = isinstance(prompts[0], list)
+    use_template = conversational or (args.use_chat_template and tokenizer.chat_template is not None)
+    prompt_ids = []
+    for prompt in prompts:
+        if use_template:
+            messages = prompt if conversational else [{"role": "user", "content": prompt}]
+            if args.system_prompt:
+                messages = [{"role": "system", "content": args.system_prompt}] + messages
+            ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+        else:
+            text = f"{args.system_prompt}\n\n{prompt}" if args.system_prompt else prompt
+            ids = tokenizer(text)["input_ids"]
+        prompt_ids.append(list(ids))
+    columns = {c: dataset[c] for c in dataset.column_names if c != args.prompt_column}
+    if args.answer_column and args.answer_column != "answer":
+        columns["answer"] = columns.pop(args.answer_column)
+
+    keep = list(range(len(prompt_ids)))
+    if args.max_prompt_length is not None:
+        keep = [i for i in keep if len(prompt_ids[i]) <= args.max_prompt_length]
+        print(f"--max-prompt-length {args.max_prompt_length}: kept {len(keep)} of {len(prompt_ids)} prompts")
+        if not keep:
+            raise ValueError(f"no prompt is at most {args.max_prompt_length} tokens long; raise --max-prompt-length")
+    longest = max(keep, key=lambda i: len(prompt_ids[i]))
+    if len(prompt_ids[longest]) + args.max_completion_length > max_context:
+        raise ValueError(
+            f"prompt {longest} has {len(prompt_ids[longest])} tokens, and with --max-completion-length "
+            f"{args.max_completion_length} it exceeds the model's context of {max_context} tokens. Pass "
+            f"--max-prompt-length {max_context - args.max_completion_length} to drop such prompts, or lower "
+            f"--max-completion-length."
+        )
+    return [prompt_ids[i] for i in keep], {c: [v[i] for i in keep] for c, v in columns.items()}, use_template
+
+
+def prompt_stream(num_prompts, seed, start=0):
+    """Yield prompt indices forever: a new seeded permutation each epoch. `start` skips that many (for resuming)."""
+    epoch = 0
+    while True:
+        order = torch.randperm(num_prompts, generator=torch.Generator().manual_seed(seed + epoch)).tolist()
+        for index in order:
+            if start > 0:
+                start -= 1
+                continue
+            yield index
+        epoch += 1
+
+
+def score_completions(reward_fns, completions, columns):
+    """Call each reward function; returns rewards (num_completions, num_funcs) with NaN where a function gave None."""
+    scores = torch.full((len(completions), len(reward_fns)), float("nan"))
+    for k, fn in enumerate(reward_fns):
+        try:
+            values = fn(completions=completions, **columns)
+        except Exception as error:
+            raise RuntimeError(
+                f"reward function '{fn.__name__}' raised {type(error).__name__}: {error}. It receives completions and "
+                f"the keyword columns {sorted(columns)}; fix the function or the dataset columns it reads."
+            ) from error
+        if len(values) != len(completions):
+            raise ValueError(f"reward function '{fn.__name__}' returned {len(values)} values for {len(completions)} completions")
+        scores[:, k] = torch.tensor([float("nan") if v is None else float(v) for v in values])
+    return scores
+
+# ------------------------------------------------------------------------------------------------------------------
+# Rewards and advantages
+
+
+def rloo_advantages(rewards, k):
+    """A_i = R_i - mean_{j != i} R_j: each completion's baseline is the mean reward of the other k - 1 completions of
+    its prompt (arXiv 2402.14740, sec. 3.3). rewards: (N,) with N = num_prompts * k, groups contiguous. NaN marks an
+    unscorable completion: it is left out of the others' baselines and gets advantage 0, as does a completion with
+    no scorable sibling."""
+    grouped = rewards.view(-1, k)  # (num_prompts, k)
+    valid = ~grouped.isnan()
+    total = torch.where(valid, grouped, 0).sum(1, keepdim=True)
+    others = valid.sum(1, keepdim=True) - 1  # scorable siblings of a scorable completion
+    baseline = (total - grouped) / others.clamp(min=1)
+    advantages = torch.where(valid & (others > 0), grouped - baseline, torch.zeros_like(grouped))
+    return advantages.view(-1)
+
+
+def kl_penalised_rewards(rewards, old_logprobs, ref_logprobs, completion_mask, beta):
+    """R - beta * KL with the sequence KL estimated by k1 = sum_t (log pi_old - log pi_ref) over the sampled tokens
+    (arXiv 2402.14740, eq. 1): the penalty is part of the reward, so the baseline also subtracts it. Returns the
+    penalised rewards (N,) and the per-token k1 (N, C)."""
+    token_kl = (old_logprobs - ref_logprobs) * completion_mask
+    return rewards - beta * token_kl.sum(-1), token_kl
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Log-probabilities and losses
+
+
+def collate(prompt_ids, completion_ids, device, pad_id):
+    """Left-pad prompts and right-pad completions into one (B, P + C) batch.
+
+    Returns input_ids, attention_mask, position_ids (B, P + C), completion_mask (B, C) and P."""
+    P = max(len(p) for p in prompt_ids)
+    C = max(max(len(c) for c in completion_ids), 1)
+    input_ids = torch.full((len(prompt_ids), P + C), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros_like(input_ids)
+    for i, (p, c) in enumerate(zip(prompt_ids, completion_ids)):
+        input_ids[i, P - len(p) : P + len(c)] = torch.tensor(p + c)
+        attention_mask[i, P - len(p) : P + len(c)] = 1
+    # positions count from each prompt's first real token, as in generation
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    completion_mask = attention_mask[:, P:].float()
+    return input_ids.to(device), attention_mask.to(device), position_ids.to(device), completion_mask.to(device), P
+
+
+def _token_logprobs(hidden, targets, lm_head, temperature):
+    # hidden: (n, H) -> logits (n, V) in float32 for this chunk only
+    logits = lm_head(hidden).float() / temperature
+    return logits.log_softmax(-1).gather(-1, targets[:, None]).squeeze(-1)
+
+
+def per_token_logprobs(model, input_ids, attention_mask, position_ids, completion_mask, prompt_length,
+                       temperature=1.0, chunk_tokens=1024, with_entropy=False):
+    """log pi(token) of each completion token at the sampling temperature, (B, C), 0 on padding.
+
+    The fp32 logits of a 150k vocabulary would be the memory peak, so they never exist for the whole batch: the LM
+    head runs on chunks of `chunk_tokens` completion tokens, each under activation checkpointing, so the backward pass
+    recomputes one chunk at a time too."""
+    hidden = model.base_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                              use_cache=False).last_hidden_state
+    hidden = hidden[:, prompt_length - 1 : -1]  # (B, C, H): position t predicts completion token t
+    targets = input_ids[:, prompt_length:]
+    mask = completion_mask.bool()
+    hidden, targets = hidden[mask], targets[mask]  # (n_tokens, H), (n_tokens,)
+    lm_head = model.get_output_embeddings()
+    pieces, entropies = [], []
+    for start in range(0, targets.numel(), chunk_tokens):
+        h, t = hidden[start : start + chunk_tokens], targets[start : start + chunk_tokens]
+        if torch.is_grad_enabled():
+            pieces.append(checkpoint(_token_logprobs, h, t, lm_head, temperature, use_reentrant=False))
+        else:
+            pieces.append(_token_logprobs(h, t, lm_head, temperature))
+        if with_entropy:
+            with torch.no_grad():
+                logits = lm_head(h).float() / temperature
+                entropies.append(logits.logsumexp(-1) - (logits.softmax(-1) * logits).sum(-1))
+    logprobs = torch.zeros(mask.shape, device=input_ids.device)
+    logprobs = logprobs.masked_scatter(mask, torch.cat(pieces)) if pieces else logprobs
+    if not with_entropy:
+        return logprobs
+    entropy = torch.zeros(mask.shape, device=input_ids.device)
+    return logprobs, entropy.masked_scatter(mask, torch.cat(entropies)) if entropies else entropy
+
+
+def sequence_policy_loss(logprobs, old_logprobs, advantages, completion_mask, epsilon_low=0.2, epsilon_high=0.2):
+    """Per-sequence REINFORCE loss with a PPO-style clipped ratio, (B,):
+    rho = exp(sum_t log pi(o_t) - sum_t log pi_old(o_t)),  loss = -min(rho * A, clip(rho, 1 - eps_low, 1 + eps_high) * A).
+    With old = sg(current) (one pass per batch) rho = 1 and the gradient is the plain REINFORCE -A * grad log pi(o).
+    Returns the loss and rho (for clip metrics)."""
+    log_ratio = ((logprobs - old_logprobs) * completion_mask).sum(-1)  # (B,)
+    ratio = torch.exp(log_ratio)
+    clipped = torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high)
+    return -torch.min(ratio * advantages, clipped * advantages), ratio
+
+
+def k3_kl(logprobs, ref_logprobs):
+    """Per-token KL(pi || pi_ref) estimate k3 = exp(ref - logp) - (ref - logp) - 1 >= 0 (Schulman 2020;
+    DeepSeekMath eq. 4)."""
+    diff = ref_logprobs - logprobs
+    return torch.exp(diff) - diff - 1
+
+
+def vllm_importance_ratio(old_logprobs, sampling_logprobs, completion_mask, mode="sequence_mask", clip_min=None,
+                          clip_max=3.0):
+    """Importance weight pi_trainer / pi_vllm that corrects for vLLM sampling from slightly different numerics
+    (truncated IS, "Your efficient RL framework secretly brings you off-policy RL training", Yao et al. 2025).
+
+    token_*: one ratio per token; sequence_*: exp(sum_t log ratio_t), one per completion (the product of token
+    ratios). *_truncate clamps to [clip_min, clip_max]; *_mask sets ratios outside the bounds to 0. NaN log-probs
+    (vLLM gave none) count as ratio 1. Returns (B, C) weights (no gradient) and |log ratio| per token."""
+    diff = torch.nan_to_num((old_logprobs - sampling_logprobs) * completion_mask, nan=0.0)
+    log_ratio = diff.sum(-1, keepdim=True) if mode.startswith("sequence") else diff
+    ratio = torch.exp(log_ratio)
+    low = clip_min if clip_min is not None else 0.0
+    high = clip_max if clip_max is not None else float("inf")
+    if mode.endswith("truncate"):
+        ratio = ratio.clamp(min=low, max=high)
+    else:
+        ratio = torch.where((ratio >= low) & (ratio <= high), ratio, torch.zeros_like(ratio))
+    return ratio.expand_as(old_logprobs).detach(), diff.abs()
+
+
+def token_budget_batches(rows, prompt_lengths, completion_lengths, budget):
+    """Split `rows` into micro-batches whose padded size (rows x (max prompt + max completion)) fits `budget`.
+    Rows are sorted by length so that similar lengths share a micro-batch (less padding)."""
+    order = sorted(rows, key=lambda i: prompt_lengths[i] + completion_lengths[i])
+    batches, current, max_p, max_c = [], [], 0, 0
+    for i in order:
+        p, c = max(max_p, prompt_lengths[i]), max(max_c, completion_lengths[i])
+        if current and (len(current) + 1) * (p + c) > budget:
+            batches.append(current)
+            current, p, c = [], prompt_lengths[i], completion_lengths[i]
+        current.append(i)
+        max_p, max_c = p, c
+    return batches + [current] if current else batches
+
+# ------------------------------------------------------------------------------------------------------------------
+# Generation with Hugging Face `generate` (the vLLM paths live in vllm_utils.py)
+
+
+@torch.no_grad()
+def hf_generate(model, prompt_ids, args, eos_ids, pad_id):
+    """Sample num_generations completions per prompt; returns completion token ids (prompt-major), each cut after
+    its first EOS (the EOS is kept as the last token)."""
+    from transformers import GenerationConfig
+
+    repeated = [p for p in prompt_ids for _ in range(args.num_generations)]
+    P = max(len(p) for p in repeated)
+    input_ids = torch.full((len(repeated), P), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros_like(input_ids)
+    for i, p in enumerate(repeated):
+        input_ids[i, P - len(p) :] = torch.tensor(p)
+        attention_mask[i, P - len(p) :] = 1
+    config = GenerationConfig(
+        do_sample=True, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+        min_p=args.min_p or None, repetition_penalty=args.repetition_penalty, max_new_tokens=args.max_completion_length,
+        eos_token_id=eos_ids, pad_token_id=pad_id, use_cache=True,
+    )
+    model.eval()
+    with torch.autocast(model.device.type, torch.bfloat16, enabled=args.bf16 and model.device.type == "cuda"):
+        out = model.generate(input_ids=input_ids.to(model.device), attention_mask=attention_mask.to(model.device),
+                             generation_config=config)
+    completions = []
+    for row in out[:, P:].tolist():
+        end = next((t + 1 for t, token in enumerate(row) if token in eos_ids), len(row))
+        completions.append(row[:end])
+    return completions, None
+
+# ------------------------------------------------------------------------------------------------------------------
+# Checkpoints
+
+
+def save_atomically(path, write):
+    """Run write(tmp_dir) then rename tmp_dir to `path`: a crash never leaves a half-written `path`."""
+    tmp = f"{path}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    write(tmp)
+    if os.path.isdir(path):
+        old = f"{path}.old-{os.getpid()}"
+        os.replace(path, old)
+        os.replace(tmp, path)
+        shutil.rmtree(old)
+    else:
+        os.replace(tmp, path)
+
+
+def save_final(output_dir, model, tokenizer):
+    """save_pretrained into output_dir itself, next to checkpoints and metrics: the files are written to a temporary
+    folder, then each is moved in with an atomic rename, config.json last, so a config.json means a complete model."""
+    tmp = os.path.join(output_dir, f".final-tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    for name in sorted(os.listdir(tmp), key=lambda n: n == "config.json"):
+        os.replace(os.path.join(tmp, name), os.path.join(output_dir, name))
+    os.rmdir(tmp)
+
+
+def find_checkpoint(output_dir, name):
+    """Resolve --resume-from-checkpoint: a directory, or "latest" = the highest checkpoint-N in output_dir."""
+    if name != "latest":
+        return name
+    steps = [int(d.split("-")[1]) for d in os.listdir(output_dir) if d.startswith("checkpoint-") and d.split("-")[1].isdigit()] if os.path.isdir(output_dir) else []
+    if not steps:
+        raise FileNotFoundError(f"--resume-from-checkpoint latest: no checkpoint-N directory in {output_dir}")
+    return os.path.join(output_dir, f"checkpoint-{max(steps)}")
+
+
+if __name__ == "__main__":
+    args = tyro.cli(Args)
+    epsilon_high = args.epsilon_high if args.epsilon_high is not None else args.epsilon
+    if args.num_generations < 2:
+        raise ValueError("--num-generations must be at least 2: the leave-one-out baseline needs another completion")
+    if args.prompts_per_step % args.steps_per_generation:
+        raise ValueError("--prompts-per-step must be divisible by --steps-per-generation (whole groups per step)")
+    run_name = f"{args.exp_name}__{args.seed}__{int(time.time())}"
+    os.makedirs(args.output_dir, exist_ok=True)
+
+    # TRY NOT TO MODIFY: seeding
+    random.seed(args.seed)
+    np.random.seed(args.seed)
+    torch.manual_seed(args.seed)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    autocast = dict(device_type=device.type, dtype=torch.bfloat16, enabled=args.bf16 and device.type == "cuda")
+
+    # Model, tokenizer, reference model
+    from transformers import AutoModelForCausalLM, AutoTokenizer, get_scheduler
+
+    checkpoint_dir = find_checkpoint(args.output_dir, args.resume_from_checkpoint) if args.resume_from_checkpoint else None
+    model_path = checkpoint_dir or args.model_name_or_path
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, args.param_dtype)).to(device)
+    for module in model.modules():  # dropout would make two passes over the same tokens disagree (ratio != 1)
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+    if args.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    ref_model = None
+    if args.beta > 0:  # the reference is the starting model, also when resuming
+        ref_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        ref_model = AutoModelForCausalLM.from_pretrained(args.model_name_or_path, dtype=ref_dtype).to(device).eval()
+        ref_model.requires_grad_(False)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    eos_ids = model.generation_config.eos_token_id
+    eos_ids = sorted((set(eos_ids if isinstance(eos_ids, list) else [eos_ids]) | {tokenizer.eos_token_id}) - {None})
+
+    # Data and rewards
+    max_context = getattr(model.config, "max_position_embeddings", None) or 10**9
+    prompt_ids, columns, conversational = load_prompts(args, tokenizer, max_context)
+    reward_fns = []
+    for name in args.reward_funcs:
+        if name.startswith("_") or not callable(getattr(rewards, name, None)):
+            public = [n for n in dir(rewards) if not n.startswith("_") and callable(getattr(rewards, n)) and getattr(rewards, n).__module__ == "rewards"]
+            raise ValueError(f"unknown reward function '{name}'. --reward-funcs takes names from rewards.py: {public}")
+        reward_fns.append(getattr(rewards, name))
+    reward_weights = torch.tensor(args.reward_weights or [1.0] * len(reward_fns))
+    if len(reward_weights) != len(reward_fns):
+        raise ValueError(f"--reward-weights has {len(reward_weights)} values for {len(reward_fns)} --reward-funcs")
+
+    # Optimizer and schedule
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2),
+                                  weight_decay=args.weight_decay)
+    scheduler = get_scheduler(args.lr_scheduler_type, optimizer, args.warmup_steps, args.max_steps)
+    global_step, prompts_consumed = 0, 0
+    if checkpoint_dir:
+        state = torch.load(os.path.join(checkpoint_dir, "trainer_state.pt"), weights_only=False)
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        global_step, prompts_consumed = state["global_step"], state["prompts_consumed"]
+        torch.set_rng_state(state["torch_rng"])
+        print(f"resumed from {checkpoint_dir} at step {global_step}")
+    prompts = prompt_stream(len(prompt_ids), args.seed, start=prompts_consumed)
+
+    # Generator: Hugging Face generate, or vLLM (colocated engine or a `vllm serve` server)
+    if args.use_vllm:
+        import vllm_utils
+
+        engine = vllm_utils.start(args, model_path, max(len(p) for p in prompt_ids))
+        generate = lambda batch_prompt_ids: vllm_utils.generate(engine, batch_prompt_ids, args)  # noqa: E731
+    else:
+        generate = lambda batch_prompt_ids: hf_generate(model, batch_prompt_ids, args, eos_ids, pad_id)  # noqa: E731
+
+    if args.track:
+        import wandb
+
+        wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, name=run_name, config=asdict(args))
+    metrics_file = open(os.path.join(args.output_dir, "metrics.jsonl"), "a")
+    progress = tqdm(total=args.max_steps, initial=global_step, desc="rloo", dynamic_ncols=True)
+    G = args.num_generations
+
+    while global_step < args.max_steps:
+        round_start = time.perf_counter()
+        metrics = {}
+        # ALGO LOGIC: 1. sample prompts and generate k completions each
+        rows = [next(prompts) for _ in range(args.prompts_per_step)]
+        prompts_consumed += len(rows)
+        t0 = time.perf_counter()
+        completion_ids, sampling_logprobs = generate([prompt_ids[i] for i in rows])
+        generation_time = time.perf_counter() - t0
+        batch_prompts = [prompt_ids[i] for i in rows for _ in range(G)]
+        N = len(batch_prompts)
+
+        # 2. score: reward functions see the decoded completions and this row's dataset columns by name
+        texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+        completions = [[{"role": "assistant", "content": t}] for t in texts] if conversational else texts
+        repeated = lambda values: [values[i] for i in rows for _ in range(G)]  # noqa: E731
+        reward_columns = {c: repeated(v) for c, v in columns.items()}
+        prompt_texts = {i: tokenizer.decode(prompt_ids[i]) for i in rows}
+        reward_columns.update(prompts=repeated(prompt_texts), completion_ids=completion_ids,
+                              max_completion_length=args.max_completion_length, **args.reward_kwargs)
+        scores = score_completions(reward_fns, completions, reward_columns)  # (N, num_funcs)
+        rewards_total = (scores * reward_weights).nansum(-1).masked_fill(scores.isnan().all(-1), float("nan"))  # (N,)
+        if args.reward_clip_range is not None:
+            rewards_total = rewards_total.clamp(*args.reward_clip_range)
+
+        # 3. old and reference log-probs, before any update (no gradient)
+        prompt_lengths = [len(p) for p in batch_prompts]
+        completion_lengths = [len(c) for c in completion_ids]
+        truncated = torch.tensor([not (c and c[-1] in eos_ids) for c in completion_ids])
+        C = max(max(completion_lengths), 1)
+        completion_mask_all = (torch.arange(C)[None] < torch.tensor(completion_lengths)[:, None]).float()  # (N, C)
+        use_vllm_is = args.use_vllm and args.vllm_importance_sampling_correction and sampling_logprobs is not None
+        need_old = args.num_iterations > 1 or args.steps_per_generation > 1 or use_vllm_is or ref_model is not None
+        old_logprobs = torch.zeros(N, C) if need_old else None
+        ref_logprobs = torch.zeros(N, C) if ref_model is not None else None
+        if need_old:
+            model.eval()
+            with torch.no_grad(), torch.autocast(**autocast):
+                for mb in token_budget_batches(range(N), prompt_lengths, completion_lengths, args.micro_batch_tokens):
+                    ids, attn, pos, cmask, P = collate([batch_prompts[i] for i in mb], [completion_ids[i] for i in mb], device, pad_id)
+                    old_logprobs[mb, : cmask.shape[1]] = per_token_logprobs(model, ids, attn, pos, cmask, P, args.temperature).cpu()
+                    if ref_model is not None:
+                        ref_logprobs[mb, : cmask.shape[1]] = per_token_logprobs(ref_model, ids, attn, pos, cmask, P, args.temperature).cpu()
+
+        # 4. KL in the reward, then the leave-one-out advantages
+        if ref_model is not None:
+            token_kl = (old_logprobs - ref_logprobs) * completion_mask_all  # k1 per token, for the metric
+            metrics["kl"] = (token_kl.sum() / completion_mask_all.sum()).item()
+            if args.kl_in_reward:
+                rewards_total, _ = kl_penalised_rewards(rewards_total, old_logprobs, ref_logprobs, completion_mask_all, args.beta)
+        advantages = rloo_advantages(rewards_total, G)
+        if args.normalize_advantages:
+            advantages = (advantages - advantages.mean()) / (advantages.std() + 1e-4)
+        is_ratio = None
+        if use_vllm_is:
+            sampling_lp = torch.zeros(N, C)
+            for i, lp in enumerate(sampling_logprobs):
+                sampling_lp[i, : len(lp)] = torch.tensor([float("nan") if v is None else v for v in lp])
+            is_ratio, logp_diff = vllm_importance_ratio(old_logprobs, sampling_lp, completion_mask_all,
+                                                        args.vllm_importance_sampling_mode,
+                                                        args.vllm_importance_sampling_clip_min,
+                                                        args.vllm_importance_sampling_clip_max)
+            is_ratio = is_ratio[:, 0]  # (N,): one ratio per sequence
+            valid = completion_mask_all.bool()
+            metrics["sampling/sampling_logp_difference/mean"] = logp_diff[valid].mean().item()
+            metrics["sampling/sampling_logp_difference/max"] = logp_diff[valid].max().item()
+            metrics["sampling/importance_sampling_ratio/min"] = is_ratio.min().item()
+            metrics["sampling/importance_sampling_ratio/mean"] = is_ratio.mean().item()
+            metrics["sampling/importance_sampling_ratio/max"] = is_ratio.max().item()
+
+        # 5. optimise: num_iterations passes; each pass is steps_per_generation optimizer steps over whole groups.
+        # The loss is the mean over the step's sequences, so each sequence weighs 1 / rows_per_step (0 if masked).
+        model.train()
+        train_stats = {"entropy": [], "clip_ratio/low_mean": [], "clip_ratio/high_mean": [], "clip_ratio/region_mean": []}
+        rows_per_step = N // args.steps_per_generation
+        sequence_weights = torch.ones(N) / rows_per_step
+        if args.mask_truncated_completions:
+            sequence_weights = sequence_weights * (~truncated).float()
+        for iteration in range(args.num_iterations):
+            for s in range(args.steps_per_generation):
+                if global_step >= args.max_steps:
+                    break
+                step_rows = range(s * rows_per_step, (s + 1) * rows_per_step)
+                optimizer.zero_grad(set_to_none=True)
+                step_loss = 0.0
+                for mb in token_budget_batches(step_rows, prompt_lengths, completion_lengths, args.micro_batch_tokens):
+                    ids, attn, pos, cmask, P = collate([batch_prompts[i] for i in mb], [completion_ids[i] for i in mb], device, pad_id)
+                    Cm = cmask.shape[1]
+                    with torch.autocast(**autocast):
+                        logprobs, entropy = per_token_logprobs(model, ids, attn, pos, cmask, P, args.temperature, with_entropy=True)
+                    old = old_logprobs[mb, :Cm].to(device) if need_old else logprobs.detach()
+                    A = advantages[mb].to(device)
+                    sequence_loss, ratio = sequence_policy_loss(logprobs, old, A, cmask, args.epsilon, epsilon_high)  # (B,)
+                    if is_ratio is not None:
+                        sequence_loss = sequence_loss * is_ratio[mb].to(device)
+                    if ref_model is not None and not args.kl_in_reward:
+                        sequence_loss = sequence_loss + args.beta * (k3_kl(logprobs, ref_logprobs[mb, :Cm].to(device)) * cmask).sum(-1)
+                    loss = (sequence_loss * sequence_weights[mb].to(device)).sum()
+                    loss.backward()
+                    step_loss += loss.detach()  # summed on the device: no host sync per micro-batch
+                    # metrics: clipped ratios per sequence (low with A < 0, high with A > 0), token-mean entropy
+                    low, high = ((ratio < 1 - args.epsilon) & (A < 0)).float(), ((ratio > 1 + epsilon_high) & (A > 0)).float()
+                    train_stats["entropy"].append(((entropy * cmask).sum() / cmask.sum().clamp(min=1)).detach())
+                    train_stats["clip_ratio/low_mean"].append(low.mean())
+                    train_stats["clip_ratio/high_mean"].append(high.mean())
+                    train_stats["clip_ratio/region_mean"].append((low + high).clamp(max=1).mean())
+                grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+                optimizer.step()
+                scheduler.step()
+                global_step += 1
+                progress.update(1)
+
+        # 6. push the new weights to vLLM before the next generation round
+        sync_time = 0.0
+        if args.use_vllm:
+            t0 = time.perf_counter()
+            vllm_utils.sync_weights(engine, model)
+            sync_time = time.perf_counter() - t0
+
+        # TRY NOT TO MODIFY: logging (TRL's metric names) and checkpoints
+        total = (scores * reward_weights).nansum(-1)
+        metrics.update({
+            "step": global_step, "reward": total.mean().item(), "reward_std": total.std().item(),
+            "frac_reward_zero_std": (total.view(-1, G).std(1) < 1e-6).float().mean().item(),
+            "completions/mean_length": float(np.mean(completion_lengths)), "completions/min_length": min(completion_lengths),
+            "completions/max_length": max(completion_lengths), "completions/clipped_ratio": truncated.float().mean().item(),
+            "advantages/mean_abs": advantages.abs().mean().item(),
+            "grad_norm": grad_norm.item(), "learning_rate": scheduler.get_last_lr()[0], "loss": step_loss.item(),
+            "num_tokens": sum(prompt_lengths) + sum(completion_lengths), "timing/generation": generation_time,
+            "timing/weight_sync": sync_time, "step_time": time.perf_counter() - round_start,
+        })
+        for k, fn in enumerate(reward_fns):
+            column = scores[:, k][~scores[:, k].isnan()]
+            metrics[f"rewards/{fn.__name__}/mean"] = column.mean().item() if column.numel() else float("nan")
+            metrics[f"rewards/{fn.__name__}/std"] = column.std().item() if column.numel() > 1 else 0.0
+        metrics.update({k: torch.stack(v).mean().item() for k, v in train_stats.items() if v})
+        progress.set_postfix(reward=f"{metrics['reward']:.3f}", kl=f"{metrics.get('kl', 0):.4f}", len=f"{metrics['completions/mean_length']:.0f}")
+        if global_step % args.logging_steps == 0:
+            tqdm.write(" | ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in metrics.items()))
+        metrics_file.write(json.dumps(metrics) + "\n")
+        metrics_file.flush()
+        if args.track:
+            wandb.log(metrics, step=global_step)
+        if args.save_steps and global_step % args.save_steps == 0 and global_step < args.max_steps:
+            def write_checkpoint(tmp):
+                model.save_pretrained(tmp)
+                tokenizer.save_pretrained(tmp)
+                torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "global_step": global_step,
+                            "prompts_consumed": prompts_consumed, "torch_rng": torch.get_rng_state()}, os.path.join(tmp, "trainer_state.pt"))
+            save_atomically(os.path.join(args.output_dir, f"checkpoint-{global_step}"), write_checkpoint)
+            checkpoints = sorted((d for d in os.listdir(args.output_dir) if d.startswith("checkpoint-") and d[11:].isdigit()), key=lambda d: int(d[11:]))
+            for old in checkpoints[: -args.save_total_limit] if args.save_total_limit else []:
+                shutil.rmtree(os.path.join(args.output_dir, old))
+
+    # final model + tokenizer, loadable with from_pretrained(output_dir)
+    progress.close()
+    save_final(args.output_dir, model, tokenizer)
+    print(f"saved the final model to {args.output_dir}")
+    metrics_file.close()
+    if args.track:
+        wandb.finish()
