@@ -10,7 +10,7 @@ their group's mean (DeepSeekMath, arXiv 2402.03300). Variants, chosen by flags:
   --scale-rewards none                      Dr. GRPO: no division by the group std
 
 Examples:
-  # CPU, about a minute, bundled 260K-parameter model learns to say "ball"
+  # CPU, about 20 seconds, bundled 260K-parameter model learns to say "play"
   python grpo.py --model-name-or-path tests/assets/stories260K --dataset-name tests/assets/stories_prompts.jsonl \
       --prompt-column prompt --answer-column "" --reward-funcs keyword_reward --no-use-chat-template \
       --learning-rate 3e-3 --max-completion-length 24 --max-steps 30 --no-bf16 --output-dir runs/quickstart

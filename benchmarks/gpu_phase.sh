@@ -29,7 +29,8 @@ wait_server() { python3 -c "import sys, vllm_utils; vllm_utils.wait_for_server('
 run() {  # run NAME TIMEOUT ARGS...: one grpo.py run
   local name=$1 limit=$2; shift 2
   echo "== $name: python grpo.py $*" | tee "$OUT/$name.log"
-  eval timeout "$limit" python3 grpo.py --output-dir "$OUT/$name" "$@" >> "$OUT/$name.log" 2>&1
+  local script=grpo.py; case $name in rloo*) script=rloo.py;; online_dpo*) script=online_dpo.py;; esac
+  eval timeout "$limit" python3 $script --output-dir "$OUT/$name" "$@" >> "$OUT/$name.log" 2>&1
   echo "== $name exit $?" | tee -a "$OUT/$name.log"
 }
 
@@ -51,6 +52,23 @@ if [ "$PHASE" = bench ]; then
   wait_server 8001
   CUDA_VISIBLE_DEVICES=0 run bench_server 200 $BENCH --use-vllm --vllm-mode server --vllm-server-port 8001 --vllm-group-port 51301
   CUDA_VISIBLE_DEVICES=0 run bench_no_vllm 300 $BENCH --no-use-vllm
+  stop_servers
+fi
+if [ "$PHASE" = algos ]; then  # rloo.py (60 steps) and online_dpo.py (100 steps) on the addition task
+  serve /tmp/smol 8000
+  ADD_RLOO="${ADD/--max-steps 100/--max-steps 60}"
+  CUDA_VISIBLE_DEVICES=0 run rloo_colocate 300 --model-name-or-path /tmp/smol $ADD_RLOO --vllm-mode colocate --vllm-enable-sleep-mode
+  wait_server 8000
+  CUDA_VISIBLE_DEVICES=0 run rloo_server 240 --model-name-or-path /tmp/smol $ADD_RLOO --vllm-mode server --vllm-group-port 51302
+  stop_servers
+fi
+if [ "$PHASE" = dpo ]; then
+  DPO="${ADD/--prompts-per-step 16 --num-generations 8/--prompts-per-step 64 --num-generations 4}"
+  CUDA_VISIBLE_DEVICES=0 run online_dpo_colocate 400 --model-name-or-path /tmp/smol $DPO --vllm-mode colocate --vllm-enable-sleep-mode
+fi
+if [ "$PHASE" = bench_server ]; then
+  serve /tmp/bench-qwen05b 8001; wait_server 8001
+  CUDA_VISIBLE_DEVICES=0 run bench_server 200 $BENCH --use-vllm --vllm-mode server --vllm-server-port 8001 --vllm-group-port 51301
   stop_servers
 fi
 if [ "$PHASE" = tests ]; then  # the two GPU tests, then bench-0.5b without vLLM
