@@ -20,7 +20,6 @@ Examples:
   python grpo.py --use-vllm --vllm-mode server
 """
 import json
-import math
 import os
 import random
 import shutil
@@ -30,7 +29,6 @@ from typing import Literal
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 import tyro
 from torch.utils.checkpoint import checkpoint
 from tqdm import tqdm

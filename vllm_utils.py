@@ -18,7 +18,6 @@ The three entry points `start`, `generate` and `sync_weights` take the script's 
 small function below that a fork can call directly. vLLM is imported only inside functions that need it.
 """
 import os
-import shlex
 import socket
 import subprocess
 import threading
