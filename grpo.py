@@ -24,11 +24,13 @@ import os
 import random
 import shutil
 import time
+from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass, field
 from typing import Literal
 
 import numpy as np
 import torch
+import torch.distributed as dist
 import tyro
 from torch.utils.checkpoint import checkpoint
 from tqdm import tqdm
@@ -340,8 +342,10 @@ def per_token_logprobs(model, input_ids, attention_mask, position_ids, completio
     The fp32 logits of a 150k vocabulary would be the memory peak, so they never exist for the whole batch: the LM
     head runs on chunks of `chunk_tokens` completion tokens, each under activation checkpointing, so the backward pass
     recomputes one chunk at a time too."""
-    hidden = model.base_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                              use_cache=False).last_hidden_state
+    # the model's own forward (not its backbone alone), so that FSDP2 gathers every parameter; it computes the logits
+    # of one position only, and its last hidden state is the final, normed one
+    hidden = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False,
+                   logits_to_keep=1, output_hidden_states=True).hidden_states[-1]
     hidden = hidden[:, prompt_length - 1 : -1]  # (B, C, H): position t predicts completion token t
     targets = input_ids[:, prompt_length:]
     mask = completion_mask.bool()
@@ -384,7 +388,8 @@ def policy_loss(logprobs, old_logprobs, advantages, completion_mask, epsilon_low
     return -torch.min(unclipped, clipped), ratio.expand_as(logprobs)
 
 
-def policy_loss_weights(completion_mask, loss_type, max_completion_length, total_tokens=None):
+def policy_loss_weights(completion_mask, loss_type, max_completion_length, total_tokens=None, num_sequences=None,
+                        step_tokens=None):
     """Weight of each token's loss so that summing loss * weight gives the batch loss of `loss_type`:
 
       grpo    (arXiv 2402.03300 eq. 3):  1/N sum_i 1/|o_i| sum_t l_it   (mean over sequences of token means)
@@ -392,12 +397,13 @@ def policy_loss_weights(completion_mask, loss_type, max_completion_length, total
       dr_grpo (arXiv 2503.20783 eq. 2):  sum_it l_it / (N * max_completion_length)
       dapo    (arXiv 2503.14476 eq. 8):  sum_it l_it / total_tokens     (token mean over the whole generated batch,
                                          per mini-batch; equals bnpo when steps_per_generation = 1)
-    completion_mask: (N, C) for every completion of one optimizer step, so micro-batching does not change the loss."""
-    N = completion_mask.shape[0]
+    completion_mask: (N, C) for every completion of one optimizer step, so micro-batching does not change the loss.
+    With several ranks it holds this rank's rows, and num_sequences / step_tokens count those of all ranks."""
+    N = num_sequences or completion_mask.shape[0]
     if loss_type == "grpo":
         return completion_mask / completion_mask.sum(-1, keepdim=True).clamp(min=1) / N
     if loss_type == "bnpo":
-        return completion_mask / completion_mask.sum().clamp(min=1)
+        return completion_mask / max(step_tokens if step_tokens is not None else completion_mask.sum().item(), 1)
     if loss_type == "dr_grpo":
         return completion_mask / (N * max_completion_length)
     if loss_type == "dapo":
@@ -445,6 +451,71 @@ def token_budget_batches(rows, prompt_lengths, completion_lengths, budget):
         current.append(i)
         max_p, max_c = p, c
     return batches + [current] if current else batches
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Several GPUs (torchrun): FSDP2 shards the weights, each rank generates and scores whole groups of its own prompts
+
+
+def shard_model(model, mixed_precision):
+    """FSDP2: shard every decoder layer, then the rest (embeddings, final norm, LM head) as the root. With
+    mixed_precision, each layer computes in bf16 while the sharded fp32 weights and gradient reduction stay fp32."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed_precision else MixedPrecisionPolicy()
+    for layer in model.base_model.layers:
+        fully_shard(layer, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
+    return model
+
+
+@contextmanager
+def unsharded(model, world_size):
+    """Hold an FSDP2 model's full weights for forward-only passes (generation, old/reference log-probs): no collective
+    per forward, so ranks may run different numbers of passes (decoding steps, micro-batches)."""
+    if world_size == 1:
+        yield
+        return
+    layers = list(model.base_model.layers)
+    for module in [*layers, model]:
+        module.unshard()
+    for layer in layers:
+        layer.set_reshard_after_forward(False, recurse=False)
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.set_reshard_after_forward(True, recurse=False)
+        for module in [*layers, model]:
+            module.reshard()
+
+
+def same_count_on_all_ranks(micro_batches, world_size, device):
+    """Pad this rank's micro-batch list with None (a pass whose loss is multiplied by 0) up to the longest list of any
+    rank: every FSDP2 backward is a collective, so all ranks must run the same number of them."""
+    if world_size == 1:
+        return micro_batches
+    count = torch.tensor(len(micro_batches), device=device)
+    dist.all_reduce(count, op=dist.ReduceOp.MAX)
+    return micro_batches + [None] * (int(count) - len(micro_batches))
+
+
+def gather_rows(tensor, world_size):
+    """Concatenate a tensor's rows from every rank, in rank order (all ranks hold the same shape)."""
+    if world_size == 1:
+        return tensor
+    parts = [torch.empty_like(tensor) for _ in range(world_size)]
+    dist.all_gather(parts, tensor.contiguous())
+    return torch.cat(parts)
+
+
+def global_sum(value, world_size, device):
+    """Sum of a number over all ranks."""
+    if world_size == 1:
+        return float(value)
+    total = torch.tensor(float(value), device=device)
+    dist.all_reduce(total)
+    return total.item()
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -498,12 +569,24 @@ def save_atomically(path, write):
         os.replace(tmp, path)
 
 
-def save_final(output_dir, model, tokenizer):
+def full_state(model, optimizer, world_size):
+    """Unsharded weights and optimizer state; with several ranks they are gathered onto rank 0's CPU (every rank must
+    call this: it is a collective), the other ranks get empty dicts."""
+    if world_size == 1:
+        return model.state_dict(), optimizer.state_dict() if optimizer is not None else None
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    optimizer_state = get_optimizer_state_dict(model, optimizer, options=options) if optimizer is not None else None
+    return get_model_state_dict(model, options=options), optimizer_state
+
+
+def save_final(output_dir, model, tokenizer, state_dict=None):
     """save_pretrained into output_dir itself, next to checkpoints and metrics: the files are written to a temporary
     folder, then each is moved in with an atomic rename, config.json last, so a config.json means a complete model."""
     tmp = os.path.join(output_dir, f".final-tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
+    model.save_pretrained(tmp, state_dict=state_dict)
     tokenizer.save_pretrained(tmp)
     for name in sorted(os.listdir(tmp), key=lambda n: n == "config.json"):
         os.replace(os.path.join(tmp, name), os.path.join(output_dir, name))
@@ -525,16 +608,24 @@ if __name__ == "__main__":
     epsilon_high = args.epsilon_high if args.epsilon_high is not None else args.epsilon
     if args.num_generations < 2:
         raise ValueError("--num-generations must be at least 2: advantages compare completions of the same prompt")
-    if args.prompts_per_step % args.steps_per_generation:
-        raise ValueError("--prompts-per-step must be divisible by --steps-per-generation (whole groups per step)")
+    # several processes (torchrun): each rank takes an equal share of every step's prompts, whole groups
+    world_size, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
+    if args.prompts_per_step % (args.steps_per_generation * world_size):
+        raise ValueError(f"--prompts-per-step {args.prompts_per_step} must be divisible by --steps-per-generation x "
+                         f"the number of processes ({args.steps_per_generation} x {world_size}): whole groups per rank and step")
+    device = torch.device(f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if torch.cuda.is_available() else "cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if world_size > 1:
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    is_main = rank == 0
     run_name = f"{args.exp_name}__{args.seed}__{int(time.time())}"
     os.makedirs(args.output_dir, exist_ok=True)
 
-    # TRY NOT TO MODIFY: seeding
+    # TRY NOT TO MODIFY: seeding (the same on every rank until sampling, so that all ranks hold the same weights)
     random.seed(args.seed)
     np.random.seed(args.seed)
     torch.manual_seed(args.seed)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     autocast = dict(device_type=device.type, dtype=torch.bfloat16, enabled=args.bf16 and device.type == "cuda")
 
     # Model, tokenizer, reference model
@@ -553,6 +644,10 @@ if __name__ == "__main__":
     if args.beta > 0:
         ref_model = AutoModelForCausalLM.from_pretrained(args.model_name_or_path, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32).to(device).eval()
         ref_model.requires_grad_(False)
+    if world_size > 1:  # FSDP2: every rank keeps 1/world_size of the weights, gradients and AdamW states
+        shard_model(model, mixed_precision=args.bf16 and device.type == "cuda")
+        if ref_model is not None:
+            shard_model(ref_model, mixed_precision=False)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     eos_ids = set(model.generation_config.eos_token_id if isinstance(model.generation_config.eos_token_id, list) else [model.generation_config.eos_token_id])
     eos_ids = sorted((eos_ids | {tokenizer.eos_token_id}) - {None})
@@ -575,12 +670,18 @@ if __name__ == "__main__":
                                   weight_decay=args.weight_decay)
     scheduler = get_scheduler(args.lr_scheduler_type, optimizer, args.warmup_steps, args.max_steps)
     global_step, prompts_consumed = 0, 0
+    torch.manual_seed(args.seed + rank)  # from here on each rank samples its own completions
     if checkpoint_dir:
         state = torch.load(os.path.join(checkpoint_dir, "trainer_state.pt"), weights_only=False)
-        optimizer.load_state_dict(state["optimizer"])
+        if world_size > 1:  # the full optimizer state, sharded like the weights (resume with the same number of ranks)
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+            set_optimizer_state_dict(model, optimizer, state["optimizer"], options=StateDictOptions(full_state_dict=True))
+        else:
+            optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
         global_step, prompts_consumed = state["global_step"], state["prompts_consumed"]
-        torch.set_rng_state(state["torch_rng"])
+        torch.set_rng_state(state["torch_rng"][rank])
         print(f"resumed from {checkpoint_dir} at step {global_step}")
     prompts = prompt_stream(len(prompt_ids), args.seed, start=prompts_consumed)
 
@@ -591,14 +692,22 @@ if __name__ == "__main__":
         engine = vllm_utils.start(args, model_path, max(len(p) for p in prompt_ids))
         generate = lambda batch_prompt_ids: vllm_utils.generate(engine, batch_prompt_ids, args)  # noqa: E731
     else:
-        generate = lambda batch_prompt_ids: hf_generate(model, batch_prompt_ids, args, eos_ids, pad_id)  # noqa: E731
+        def generate(batch_prompt_ids):
+            with unsharded(model, world_size):  # FSDP2: full weights while decoding, ranks stop at different steps
+                return hf_generate(model, batch_prompt_ids, args, eos_ids, pad_id)
 
-    if args.track:
+    if args.track and is_main:
         import wandb
 
         wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, name=run_name, config=asdict(args))
-    metrics_file = open(os.path.join(args.output_dir, "metrics.jsonl"), "a")
-    progress = tqdm(total=args.max_steps, initial=global_step, desc="grpo", dynamic_ncols=True)
+    metrics_path = os.path.join(args.output_dir, "metrics.jsonl")
+    if checkpoint_dir and is_main and os.path.exists(metrics_path):  # steps logged after the checkpoint are redone
+        kept = [line for line in open(metrics_path) if json.loads(line)["step"] <= global_step]
+        with open(metrics_path, "w") as f:
+            f.writelines(kept)
+    metrics_file = open(metrics_path, "a") if is_main else None
+    progress = tqdm(total=args.max_steps, initial=global_step, desc="grpo", dynamic_ncols=True, disable=not is_main)
+    prompts_per_rank = args.prompts_per_step // world_size
 
     while global_step < args.max_steps:
         round_start = time.perf_counter()
@@ -607,9 +716,10 @@ if __name__ == "__main__":
         # of groups whose rewards differ)
         batch_prompts, batch_completions, batch_rows, batch_scores, batch_sampling_lp = [], [], [], [], []
         all_scores, generation_time, num_generation_rounds = [], 0.0, 0
-        while len(batch_rows) < args.prompts_per_step and num_generation_rounds < (args.dynamic_sampling_max_rounds if args.dynamic_sampling else 1):
-            rows = [next(prompts) for _ in range(args.prompts_per_step)]
+        while len(batch_rows) < prompts_per_rank and num_generation_rounds < (args.dynamic_sampling_max_rounds if args.dynamic_sampling else 1):
+            rows = [next(prompts) for _ in range(args.prompts_per_step)]  # the same on every rank
             prompts_consumed += len(rows)
+            rows = rows[rank * prompts_per_rank : (rank + 1) * prompts_per_rank]  # this rank's share
             num_generation_rounds += 1
             t0 = time.perf_counter()
             completion_ids, sampling_logprobs = generate([prompt_ids[i] for i in rows])
@@ -635,20 +745,26 @@ if __name__ == "__main__":
                 batch_scores.append(total[group])
                 if sampling_logprobs is not None:
                     batch_sampling_lp += sampling_logprobs[group]
-        if not batch_rows:
+        # groups kept per rank: the same on every rank, a multiple of steps_per_generation
+        keep = min(len(batch_rows), prompts_per_rank) // args.steps_per_generation * args.steps_per_generation
+        if world_size > 1:
+            keep_tensor = torch.tensor(keep, device=device)
+            dist.all_reduce(keep_tensor, op=dist.ReduceOp.MIN)
+            keep = int(keep_tensor)
+        if keep == 0:
             raise RuntimeError(
-                f"dynamic sampling found no prompt whose {args.num_generations} completions got different rewards in "
-                f"{num_generation_rounds} rounds of {args.prompts_per_step} prompts: the rewards carry no signal for this "
-                f"model and data. Check the reward functions and the answer column, or raise --dynamic-sampling-max-rounds."
+                f"dynamic sampling found fewer than {args.steps_per_generation} prompt(s) whose {args.num_generations} "
+                f"completions got different rewards in {num_generation_rounds} rounds of {args.prompts_per_step} prompts: "
+                f"the rewards carry no signal for this model and data. Check the reward functions and the answer column, "
+                f"or raise --dynamic-sampling-max-rounds."
             )
-        keep = min(len(batch_rows), args.prompts_per_step) // args.steps_per_generation * args.steps_per_generation
-        keep = keep or len(batch_rows)
         N = keep * args.num_generations
         batch_prompts, batch_completions = batch_prompts[:N], batch_completions[:N]
         rewards_total = torch.cat(batch_scores)[:N]
 
-        # 3. advantages: group-relative
-        advantages = group_advantages(rewards_total, args.num_generations, args.scale_rewards)
+        # 3. advantages: group-relative (over all ranks' rewards for --scale-rewards batch; each rank keeps its rows)
+        advantages = group_advantages(gather_rows(rewards_total.to(device), world_size).cpu(), args.num_generations, args.scale_rewards)
+        advantages = advantages[rank * N : (rank + 1) * N]
 
         # 4. old and reference log-probs, before any update (no gradient)
         prompt_lengths = [len(p) for p in batch_prompts]
@@ -664,7 +780,9 @@ if __name__ == "__main__":
         micro_batches_all = token_budget_batches(range(N), prompt_lengths, completion_lengths, args.micro_batch_tokens)
         if need_old or ref_model is not None:
             model.eval()
-            with torch.no_grad(), torch.autocast(**autocast):
+            with torch.no_grad(), torch.autocast(**autocast), unsharded(model, world_size), (
+                unsharded(ref_model, world_size) if ref_model is not None else nullcontext()
+            ):
                 for mb in micro_batches_all:
                     ids, attn, pos, cmask, P = collate([batch_prompts[i] for i in mb], [batch_completions[i] for i in mb], device, pad_id)
                     if need_old:
@@ -691,16 +809,22 @@ if __name__ == "__main__":
         model.train()
         train_stats = {"kl": [], "entropy": [], "clip_ratio/low_mean": [], "clip_ratio/high_mean": [], "clip_ratio/region_mean": []}
         groups_per_step = keep // args.steps_per_generation
-        total_tokens = loss_mask_all.sum().item() / args.steps_per_generation  # DAPO: tokens of the generated batch per step
+        total_tokens = global_sum(loss_mask_all.sum(), world_size, device) / args.steps_per_generation  # DAPO: tokens of the generated batch per step
         for iteration in range(args.num_iterations):
             for s in range(args.steps_per_generation):
                 if global_step >= args.max_steps:
                     break
                 step_rows = list(range(s * groups_per_step * args.num_generations, (s + 1) * groups_per_step * args.num_generations))
-                weights_all = policy_loss_weights(loss_mask_all[step_rows], args.loss_type, args.max_completion_length, total_tokens)
+                # normalisers count every rank's rows; FSDP averages gradients over ranks, hence the x world_size below
+                weights_all = policy_loss_weights(loss_mask_all[step_rows], args.loss_type, args.max_completion_length, total_tokens,
+                                                  num_sequences=len(step_rows) * world_size,
+                                                  step_tokens=global_sum(loss_mask_all[step_rows].sum(), world_size, device))
                 optimizer.zero_grad(set_to_none=True)
                 step_loss = 0.0
-                for mb in token_budget_batches(step_rows, prompt_lengths, completion_lengths, args.micro_batch_tokens):
+                micro_batches = token_budget_batches(step_rows, prompt_lengths, completion_lengths, args.micro_batch_tokens)
+                for mb in same_count_on_all_ranks(micro_batches, world_size, device):
+                    padding_pass = mb is None  # only to keep FSDP's collectives in step with the other ranks
+                    mb = [step_rows[0]] if padding_pass else mb
                     ids, attn, pos, cmask, P = collate([batch_prompts[i] for i in mb], [batch_completions[i] for i in mb], device, pad_id)
                     Cm = cmask.shape[1]
                     local = [i - step_rows[0] for i in mb]  # step_rows is a contiguous range
@@ -715,10 +839,13 @@ if __name__ == "__main__":
                     if ref_model is not None:
                         kl = k3_kl(logprobs, ref_logprobs[mb, :Cm].to(device))
                         per_token_loss = per_token_loss + args.beta * kl
-                        train_stats["kl"].append(((kl * cmask).sum() / cmask.sum()).detach())
-                    loss = (per_token_loss * weights_all[local, :Cm].to(device)).sum()
+                    loss = (per_token_loss * weights_all[local, :Cm].to(device)).sum() * (0 if padding_pass else world_size)
                     loss.backward()
                     step_loss += loss.detach()  # summed on the device: no host sync per micro-batch
+                    if padding_pass:
+                        continue
+                    if ref_model is not None:
+                        train_stats["kl"].append(((kl * cmask).sum() / cmask.sum()).detach())
                     # metrics (TRL's definitions): clipped low with A < 0, high with A > 0, token means
                     n_tokens = cmask.sum().clamp(min=1)
                     low = ((ratio < 1 - args.epsilon) & (A[:, None] < 0)).float()
@@ -728,6 +855,7 @@ if __name__ == "__main__":
                     train_stats["clip_ratio/high_mean"].append(((high * cmask).sum() / n_tokens))
                     train_stats["clip_ratio/region_mean"].append((((low + high).clamp(max=1) * cmask).sum() / n_tokens))
                 grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+                grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm  # FSDP2: a DTensor
                 optimizer.step()
                 scheduler.step()
                 global_step += 1
@@ -740,48 +868,67 @@ if __name__ == "__main__":
             vllm_utils.sync_weights(engine, model)
             sync_time = time.perf_counter() - t0
 
-        # TRY NOT TO MODIFY: logging (TRL's metric names) and checkpoints
-        scores = torch.cat(all_scores)
+        # TRY NOT TO MODIFY: logging (TRL's metric names, over all ranks) and checkpoints
+        scores = torch.cat(all_scores)  # (this rank's generated rows, num_funcs)
+        lengths, train_means = torch.tensor(completion_lengths, dtype=torch.float), {k: torch.stack(v).mean() for k, v in train_stats.items() if v}
+        if world_size > 1:
+            gathered = [None] * world_size
+            dist.all_gather_object(gathered, (scores, lengths, truncated))
+            scores, lengths, truncated = (torch.cat([g[i] for g in gathered]) for i in range(3))
+            for value in [step_loss, *train_means.values()]:
+                dist.all_reduce(value)
+                value /= world_size
         total = (scores * reward_weights).nansum(-1)
         grouped = total.view(-1, args.num_generations)
         metrics.update({
             "step": global_step, "reward": total.mean().item(), "reward_std": total.std().item(),
             "frac_reward_zero_std": (grouped.std(1) < 1e-6).float().mean().item(),
-            "completions/mean_length": float(np.mean(completion_lengths)), "completions/min_length": min(completion_lengths),
-            "completions/max_length": max(completion_lengths), "completions/clipped_ratio": truncated.float().mean().item(),
+            "completions/mean_length": lengths.mean().item(), "completions/min_length": int(lengths.min()),
+            "completions/max_length": int(lengths.max()), "completions/clipped_ratio": truncated.float().mean().item(),
             "grad_norm": grad_norm.item(), "learning_rate": scheduler.get_last_lr()[0], "loss": step_loss.item(),
-            "num_tokens": sum(prompt_lengths) + sum(completion_lengths), "timing/generation": generation_time,
-            "timing/weight_sync": sync_time, "step_time": time.perf_counter() - round_start,
+            "num_tokens": global_sum(sum(prompt_lengths) + sum(completion_lengths), world_size, device),
+            "timing/generation": generation_time, "timing/weight_sync": sync_time, "step_time": time.perf_counter() - round_start,
         })
         for k, fn in enumerate(reward_fns):
             metrics[f"rewards/{fn.__name__}/mean"] = scores[:, k].nanmean().item()
             metrics[f"rewards/{fn.__name__}/std"] = scores[:, k][~scores[:, k].isnan()].std().item() if (~scores[:, k].isnan()).sum() > 1 else 0.0
-        metrics.update({k: torch.stack(v).mean().item() for k, v in train_stats.items() if v})
+        metrics.update({k: v.item() for k, v in train_means.items()})
         if args.dynamic_sampling:
             metrics["dynamic_sampling/generation_rounds"] = num_generation_rounds
-            metrics["dynamic_sampling/kept_groups"] = keep
-        progress.set_postfix(reward=f"{metrics['reward']:.3f}", kl=f"{metrics.get('kl', 0):.4f}", len=f"{metrics['completions/mean_length']:.0f}")
-        if global_step % args.logging_steps == 0:
-            tqdm.write(" | ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in metrics.items()))
-        metrics_file.write(json.dumps(metrics) + "\n")
-        metrics_file.flush()
-        if args.track:
-            wandb.log(metrics, step=global_step)
+            metrics["dynamic_sampling/kept_groups"] = keep * world_size
+        if is_main:
+            progress.set_postfix(reward=f"{metrics['reward']:.3f}", kl=f"{metrics.get('kl', 0):.4f}", len=f"{metrics['completions/mean_length']:.0f}")
+            if global_step % args.logging_steps == 0:
+                tqdm.write(" | ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in metrics.items()))
+            metrics_file.write(json.dumps(metrics) + "\n")
+            metrics_file.flush()
+            if args.track:
+                wandb.log(metrics, step=global_step)
         if args.save_steps and global_step % args.save_steps == 0 and global_step < args.max_steps:
+            model_state, optimizer_state = full_state(model, optimizer, world_size)  # every rank takes part
+            rng_states = [torch.get_rng_state()] * world_size
+            if world_size > 1:
+                dist.all_gather_object(rng_states, torch.get_rng_state())
+
             def write_checkpoint(tmp):
-                model.save_pretrained(tmp)
+                model.save_pretrained(tmp, state_dict=model_state)
                 tokenizer.save_pretrained(tmp)
-                torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "global_step": global_step,
-                            "prompts_consumed": prompts_consumed, "torch_rng": torch.get_rng_state()}, os.path.join(tmp, "trainer_state.pt"))
-            save_atomically(os.path.join(args.output_dir, f"checkpoint-{global_step}"), write_checkpoint)
-            checkpoints = sorted((d for d in os.listdir(args.output_dir) if d.startswith("checkpoint-") and d[11:].isdigit()), key=lambda d: int(d[11:]))
-            for old in checkpoints[: -args.save_total_limit] if args.save_total_limit else []:
-                shutil.rmtree(os.path.join(args.output_dir, old))
+                torch.save({"optimizer": optimizer_state, "scheduler": scheduler.state_dict(), "global_step": global_step,
+                            "prompts_consumed": prompts_consumed, "torch_rng": rng_states}, os.path.join(tmp, "trainer_state.pt"))
+            if is_main:
+                save_atomically(os.path.join(args.output_dir, f"checkpoint-{global_step}"), write_checkpoint)
+                checkpoints = sorted((d for d in os.listdir(args.output_dir) if d.startswith("checkpoint-") and d[11:].isdigit()), key=lambda d: int(d[11:]))
+                for old in checkpoints[: -args.save_total_limit] if args.save_total_limit else []:
+                    shutil.rmtree(os.path.join(args.output_dir, old))
 
     # final model + tokenizer, loadable with from_pretrained(output_dir)
     progress.close()
-    save_final(args.output_dir, model, tokenizer)
-    print(f"saved the final model to {args.output_dir}")
-    metrics_file.close()
-    if args.track:
-        wandb.finish()
+    model_state, _ = full_state(model, None, world_size)
+    if is_main:
+        save_final(args.output_dir, model, tokenizer, model_state)
+        print(f"saved the final model to {args.output_dir}")
+        metrics_file.close()
+        if args.track:
+            wandb.finish()
+    if world_size > 1:
+        dist.destroy_process_group()

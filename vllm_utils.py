@@ -324,8 +324,10 @@ def start(args, model_path, max_prompt_length):
     if max_model_len and max_prompt_length + args.max_completion_length > max_model_len:
         raise ValueError(f"the longest prompt ({max_prompt_length} tokens) + --max-completion-length "
                          f"{args.max_completion_length} exceeds the server's --max-model-len {max_model_len}")
+    engine["startup_s"] = time.perf_counter() - t0
+    if _rank() != 0:  # with torchrun every rank generates through HTTP, rank 0 alone sends the weights
+        return engine
     check_gpu_not_shared(base_url)
-    torch.cuda.set_device(torch.cuda.current_device())
     # the server's workers connect to this address: loopback for a local server, else this host's routable IP
     # (vLLM's get_ip honours VLLM_HOST_IP, the override for hosts with several interfaces)
     if args.vllm_server_host in ("127.0.0.1", "localhost"):
@@ -353,11 +355,19 @@ def generate(engine, prompt_ids, args=None):
     return out
 
 
+def _rank():
+    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+
+
 def sync_weights(engine, model):
-    """Push the trainer's current weights to vLLM (call after each optimizer step, before generating)."""
+    """Push the trainer's current weights to vLLM (call after each optimizer step, before generating). With torchrun
+    every rank must call it: gathering FSDP2-sharded weights is a collective."""
     weights = list(named_weights(model))
     if engine["mode"] == "server":
-        server_sync_weights(engine["base_url"], engine["group"], weights)
+        if _rank() == 0:
+            server_sync_weights(engine["base_url"], engine["group"], weights)
+        if torch.distributed.is_initialized():
+            torch.distributed.barrier()  # no rank generates before the server has the new weights
         return
     llm = engine["llm"]
     if engine["sleep"] and engine.get("asleep"):

@@ -1,0 +1,56 @@
+"""One GRPO optimizer step on a fixed global batch, run with `torchrun --nproc_per_node N tests/dist_step.py OUT`.
+Each rank takes its contiguous share of the rows, the model is FSDP2-sharded when N > 1, the loss normalisers count
+all ranks' rows and the loss is scaled by N (FSDP averages gradients), exactly as grpo.py's loop does. Rank 0 saves
+the full gradients and updated weights for each loss type to OUT (tests/test_distributed.py compares N = 1 and 2)."""
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+from transformers import AutoModelForCausalLM
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+import grpo  # noqa: E402
+
+STORIES = os.path.join(os.path.dirname(__file__), "assets", "stories260K")
+world_size, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
+if world_size > 1:
+    dist.init_process_group("gloo")
+torch.manual_seed(0)
+# the global batch: 4 prompts x 2 completions of different lengths, fixed advantages and old log-probs
+prompts = [torch.randint(3, 512, (n,)).tolist() for n in (5, 9, 3, 7)]
+batch_prompts = [p for p in prompts for _ in range(2)]
+batch_completions = [torch.randint(3, 512, (n,)).tolist() for n in (6, 2, 8, 4, 5, 7, 3, 6)]
+advantages = torch.tensor([1.0, -1.0, 0.5, -0.5, 1.5, -1.5, 0.7, -0.7])
+N = len(batch_prompts) // world_size
+rows = list(range(rank * N, (rank + 1) * N))  # this rank's share of the rows
+results = {}
+for loss_type in ("grpo", "bnpo", "dr_grpo", "dapo"):
+    model = AutoModelForCausalLM.from_pretrained(STORIES, dtype=torch.float32)
+    if world_size > 1:
+        grpo.shard_model(model, mixed_precision=False)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    lengths = torch.tensor([len(batch_completions[i]) for i in rows])
+    mask = (torch.arange(8)[None] < lengths[:, None]).float()  # (N, C) of this rank
+    weights = grpo.policy_loss_weights(mask, loss_type, 8, total_tokens=grpo.global_sum(mask.sum(), world_size, "cpu"),
+                                       num_sequences=N * world_size, step_tokens=grpo.global_sum(mask.sum(), world_size, "cpu"))
+    micro_batches = grpo.token_budget_batches(rows, [len(p) for p in batch_prompts], [len(c) for c in batch_completions], 30)
+    for micro_batch in grpo.same_count_on_all_ranks(micro_batches, world_size, "cpu"):
+        padding_pass = micro_batch is None
+        micro_batch = [rows[0]] if padding_pass else micro_batch
+        ids, attn, pos, cmask, P = grpo.collate([batch_prompts[i] for i in micro_batch], [batch_completions[i] for i in micro_batch], "cpu", 0)
+        logprobs = grpo.per_token_logprobs(model, ids, attn, pos, cmask, P, temperature=0.8, chunk_tokens=5)
+        # old log-probs off the current ones by a fixed amount per (row, position), so that ratios leave the clip range
+        offset = 0.3 * torch.sin(torch.tensor(micro_batch)[:, None] * 10.0 + torch.arange(cmask.shape[1])[None])
+        old = logprobs.detach() + offset
+        loss, _ = grpo.policy_loss(logprobs, old, advantages[micro_batch], cmask, 0.2, 0.28)
+        local = [i - rows[0] for i in micro_batch]
+        ((loss * weights[local, : cmask.shape[1]]).sum() * (0 if padding_pass else world_size)).backward()
+    grads = {name: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).clone() for name, p in model.named_parameters()}
+    optimizer.step()
+    state, _ = grpo.full_state(model, None, world_size)
+    results[loss_type] = {"grads": grads, "weights": {k: v.clone() for k, v in state.items()}}
+if rank == 0:
+    torch.save(results, sys.argv[1])
+if world_size > 1:
+    dist.destroy_process_group()
