@@ -23,11 +23,13 @@ import os
 import random
 import shutil
 import time
+from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass, field
 from typing import Literal
 
 import numpy as np
 import torch
+import torch.distributed as dist
 import tyro
 from torch.utils.checkpoint import checkpoint
 from tqdm import tqdm
@@ -334,8 +336,10 @@ def per_token_logprobs(model, input_ids, attention_mask, position_ids, completio
     The fp32 logits of a 150k vocabulary would be the memory peak, so they never exist for the whole batch: the LM
     head runs on chunks of `chunk_tokens` completion tokens, each under activation checkpointing, so the backward pass
     recomputes one chunk at a time too."""
-    hidden = model.base_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                              use_cache=False).last_hidden_state
+    # the model's own forward (not its backbone alone), so that FSDP2 gathers every parameter; it computes the logits
+    # of one position only, and its last hidden state is the final, normed one
+    hidden = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False,
+                   logits_to_keep=1, output_hidden_states=True).hidden_states[-1]
     hidden = hidden[:, prompt_length - 1 : -1]  # (B, C, H): position t predicts completion token t
     targets = input_ids[:, prompt_length:]
     mask = completion_mask.bool()
@@ -413,6 +417,70 @@ def token_budget_batches(rows, prompt_lengths, completion_lengths, budget):
     return batches + [current] if current else batches
 
 # ------------------------------------------------------------------------------------------------------------------
+# Several GPUs (torchrun): FSDP2 shards the weights, each rank generates and scores whole groups of its own prompts
+
+
+def shard_model(model, mixed_precision):
+    """FSDP2: shard every decoder layer, then the rest (embeddings, final norm, LM head) as the root. With
+    mixed_precision, each layer computes in bf16 while the sharded fp32 weights and gradient reduction stay fp32."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed_precision else MixedPrecisionPolicy()
+    for layer in model.base_model.layers:
+        fully_shard(layer, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
+    return model
+
+
+@contextmanager
+def unsharded(model, world_size):
+    """Hold an FSDP2 model's full weights for forward-only passes (generation, old/reference log-probs): no collective
+    per forward, so ranks may run different numbers of passes (decoding steps, micro-batches)."""
+    if world_size == 1:
+        yield
+        return
+    layers = list(model.base_model.layers)
+    for module in [*layers, model]:
+        module.unshard()
+    for layer in layers:
+        layer.set_reshard_after_forward(False, recurse=False)
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.set_reshard_after_forward(True, recurse=False)
+        for module in [*layers, model]:
+            module.reshard()
+
+
+def same_count_on_all_ranks(micro_batches, world_size, device):
+    """Pad this rank's micro-batch list with None (a pass whose loss is multiplied by 0) up to the longest list of any
+    rank: every FSDP2 backward is a collective, so all ranks must run the same number of them."""
+    if world_size == 1:
+        return micro_batches
+    count = torch.tensor(len(micro_batches), device=device)
+    dist.all_reduce(count, op=dist.ReduceOp.MAX)
+    return micro_batches + [None] * (int(count) - len(micro_batches))
+
+
+def gather_rows(tensor, world_size):
+    """Concatenate a tensor's rows from every rank, in rank order (all ranks hold the same shape)."""
+    if world_size == 1:
+        return tensor
+    parts = [torch.empty_like(tensor) for _ in range(world_size)]
+    dist.all_gather(parts, tensor.contiguous())
+    return torch.cat(parts)
+
+
+def global_sum(value, world_size, device):
+    """Sum of a number over all ranks."""
+    if world_size == 1:
+        return float(value)
+    total = torch.tensor(float(value), device=device)
+    dist.all_reduce(total)
+    return total.item()
+
+# ------------------------------------------------------------------------------------------------------------------
 # Generation with Hugging Face `generate` (the vLLM paths live in vllm_utils.py)
 
 
@@ -462,12 +530,24 @@ def save_atomically(path, write):
         os.replace(tmp, path)
 
 
-def save_final(output_dir, model, tokenizer):
+def full_state(model, optimizer, world_size):
+    """Unsharded weights and optimizer state; with several ranks they are gathered onto rank 0's CPU (every rank must
+    call this: it is a collective), the other ranks get empty dicts."""
+    if world_size == 1:
+        return model.state_dict(), optimizer.state_dict() if optimizer is not None else None
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    optimizer_state = get_optimizer_state_dict(model, optimizer, options=options) if optimizer is not None else None
+    return get_model_state_dict(model, options=options), optimizer_state
+
+
+def save_final(output_dir, model, tokenizer, state_dict=None):
     """save_pretrained into output_dir itself, next to checkpoints and metrics: the files are written to a temporary
     folder, then each is moved in with an atomic rename, config.json last, so a config.json means a complete model."""
     tmp = os.path.join(output_dir, f".final-tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
+    model.save_pretrained(tmp, state_dict=state_dict)
     tokenizer.save_pretrained(tmp)
     for name in sorted(os.listdir(tmp), key=lambda n: n == "config.json"):
         os.replace(os.path.join(tmp, name), os.path.join(output_dir, name))
@@ -489,16 +569,24 @@ if __name__ == "__main__":
     epsilon_high = args.epsilon_high if args.epsilon_high is not None else args.epsilon
     if args.num_generations < 2:
         raise ValueError("--num-generations must be at least 2: the leave-one-out baseline needs another completion")
-    if args.prompts_per_step % args.steps_per_generation:
-        raise ValueError("--prompts-per-step must be divisible by --steps-per-generation (whole groups per step)")
+    # several processes (torchrun): each rank takes an equal share of every step's prompts, whole groups
+    world_size, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
+    if args.prompts_per_step % (args.steps_per_generation * world_size):
+        raise ValueError(f"--prompts-per-step {args.prompts_per_step} must be divisible by --steps-per-generation x "
+                         f"the number of processes ({args.steps_per_generation} x {world_size}): whole groups per rank and step")
+    device = torch.device(f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if torch.cuda.is_available() else "cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if world_size > 1:
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    is_main = rank == 0
     run_name = f"{args.exp_name}__{args.seed}__{int(time.time())}"
     os.makedirs(args.output_dir, exist_ok=True)
 
-    # TRY NOT TO MODIFY: seeding
+    # TRY NOT TO MODIFY: seeding (the same on every rank until sampling, so that all ranks hold the same weights)
     random.seed(args.seed)
     np.random.seed(args.seed)
     torch.manual_seed(args.seed)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     autocast = dict(device_type=device.type, dtype=torch.bfloat16, enabled=args.bf16 and device.type == "cuda")
 
     # Model, tokenizer, reference model
@@ -518,6 +606,10 @@ if __name__ == "__main__":
         ref_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
         ref_model = AutoModelForCausalLM.from_pretrained(args.model_name_or_path, dtype=ref_dtype).to(device).eval()
         ref_model.requires_grad_(False)
+    if world_size > 1:  # FSDP2: every rank keeps 1/world_size of the weights, gradients and AdamW states
+        shard_model(model, mixed_precision=args.bf16 and device.type == "cuda")
+        if ref_model is not None:
+            shard_model(ref_model, mixed_precision=False)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     eos_ids = model.generation_config.eos_token_id
     eos_ids = sorted((set(eos_ids if isinstance(eos_ids, list) else [eos_ids]) | {tokenizer.eos_token_id}) - {None})
@@ -540,12 +632,18 @@ if __name__ == "__main__":
                                   weight_decay=args.weight_decay)
     scheduler = get_scheduler(args.lr_scheduler_type, optimizer, args.warmup_steps, args.max_steps)
     global_step, prompts_consumed = 0, 0
+    torch.manual_seed(args.seed + rank)  # from here on each rank samples its own completions
     if checkpoint_dir:
         state = torch.load(os.path.join(checkpoint_dir, "trainer_state.pt"), weights_only=False)
-        optimizer.load_state_dict(state["optimizer"])
+        if world_size > 1:  # the full optimizer state, sharded like the weights (resume with the same number of ranks)
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+            set_optimizer_state_dict(model, optimizer, state["optimizer"], options=StateDictOptions(full_state_dict=True))
+        else:
+            optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
         global_step, prompts_consumed = state["global_step"], state["prompts_consumed"]
-        torch.set_rng_state(state["torch_rng"])
+        torch.set_rng_state(state["torch_rng"][rank])
         print(f"resumed from {checkpoint_dir} at step {global_step}")
     prompts = prompt_stream(len(prompt_ids), args.seed, start=prompts_consumed)
 
@@ -556,22 +654,31 @@ if __name__ == "__main__":
         engine = vllm_utils.start(args, model_path, max(len(p) for p in prompt_ids))
         generate = lambda batch_prompt_ids: vllm_utils.generate(engine, batch_prompt_ids, args)  # noqa: E731
     else:
-        generate = lambda batch_prompt_ids: hf_generate(model, batch_prompt_ids, args, eos_ids, pad_id)  # noqa: E731
+        def generate(batch_prompt_ids):
+            with unsharded(model, world_size):  # FSDP2: full weights while decoding, ranks stop at different steps
+                return hf_generate(model, batch_prompt_ids, args, eos_ids, pad_id)
 
-    if args.track:
+    if args.track and is_main:
         import wandb
 
         wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, name=run_name, config=asdict(args))
-    metrics_file = open(os.path.join(args.output_dir, "metrics.jsonl"), "a")
-    progress = tqdm(total=args.max_steps, initial=global_step, desc="rloo", dynamic_ncols=True)
+    metrics_path = os.path.join(args.output_dir, "metrics.jsonl")
+    if checkpoint_dir and is_main and os.path.exists(metrics_path):  # steps logged after the checkpoint are redone
+        kept = [line for line in open(metrics_path) if json.loads(line)["step"] <= global_step]
+        with open(metrics_path, "w") as f:
+            f.writelines(kept)
+    metrics_file = open(metrics_path, "a") if is_main else None
+    progress = tqdm(total=args.max_steps, initial=global_step, desc="rloo", dynamic_ncols=True, disable=not is_main)
     G = args.num_generations
+    prompts_per_rank = args.prompts_per_step // world_size
 
     while global_step < args.max_steps:
         round_start = time.perf_counter()
         metrics = {}
         # ALGO LOGIC: 1. sample prompts and generate k completions each
-        rows = [next(prompts) for _ in range(args.prompts_per_step)]
+        rows = [next(prompts) for _ in range(args.prompts_per_step)]  # the same on every rank
         prompts_consumed += len(rows)
+        rows = rows[rank * prompts_per_rank : (rank + 1) * prompts_per_rank]  # this rank's share
         t0 = time.perf_counter()
         completion_ids, sampling_logprobs = generate([prompt_ids[i] for i in rows])
         generation_time = time.perf_counter() - t0
@@ -603,7 +710,9 @@ if __name__ == "__main__":
         ref_logprobs = torch.zeros(N, C) if ref_model is not None else None
         if need_old:
             model.eval()
-            with torch.no_grad(), torch.autocast(**autocast):
+            with torch.no_grad(), torch.autocast(**autocast), unsharded(model, world_size), (
+                unsharded(ref_model, world_size) if ref_model is not None else nullcontext()
+            ):
                 for mb in token_budget_batches(range(N), prompt_lengths, completion_lengths, args.micro_batch_tokens):
                     ids, attn, pos, cmask, P = collate([batch_prompts[i] for i in mb], [completion_ids[i] for i in mb], device, pad_id)
                     old_logprobs[mb, : cmask.shape[1]] = per_token_logprobs(model, ids, attn, pos, cmask, P, args.temperature).cpu()
@@ -613,12 +722,13 @@ if __name__ == "__main__":
         # 4. KL in the reward, then the leave-one-out advantages
         if ref_model is not None:
             token_kl = (old_logprobs - ref_logprobs) * completion_mask_all  # k1 per token, for the metric
-            metrics["kl"] = (token_kl.sum() / completion_mask_all.sum()).item()
+            metrics["kl"] = global_sum(token_kl.sum(), world_size, device) / global_sum(completion_mask_all.sum(), world_size, device)
             if args.kl_in_reward:
                 rewards_total, _ = kl_penalised_rewards(rewards_total, old_logprobs, ref_logprobs, completion_mask_all, args.beta)
-        advantages = rloo_advantages(rewards_total, G)
-        if args.normalize_advantages:
-            advantages = (advantages - advantages.mean()) / (advantages.std() + 1e-4)
+        advantages = rloo_advantages(rewards_total, G)  # groups are whole on each rank
+        if args.normalize_advantages:  # over every rank's completions
+            everyone = gather_rows(advantages.to(device), world_size).cpu()
+            advantages = (advantages - everyone.mean()) / (everyone.std() + 1e-4)
         is_ratio = None
         if use_vllm_is:
             sampling_lp = torch.zeros(N, C)
@@ -637,11 +747,12 @@ if __name__ == "__main__":
             metrics["sampling/importance_sampling_ratio/max"] = is_ratio.max().item()
 
         # 5. optimise: num_iterations passes; each pass is steps_per_generation optimizer steps over whole groups.
-        # The loss is the mean over the step's sequences, so each sequence weighs 1 / rows_per_step (0 if masked).
+        # The loss is the mean over the step's sequences of all ranks: each weighs 1 / (rows_per_step x world_size)
+        # (0 if masked), and FSDP averages gradients over ranks, hence the x world_size in the loss.
         model.train()
         train_stats = {"entropy": [], "clip_ratio/low_mean": [], "clip_ratio/high_mean": [], "clip_ratio/region_mean": []}
         rows_per_step = N // args.steps_per_generation
-        sequence_weights = torch.ones(N) / rows_per_step
+        sequence_weights = torch.ones(N) / (rows_per_step * world_size)
         if args.mask_truncated_completions:
             sequence_weights = sequence_weights * (~truncated).float()
         for iteration in range(args.num_iterations):
@@ -651,7 +762,10 @@ if __name__ == "__main__":
                 step_rows = range(s * rows_per_step, (s + 1) * rows_per_step)
                 optimizer.zero_grad(set_to_none=True)
                 step_loss = 0.0
-                for mb in token_budget_batches(step_rows, prompt_lengths, completion_lengths, args.micro_batch_tokens):
+                micro_batches = token_budget_batches(step_rows, prompt_lengths, completion_lengths, args.micro_batch_tokens)
+                for mb in same_count_on_all_ranks(micro_batches, world_size, device):
+                    padding_pass = mb is None  # only to keep FSDP's collectives in step with the other ranks
+                    mb = [step_rows[0]] if padding_pass else mb
                     ids, attn, pos, cmask, P = collate([batch_prompts[i] for i in mb], [completion_ids[i] for i in mb], device, pad_id)
                     Cm = cmask.shape[1]
                     with torch.autocast(**autocast):
@@ -663,9 +777,11 @@ if __name__ == "__main__":
                         sequence_loss = sequence_loss * is_ratio[mb].to(device)
                     if ref_model is not None and not args.kl_in_reward:
                         sequence_loss = sequence_loss + args.beta * (k3_kl(logprobs, ref_logprobs[mb, :Cm].to(device)) * cmask).sum(-1)
-                    loss = (sequence_loss * sequence_weights[mb].to(device)).sum()
+                    loss = (sequence_loss * sequence_weights[mb].to(device)).sum() * (0 if padding_pass else world_size)
                     loss.backward()
                     step_loss += loss.detach()  # summed on the device: no host sync per micro-batch
+                    if padding_pass:
+                        continue
                     # metrics: clipped ratios per sequence (low with A < 0, high with A > 0), token-mean entropy
                     low, high = ((ratio < 1 - args.epsilon) & (A < 0)).float(), ((ratio > 1 + epsilon_high) & (A > 0)).float()
                     train_stats["entropy"].append(((entropy * cmask).sum() / cmask.sum().clamp(min=1)).detach())
@@ -673,6 +789,7 @@ if __name__ == "__main__":
                     train_stats["clip_ratio/high_mean"].append(high.mean())
                     train_stats["clip_ratio/region_mean"].append((low + high).clamp(max=1).mean())
                 grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+                grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm  # FSDP2: a DTensor
                 optimizer.step()
                 scheduler.step()
                 global_step += 1
@@ -685,45 +802,65 @@ if __name__ == "__main__":
             vllm_utils.sync_weights(engine, model)
             sync_time = time.perf_counter() - t0
 
-        # TRY NOT TO MODIFY: logging (TRL's metric names) and checkpoints
+        # TRY NOT TO MODIFY: logging (TRL's metric names, over all ranks) and checkpoints
+        lengths, train_means = torch.tensor(completion_lengths, dtype=torch.float), {k: torch.stack(v).mean() for k, v in train_stats.items() if v}
+        abs_advantages = advantages.abs()
+        if world_size > 1:
+            gathered = [None] * world_size
+            dist.all_gather_object(gathered, (scores, lengths, truncated, abs_advantages))
+            scores, lengths, truncated, abs_advantages = (torch.cat([g[i] for g in gathered]) for i in range(4))
+            for value in [step_loss, *train_means.values()]:
+                dist.all_reduce(value)
+                value /= world_size
         total = (scores * reward_weights).nansum(-1)
         metrics.update({
             "step": global_step, "reward": total.mean().item(), "reward_std": total.std().item(),
             "frac_reward_zero_std": (total.view(-1, G).std(1) < 1e-6).float().mean().item(),
-            "completions/mean_length": float(np.mean(completion_lengths)), "completions/min_length": min(completion_lengths),
-            "completions/max_length": max(completion_lengths), "completions/clipped_ratio": truncated.float().mean().item(),
-            "advantages/mean_abs": advantages.abs().mean().item(),
+            "completions/mean_length": lengths.mean().item(), "completions/min_length": int(lengths.min()),
+            "completions/max_length": int(lengths.max()), "completions/clipped_ratio": truncated.float().mean().item(),
+            "advantages/mean_abs": abs_advantages.mean().item(),
             "grad_norm": grad_norm.item(), "learning_rate": scheduler.get_last_lr()[0], "loss": step_loss.item(),
-            "num_tokens": sum(prompt_lengths) + sum(completion_lengths), "timing/generation": generation_time,
-            "timing/weight_sync": sync_time, "step_time": time.perf_counter() - round_start,
+            "num_tokens": global_sum(sum(prompt_lengths) + sum(completion_lengths), world_size, device),
+            "timing/generation": generation_time, "timing/weight_sync": sync_time, "step_time": time.perf_counter() - round_start,
         })
         for k, fn in enumerate(reward_fns):
             column = scores[:, k][~scores[:, k].isnan()]
             metrics[f"rewards/{fn.__name__}/mean"] = column.mean().item() if column.numel() else float("nan")
             metrics[f"rewards/{fn.__name__}/std"] = column.std().item() if column.numel() > 1 else 0.0
-        metrics.update({k: torch.stack(v).mean().item() for k, v in train_stats.items() if v})
-        progress.set_postfix(reward=f"{metrics['reward']:.3f}", kl=f"{metrics.get('kl', 0):.4f}", len=f"{metrics['completions/mean_length']:.0f}")
-        if global_step % args.logging_steps == 0:
-            tqdm.write(" | ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in metrics.items()))
-        metrics_file.write(json.dumps(metrics) + "\n")
-        metrics_file.flush()
-        if args.track:
-            wandb.log(metrics, step=global_step)
+        metrics.update({k: v.item() for k, v in train_means.items()})
+        if is_main:
+            progress.set_postfix(reward=f"{metrics['reward']:.3f}", kl=f"{metrics.get('kl', 0):.4f}", len=f"{metrics['completions/mean_length']:.0f}")
+            if global_step % args.logging_steps == 0:
+                tqdm.write(" | ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in metrics.items()))
+            metrics_file.write(json.dumps(metrics) + "\n")
+            metrics_file.flush()
+            if args.track:
+                wandb.log(metrics, step=global_step)
         if args.save_steps and global_step % args.save_steps == 0 and global_step < args.max_steps:
+            model_state, optimizer_state = full_state(model, optimizer, world_size)  # every rank takes part
+            rng_states = [torch.get_rng_state()] * world_size
+            if world_size > 1:
+                dist.all_gather_object(rng_states, torch.get_rng_state())
+
             def write_checkpoint(tmp):
-                model.save_pretrained(tmp)
+                model.save_pretrained(tmp, state_dict=model_state)
                 tokenizer.save_pretrained(tmp)
-                torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "global_step": global_step,
-                            "prompts_consumed": prompts_consumed, "torch_rng": torch.get_rng_state()}, os.path.join(tmp, "trainer_state.pt"))
-            save_atomically(os.path.join(args.output_dir, f"checkpoint-{global_step}"), write_checkpoint)
-            checkpoints = sorted((d for d in os.listdir(args.output_dir) if d.startswith("checkpoint-") and d[11:].isdigit()), key=lambda d: int(d[11:]))
-            for old in checkpoints[: -args.save_total_limit] if args.save_total_limit else []:
-                shutil.rmtree(os.path.join(args.output_dir, old))
+                torch.save({"optimizer": optimizer_state, "scheduler": scheduler.state_dict(), "global_step": global_step,
+                            "prompts_consumed": prompts_consumed, "torch_rng": rng_states}, os.path.join(tmp, "trainer_state.pt"))
+            if is_main:
+                save_atomically(os.path.join(args.output_dir, f"checkpoint-{global_step}"), write_checkpoint)
+                checkpoints = sorted((d for d in os.listdir(args.output_dir) if d.startswith("checkpoint-") and d[11:].isdigit()), key=lambda d: int(d[11:]))
+                for old in checkpoints[: -args.save_total_limit] if args.save_total_limit else []:
+                    shutil.rmtree(os.path.join(args.output_dir, old))
 
     # final model + tokenizer, loadable with from_pretrained(output_dir)
     progress.close()
-    save_final(args.output_dir, model, tokenizer)
-    print(f"saved the final model to {args.output_dir}")
-    metrics_file.close()
-    if args.track:
-        wandb.finish()
+    model_state, _ = full_state(model, None, world_size)
+    if is_main:
+        save_final(args.output_dir, model, tokenizer, model_state)
+        print(f"saved the final model to {args.output_dir}")
+        metrics_file.close()
+        if args.track:
+            wandb.finish()
+    if world_size > 1:
+        dist.destroy_process_group()

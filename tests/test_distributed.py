@@ -55,3 +55,16 @@ def test_grpo_under_torchrun_trains_saves_and_resumes(tmp_path):
     assert "resumed from" in resumed.stdout + resumed.stderr
     steps = [json.loads(line)["step"] for line in open(out / "metrics.jsonl")]
     assert steps == [2, 4, 6]
+
+
+def test_rloo_under_torchrun_trains_and_saves(tmp_path):
+    out = tmp_path / "run"
+    result = torchrun(2, "rloo.py", *SMALL, "--dataset-name", ASSETS / "stories_prompts.jsonl", "--output-dir", out,
+                      "--prompts-per-step", 4, "--max-steps", 3, "--normalize-advantages", "--save-steps", 2)
+    assert result.returncode == 0, result.stderr[-4000:]
+    metrics = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    assert [m["step"] for m in metrics] == [1, 2, 3] and all("kl" in m for m in metrics)  # beta 0.05: reference model
+    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_pretrained(out)
+    assert (out / "checkpoint-2" / "trainer_state.pt").exists()
