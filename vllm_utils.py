@@ -112,6 +112,20 @@ def colocate_generate(llm, prompt_ids, n, fields):
     return completion_ids, logprobs
 
 
+def tensor_parallel_group(tensor_parallel_size):
+    """With torchrun and a colocated engine split over tensor_parallel_size GPUs, consecutive ranks form one engine
+    and must submit the same prompts: the process group of this rank's engine (None without tensor parallelism)."""
+    if tensor_parallel_size == 1 or not torch.distributed.is_initialized():
+        return None
+    world_size, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
+    mine = None
+    for start in range(0, world_size, tensor_parallel_size):  # every rank creates every group, in the same order
+        ranks = list(range(start, start + tensor_parallel_size))
+        group = torch.distributed.new_group(ranks)
+        mine = group if rank in ranks else mine
+    return mine
+
+
 def colocate_load_weights(llm, weights):
     """Copy (name, tensor) pairs into the engine's model in place (CUDA graphs stay valid); each TP rank slices its
     own shard from the full tensors. Fine for bf16/fp16 engines (online-quantized ones need reload_weights)."""
@@ -315,6 +329,7 @@ def start(args, model_path, max_prompt_length):
             args.vllm_max_model_len or max_prompt_length + args.max_completion_length, args.vllm_enable_sleep_mode,
             args.seed, max_num_seqs=args.prompts_per_step * args.num_generations, dtype="bfloat16" if args.bf16 else "auto")
         engine["sleep"] = args.vllm_enable_sleep_mode  # starts awake with the checkpoint's weights
+        engine["tp_group"] = tensor_parallel_group(args.vllm_tensor_parallel_size)
         engine["startup_s"] = time.perf_counter() - t0
         return engine
     base_url = f"http://{args.vllm_server_host}:{args.vllm_server_port}"
@@ -345,10 +360,17 @@ def generate(engine, prompt_ids, args=None):
     """(completion ids, vLLM log-probs), prompt-major, num_generations per prompt."""
     if engine["mode"] == "server":
         return server_generate(engine["base_url"], engine["model_id"], prompt_ids, engine["n"], engine["fields"])
-    llm = engine["llm"]
+    llm, group = engine["llm"], engine["tp_group"]
     if engine["sleep"] and engine.get("asleep"):
         llm.wake_up(tags=["kv_cache"])
-    out = colocate_generate(llm, prompt_ids, engine["n"], engine["fields"])
+    if group is None:
+        out = colocate_generate(llm, prompt_ids, engine["n"], engine["fields"])
+    else:  # the ranks of one tensor-parallel engine generate everyone's prompts together, then keep their own
+        parts = [None] * torch.distributed.get_world_size(group)
+        torch.distributed.all_gather_object(parts, prompt_ids, group=group)
+        completion_ids, logprobs = colocate_generate(llm, [p for part in parts for p in part], engine["n"], engine["fields"])
+        mine = slice(torch.distributed.get_rank(group) * len(prompt_ids) * engine["n"], (torch.distributed.get_rank(group) + 1) * len(prompt_ids) * engine["n"])
+        out = completion_ids[mine], logprobs[mine]
     if engine["sleep"]:
         llm.sleep(level=2)  # drops weights and KV cache: the backward pass gets the memory
         engine["asleep"] = True
