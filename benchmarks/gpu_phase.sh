@@ -30,7 +30,7 @@ run() {  # run NAME TIMEOUT ARGS...: one grpo.py run
   local name=$1 limit=$2; shift 2
   echo "== $name: python grpo.py $*" | tee "$OUT/$name.log"
   local script=grpo.py; case $name in rloo*) script=rloo.py;; online_dpo*) script=online_dpo.py;; esac
-  eval timeout "$limit" python3 $script --output-dir "$OUT/$name" "$@" >> "$OUT/$name.log" 2>&1
+  eval timeout "$limit" ${LAUNCH:-python3} $script --output-dir "$OUT/$name" "$@" >> "$OUT/$name.log" 2>&1
   echo "== $name exit $?" | tee -a "$OUT/$name.log"
 }
 
@@ -70,6 +70,12 @@ if [ "$PHASE" = bench_server ]; then
   serve /tmp/bench-qwen05b 8001; wait_server 8001
   CUDA_VISIBLE_DEVICES=0 run bench_server 200 $BENCH --use-vllm --vllm-mode server --vllm-server-port 8001 --vllm-group-port 51301
   stop_servers
+fi
+if [ "$PHASE" = scale ]; then  # torchrun on 2 GPUs: colocated addition (sleep on), bench-0.5b with the same global batch
+  export LAUNCH="python3 -m torch.distributed.run --nproc_per_node 2"
+  CUDA_VISIBLE_DEVICES=0,1 run addition_colocate_2gpu 360 --model-name-or-path /tmp/smol $ADD --vllm-mode colocate --vllm-enable-sleep-mode
+  CUDA_VISIBLE_DEVICES=0,1 run bench_colocate_2gpu 240 $BENCH --use-vllm --vllm-mode colocate
+  unset LAUNCH
 fi
 if [ "$PHASE" = tests ]; then  # the two GPU tests, then bench-0.5b without vLLM
   serve /tmp/smol 8000
