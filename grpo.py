@@ -509,12 +509,12 @@ def gather_rows(tensor, world_size):
     return torch.cat(parts)
 
 
-def global_sum(value, world_size, device):
-    """Sum of a number over all ranks."""
+def global_sum(value, world_size, device, op="sum"):
+    """Sum (or "min") of a number over all ranks."""
     if world_size == 1:
         return float(value)
     total = torch.tensor(float(value), device=device)
-    dist.all_reduce(total)
+    dist.all_reduce(total, op=dist.ReduceOp.MIN if op == "min" else dist.ReduceOp.SUM)
     return total.item()
 
 
@@ -716,7 +716,9 @@ if __name__ == "__main__":
         # of groups whose rewards differ)
         batch_prompts, batch_completions, batch_rows, batch_scores, batch_sampling_lp = [], [], [], [], []
         all_scores, generation_time, num_generation_rounds = [], 0.0, 0
-        while len(batch_rows) < prompts_per_rank and num_generation_rounds < (args.dynamic_sampling_max_rounds if args.dynamic_sampling else 1):
+        max_rounds = args.dynamic_sampling_max_rounds if args.dynamic_sampling else 1
+        # every rank samples the same number of rounds (they share the prompt stream): until the emptiest rank is full
+        while global_sum(len(batch_rows), world_size, device, "min") < prompts_per_rank and num_generation_rounds < max_rounds:
             rows = [next(prompts) for _ in range(args.prompts_per_step)]  # the same on every rank
             prompts_consumed += len(rows)
             rows = rows[rank * prompts_per_rank : (rank + 1) * prompts_per_rank]  # this rank's share
@@ -746,11 +748,8 @@ if __name__ == "__main__":
                 if sampling_logprobs is not None:
                     batch_sampling_lp += sampling_logprobs[group]
         # groups kept per rank: the same on every rank, a multiple of steps_per_generation
-        keep = min(len(batch_rows), prompts_per_rank) // args.steps_per_generation * args.steps_per_generation
-        if world_size > 1:
-            keep_tensor = torch.tensor(keep, device=device)
-            dist.all_reduce(keep_tensor, op=dist.ReduceOp.MIN)
-            keep = int(keep_tensor)
+        keep = int(global_sum(min(len(batch_rows), prompts_per_rank), world_size, device, "min"))
+        keep = keep // args.steps_per_generation * args.steps_per_generation
         if keep == 0:
             raise RuntimeError(
                 f"dynamic sampling found fewer than {args.steps_per_generation} prompt(s) whose {args.num_generations} "

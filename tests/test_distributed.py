@@ -68,3 +68,20 @@ def test_rloo_under_torchrun_trains_and_saves(tmp_path):
 
     AutoModelForCausalLM.from_pretrained(out)
     assert (out / "checkpoint-2" / "trainer_state.pt").exists()
+
+
+def test_grpo_dynamic_sampling_under_torchrun(tmp_path):
+    # half the prompts can never be rewarded ("zzzqqq"): ranks refill their share in lockstep (same number of rounds)
+    from grpo_cli import write_jsonl
+
+    prompts = ["Once upon a time, there was a little girl named Lily.", "One day, a boy named Tim went to the park.",
+               "The cat was sad.", "Sam and Mia wanted to play a game."]
+    data = write_jsonl(tmp_path / "mixed.jsonl", [{"prompt": p, "keyword": k} for p in prompts for k in ("the", "zzzqqq")])
+    out = tmp_path / "run"
+    result = torchrun(2, "grpo.py", *SMALL, "--dataset-name", data, "--output-dir", out, "--prompts-per-step", 4,
+                      "--max-completion-length", 16, "--max-steps", 2, "--dynamic-sampling", "--dynamic-sampling-max-rounds", 6)
+    assert result.returncode == 0, result.stderr[-4000:]
+    metrics = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    assert [m["step"] for m in metrics] == [1, 2]
+    for m in metrics:  # groups kept over both ranks: a full step unless it gave up after 6 rounds
+        assert m["dynamic_sampling/kept_groups"] in (2, 4) and (m["dynamic_sampling/kept_groups"] == 4 or m["dynamic_sampling/generation_rounds"] == 6)
