@@ -14,7 +14,7 @@ ENV = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="offline", CUDA_VISIBLE_D
 
 
 def torchrun(nproc, *args, timeout=300):
-    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), *map(str, args)],
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), *map(str, args)],
                           cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=timeout)
 
 
