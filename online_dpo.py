@@ -1,0 +1,723 @@
+# Online DPO (and online IPO) in one file. Docs: README.md, section "online_dpo.py".
+"""Online Direct Preference Optimization for language models, with vLLM or Hugging Face `generate` for sampling.
+
+Every step: sample G completions per prompt from the current policy, score them (reward functions or a reward model),
+pair the best with the worst, and take one optimizer step on the DPO loss against a frozen copy of the initial model
+(online AI feedback: Guo et al. 2024, arXiv 2402.04792; DPO: arXiv 2305.18290 eq. 7; IPO: arXiv 2310.12036 eq. 17).
+
+Examples:
+  # CPU, about 10 seconds, bundled 260K-parameter model learns to say "play"
+  python online_dpo.py --model-name-or-path tests/assets/stories260K --dataset-name tests/assets/stories_prompts.jsonl \
+      --prompt-column prompt --answer-column "" --reward-funcs keyword_reward --no-use-chat-template --no-bf16 \
+      --num-generations 4 --prompts-per-step 8 --max-completion-length 24 --learning-rate 3e-4 --max-steps 30 \
+      --output-dir runs/quickstart-dpo
+  # one GPU, vLLM inside the training process
+  python online_dpo.py --reward-funcs gsm8k_accuracy --use-vllm --vllm-mode colocate --vllm-enable-sleep-mode
+  # trainer on GPU 0, a stock vLLM server on GPU 1 (README.md, "Using vLLM"), scored by a reward model
+  python online_dpo.py --reward-model-path Skywork/Skywork-Reward-V2-Qwen3-0.6B --use-vllm --vllm-mode server
+"""
+import json
+import math
+import os
+import random
+import shutil
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Literal
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+import tyro
+from torch.utils.checkpoint import checkpoint
+from tqdm import tqdm
+
+import rewards
+
+
+@dataclass
+class Args:
+    # Experiment
+    exp_name: str = "online_dpo"
+    """name of this experiment (used in the run name)"""
+    seed: int = 1
+    """seed of the experiment: prompt order, sampling and initialisation"""
+    track: bool = False
+    """log metrics to Weights & Biases"""
+    wandb_project_name: str = "vllm-rl"
+    """the wandb project name"""
+    wandb_entity: str | None = None
+    """the wandb entity (team)"""
+    output_dir: str = "runs/online_dpo"
+    """where checkpoints, metrics.jsonl and the final model + tokenizer are written"""
+
+    # Model
+    model_name_or_path: str = "Qwen/Qwen2.5-0.5B-Instruct"
+    """Hugging Face causal LM: a hub name or a local path (also the frozen reference model)"""
+    param_dtype: Literal["float32", "bfloat16"] = "float32"
+    """dtype of the trained weights and of the reference model (float32 keeps small AdamW updates from rounding away)"""
+    bf16: bool = True
+    """run forward/backward under bfloat16 autocast on CUDA (ignored on the CPU)"""
+    gradient_checkpointing: bool = False
+    """recompute activations in the backward pass to save memory"""
+    use_chat_template: bool = True
+    """wrap plain-text prompts as a user message and apply the tokenizer's chat template (if it has one)"""
+    system_prompt: str | None = None
+    """optional system message put before every prompt"""
+
+    # Data
+    dataset_name: str = "openai/gsm8k"
+    """hub dataset name, or a local .json / .jsonl / .parquet file"""
+    dataset_config: str | None = "main"
+    """dataset configuration name (hub datasets only)"""
+    dataset_split: str = "train"
+    """split to train on"""
+    prompt_column: str = "question"
+    """column holding the prompt: a string, or a list of chat messages"""
+    answer_column: str = "answer"
+    """column holding the reference answer, passed to rewards as `answer` ("" if there is none)"""
+    max_prompt_length: int | None = None
+    """drop prompts with more tokens than this (default: keep all; an over-long prompt is an error)"""
+
+    # Generation
+    num_generations: int = 2
+    """G: completions sampled per prompt; the highest- and lowest-scored form the preference pair"""
+    prompts_per_step: int = 16
+    """unique prompts per generation round (at most one pair each)"""
+    max_completion_length: int = 64
+    """maximum new tokens per completion"""
+    temperature: float = 0.9
+    """sampling temperature (policy and reference log-probs are computed at the same temperature)"""
+    top_p: float = 1.0
+    """nucleus sampling"""
+    top_k: int = 0
+    """top-k sampling (0 = off)"""
+    min_p: float = 0.0
+    """min-p sampling (0 = off)"""
+    repetition_penalty: float = 1.0
+    """repetition penalty (1 = off)"""
+
+    # vLLM (README.md, "Using vLLM")
+    use_vllm: bool = False
+    """generate with vLLM instead of Hugging Face `generate`"""
+    vllm_mode: Literal["colocate", "server"] = "colocate"
+    """colocate: a vllm.LLM inside this process; server: a separate `vllm serve` reached over HTTP + NCCL"""
+    vllm_gpu_memory_utilization: float = 0.3
+    """colocate: share of the GPU's memory vLLM may take (weights + KV cache)"""
+    vllm_tensor_parallel_size: int = 1
+    """colocate: tensor-parallel size of the in-process engine"""
+    vllm_max_model_len: int | None = None
+    """colocate: context length of the engine (default: longest prompt + max_completion_length)"""
+    vllm_enable_sleep_mode: bool = False
+    """colocate: free vLLM's memory (sleep level 2) while training"""
+    vllm_server_host: str = "127.0.0.1"
+    """server: host of `vllm serve`"""
+    vllm_server_port: int = 8000
+    """server: port of `vllm serve`"""
+    vllm_server_timeout: float = 240.0
+    """server: seconds to wait for the server to answer /health"""
+    vllm_group_port: int = 51216
+    """server: TCP port the trainer opens for the NCCL weight-sync rendezvous"""
+
+    # Rewards and pairs
+    reward_funcs: list[str] = field(default_factory=list)
+    """names of functions in rewards.py; their weighted sum is the reward (e.g. gsm8k_accuracy); or --reward-model-path"""
+    reward_weights: list[float] | None = None
+    """one weight per reward function (default: all 1)"""
+    reward_kwargs: dict[str, float] = field(default_factory=dict)
+    """extra keyword arguments for every reward function, e.g. overlong_buffer_length 128"""
+    reward_model_path: str | None = None
+    """instead of --reward-funcs: a sequence-classification model (num_labels 1) that scores prompt + completion"""
+    missing_eos_penalty: float | None = None
+    """subtract this from the reward of every completion that did not end with EOS (None = off)"""
+
+    # Loss
+    loss_type: Literal["sigmoid", "ipo"] = "sigmoid"
+    """sigmoid: DPO, -log sigmoid(beta z) (arXiv 2305.18290 eq. 7); ipo: (z - 1/(2 beta))^2 (arXiv 2310.12036 eq. 17)"""
+    beta: list[float] = field(default_factory=lambda: [0.1])
+    """strength of the pull towards the reference model; one value per epoch over the prompts, the last one reused"""
+
+    # Optimization
+    learning_rate: float = 5e-7
+    """AdamW learning rate"""
+    weight_decay: float = 0.0
+    """AdamW weight decay"""
+    adam_beta1: float = 0.9
+    """AdamW beta1"""
+    adam_beta2: float = 0.999
+    """AdamW beta2"""
+    lr_scheduler_type: Literal["constant", "linear", "cosine"] = "linear"
+    """learning-rate schedule after warmup"""
+    warmup_steps: int = 0
+    """linear warmup optimizer steps"""
+    max_grad_norm: float = 1.0
+    """gradient clipping norm"""
+    max_steps: int = 200
+    """total steps (generation rounds; a round with no pair takes no optimizer step but counts)"""
+    micro_batch_tokens: int = 16384
+    """token budget (rows x padded length) of one forward/backward micro-batch; gradients accumulate over them"""
+
+    # Logging and checkpoints
+    logging_steps: int = 1
+    """print a metrics line every this many steps"""
+    save_steps: int = 0
+    """write a resumable checkpoint every this many steps (0 = only the final model)"""
+    save_total_limit: int | None = 2
+    """keep only the newest this many checkpoints"""
+    resume_from_checkpoint: str | None = None
+    """a checkpoint directory, or "latest" for the newest one in output_dir"""
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Data
+
+
+def load_prompts(args, tokenizer, max_context):
+    """Load the dataset and return (prompt_ids, prompts, columns, is_conversational): token ids per row, the prompt
+    as chat messages (when a chat template was applied) or text, and the other columns (answer column renamed to
+    `answer`) that reward functions receive by name."""
+    from datasets import load_dataset
+
+    name = args.dataset_name
+    if name.endswith((".json", ".jsonl", ".parquet")):
+        if not os.path.exists(name):
+            raise FileNotFoundError(f"dataset file {name} does not exist")
+        dataset = load_dataset("parquet" if name.endswith(".parquet") else "json", data_files=name, split="train")
+    else:
+        dataset = load_dataset(name, args.dataset_config, split=args.dataset_split)
+    for option, column in (("--prompt-column", args.prompt_column), ("--answer-column", args.answer_column)):
+        if column and column not in dataset.column_names:
+            raise ValueError(
+                f"dataset {name} has no column '{column}' (its columns: {dataset.column_names}). "
+                f"Pass {option} with one of those" + (', or --answer-column "" if it has none.' if "answer" in option else ".")
+            )
+    raw = dataset[args.prompt_column]
+    conversational = isinstance(raw[0], list)
+    use_template = conversational or (args.use_chat_template and tokenizer.chat_template is not None)
+    prompt_ids, prompts = [], []
+    for prompt in raw:
+        if use_template:
+            messages = prompt if conversational else [{"role": "user", "content": prompt}]
+            if args.system_prompt:
+                messages = [{"role": "system", "content": args.system_prompt}] + messages
+            ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+            prompts.append(messages)
+        else:
+            text = f"{args.system_prompt}\n\n{prompt}" if args.system_prompt else prompt
+            ids = tokenizer(text)["input_ids"]
+            prompts.append(text)
+        prompt_ids.append(list(ids))
+    columns = {c: dataset[c] for c in dataset.column_names if c != args.prompt_column}
+    if args.answer_column and args.answer_column != "answer":
+        columns["answer"] = columns.pop(args.answer_column)
+
+    keep = list(range(len(prompt_ids)))
+    if args.max_prompt_length is not None:
+        keep = [i for i in keep if len(prompt_ids[i]) <= args.max_prompt_length]
+        print(f"--max-prompt-length {args.max_prompt_length}: kept {len(keep)} of {len(prompt_ids)} prompts")
+        if not keep:
+            raise ValueError(f"no prompt is at most {args.max_prompt_length} tokens long; raise --max-prompt-length")
+    longest = max(keep, key=lambda i: len(prompt_ids[i]))
+    if len(prompt_ids[longest]) + args.max_completion_length > max_context:
+        raise ValueError(
+            f"prompt {longest} has {len(prompt_ids[longest])} tokens, and with --max-completion-length "
+            f"{args.max_completion_length} it exceeds the model's context of {max_context} tokens. Pass "
+            f"--max-prompt-length {max_context - args.max_completion_length} to drop such prompts, or lower "
+            f"--max-completion-length."
+        )
+    return ([prompt_ids[i] for i in keep], [prompts[i] for i in keep], {c: [v[i] for i in keep] for c, v in columns.items()},
+            use_template)
+
+
+def prompt_stream(num_prompts, seed, start=0):
+    """Yield prompt indices forever: a new seeded permutation each epoch. `start` skips that many (for resuming)."""
+    epoch = 0
+    while True:
+        order = torch.randperm(num_prompts, generator=torch.Generator().manual_seed(seed + epoch)).tolist()
+        for index in order:
+            if start > 0:
+                start -= 1
+                continue
+            yield index
+        epoch += 1
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Rewards and pairs
+
+
+def score_completions(reward_fns, completions, columns):
+    """Call each reward function; returns rewards (num_completions, num_funcs) with NaN where a function gave None."""
+    scores = torch.full((len(completions), len(reward_fns)), float("nan"))
+    for k, fn in enumerate(reward_fns):
+        try:
+            values = fn(completions=completions, **columns)
+        except Exception as error:
+            raise RuntimeError(
+                f"reward function '{fn.__name__}' raised {type(error).__name__}: {error}. It receives completions and "
+                f"the keyword columns {sorted(columns)}; fix the function or the dataset columns it reads."
+            ) from error
+        if len(values) != len(completions):
+            raise ValueError(f"reward function '{fn.__name__}' returned {len(values)} values for {len(completions)} completions")
+        scores[:, k] = torch.tensor([float("nan") if v is None else float(v) for v in values])
+    return scores
+
+
+def reward_model_inputs(tokenizer, prompts, completions):
+    """Token ids the reward model reads, one list per sample. prompts[i] is a list of chat messages or a text;
+    completions[i] the completion text. Chat prompts go through the reward tokenizer's chat template with the
+    completion as the assistant's reply, if it has a template; otherwise prompt text + completion text is scored
+    (chat messages' contents joined by blank lines)."""
+    inputs = []
+    for prompt, completion in zip(prompts, completions):
+        if isinstance(prompt, list) and tokenizer.chat_template:
+            text = tokenizer.apply_chat_template(prompt + [{"role": "assistant", "content": completion}], tokenize=False)
+            inputs.append(tokenizer(text, add_special_tokens=False)["input_ids"])  # the template has its own BOS
+        else:
+            text = "\n\n".join([m["content"] for m in prompt] + [completion]) if isinstance(prompt, list) else prompt + completion
+            inputs.append(tokenizer(text)["input_ids"])
+    return inputs
+
+
+def load_reward_model(path, device, dtype=torch.float32):
+    """A sequence-classification model with one output (the reward) and its tokenizer, frozen, in eval mode."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForSequenceClassification.from_pretrained(path, dtype=dtype).to(device).eval().requires_grad_(False)
+    if model.config.num_labels != 1:
+        raise ValueError(f"--reward-model-path {path} has {model.config.num_labels} labels; a reward model has 1")
+    if model.config.pad_token_id is None:  # needed for batches; the model reads its score at the last non-pad token
+        model.config.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    return model, tokenizer
+
+
+@torch.no_grad()
+def reward_model_scores(reward_model, input_ids, micro_batch_tokens, device):
+    """logits[:, 0] of a sequence-classification model for each token-id list, (N,), in token-budget micro-batches.
+    Rows are right-padded with the model's config.pad_token_id: the model reads a row's score at its last token that
+    is not that id, so a row scores the same padded or alone."""
+    pad_id = reward_model.config.pad_token_id
+    lengths = [len(ids) for ids in input_ids]
+    scores = torch.zeros(len(input_ids))
+    for mb in token_budget_batches(range(len(input_ids)), [0] * len(input_ids), lengths, micro_batch_tokens):
+        L = max(lengths[i] for i in mb)
+        ids = torch.full((len(mb), L), pad_id, dtype=torch.long)  # (B, L), right-padded
+        attention_mask = torch.zeros_like(ids)
+        for row, i in enumerate(mb):
+            ids[row, : lengths[i]] = torch.tensor(input_ids[i])
+            attention_mask[row, : lengths[i]] = 1
+        logits = reward_model(input_ids=ids.to(device), attention_mask=attention_mask.to(device)).logits  # (B, 1)
+        scores[mb] = logits[:, 0].float().cpu()
+    return scores
+
+
+def apply_missing_eos_penalty(rewards, completion_ids, eos_ids, penalty):
+    """rewards - penalty for each completion whose last token is not an EOS (it hit max_completion_length)."""
+    truncated = torch.tensor([not (c and c[-1] in eos_ids) for c in completion_ids], dtype=torch.float32)
+    return rewards - penalty * truncated
+
+
+def select_pairs(rewards, num_generations):
+    """Pick one (chosen, rejected) pair per prompt: the highest- and the lowest-rewarded of its G completions.
+
+    rewards: (N,) with N = num_prompts * G, groups contiguous; NaN marks an unscorable completion, left out of the
+    choice. A prompt with fewer than 2 scorable completions, or whose scorable completions all tie, gives no pair.
+    Returns chosen and rejected indices into the N completions, the number of tied prompts and of unscorable ones."""
+    grouped = rewards.view(-1, num_generations)  # (num_prompts, G)
+    chosen, rejected, num_tied, num_unscorable = [], [], 0, 0
+    for g, group in enumerate(grouped.tolist()):
+        valid = [k for k, r in enumerate(group) if not math.isnan(r)]
+        if len(valid) < 2:
+            num_unscorable += 1
+            continue
+        best = max(valid, key=lambda k: group[k])  # the first of equals: completions are exchangeable
+        worst = min(valid, key=lambda k: group[k])
+        if group[best] == group[worst]:
+            num_tied += 1
+            continue
+        chosen.append(g * num_generations + best)
+        rejected.append(g * num_generations + worst)
+    return chosen, rejected, num_tied, num_unscorable
+
+
+def beta_for_epoch(betas, epoch):
+    """--beta holds one value per epoch over the prompt set; after the list ends its last value is reused."""
+    return betas[min(epoch, len(betas) - 1)]
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Log-probabilities and losses
+
+
+def collate(prompt_ids, completion_ids, device, pad_id):
+    """Left-pad prompts and right-pad completions into one (B, P + C) batch.
+
+    Returns input_ids, attention_mask, position_ids (B, P + C), completion_mask (B, C) and P."""
+    P = max(len(p) for p in prompt_ids)
+    C = max(max(len(c) for c in completion_ids), 1)
+    input_ids = torch.full((len(prompt_ids), P + C), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros_like(input_ids)
+    for i, (p, c) in enumerate(zip(prompt_ids, completion_ids)):
+        input_ids[i, P - len(p) : P + len(c)] = torch.tensor(p + c)
+        attention_mask[i, P - len(p) : P + len(c)] = 1
+    # positions count from each prompt's first real token, as in generation
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    completion_mask = attention_mask[:, P:].float()
+    return input_ids.to(device), attention_mask.to(device), position_ids.to(device), completion_mask.to(device), P
+
+
+def _token_logprobs(hidden, targets, lm_head, temperature):
+    # hidden: (n, H) -> logits (n, V) in float32 for this chunk only
+    logits = lm_head(hidden).float() / temperature
+    return logits.log_softmax(-1).gather(-1, targets[:, None]).squeeze(-1)
+
+
+def per_token_logprobs(model, input_ids, attention_mask, position_ids, completion_mask, prompt_length,
+                       temperature=1.0, chunk_tokens=1024):
+    """log pi(token) of each completion token at the sampling temperature, (B, C), 0 on padding.
+
+    The fp32 logits of a 150k vocabulary would be the memory peak, so they never exist for the whole batch: the LM
+    head runs on chunks of `chunk_tokens` completion tokens, each under activation checkpointing, so the backward pass
+    recomputes one chunk at a time too."""
+    hidden = model.base_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                              use_cache=False).last_hidden_state
+    hidden = hidden[:, prompt_length - 1 : -1]  # (B, C, H): position t predicts completion token t
+    targets = input_ids[:, prompt_length:]
+    mask = completion_mask.bool()
+    hidden, targets = hidden[mask], targets[mask]  # (n_tokens, H), (n_tokens,)
+    lm_head = model.get_output_embeddings()
+    pieces = []
+    for start in range(0, targets.numel(), chunk_tokens):
+        h, t = hidden[start : start + chunk_tokens], targets[start : start + chunk_tokens]
+        if torch.is_grad_enabled():
+            pieces.append(checkpoint(_token_logprobs, h, t, lm_head, temperature, use_reentrant=False))
+        else:
+            pieces.append(_token_logprobs(h, t, lm_head, temperature))
+    logprobs = torch.zeros(mask.shape, device=input_ids.device)
+    return logprobs.masked_scatter(mask, torch.cat(pieces)) if pieces else logprobs
+
+
+def sequence_logprobs(model, prompt_ids, completion_ids, temperature, device, pad_id):
+    """log pi(completion | prompt) = sum_t log pi(c_t | prompt, c_<t) at the sampling temperature, (B,)."""
+    ids, attn, pos, cmask, P = collate(prompt_ids, completion_ids, device, pad_id)
+    return per_token_logprobs(model, ids, attn, pos, cmask, P, temperature).sum(-1)  # (B, C) -> (B,): padding is 0
+
+
+def dpo_loss(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, beta, loss_type="sigmoid"):
+    """Per-pair loss, (num_pairs,), from sequence log-probs. With
+    z = (log pi(chosen) - log pi(rejected)) - (log pi_ref(chosen) - log pi_ref(rejected)):
+      sigmoid (DPO, arXiv 2305.18290 eq. 7):              -log sigmoid(beta * z)
+      ipo     (IPO, arXiv 2310.12036 eq. 17, tau = beta):  (z - 1 / (2 * beta))^2"""
+    z = (chosen_logps - rejected_logps) - (ref_chosen_logps - ref_rejected_logps)
+    if loss_type == "sigmoid":
+        return -F.logsigmoid(beta * z)
+    if loss_type == "ipo":
+        return (z - 1 / (2 * beta)) ** 2
+    raise ValueError(f"unknown loss_type {loss_type}")
+
+
+def token_budget_batches(rows, prompt_lengths, completion_lengths, budget):
+    """Split `rows` into micro-batches whose padded size (rows x (max prompt + max completion)) fits `budget`.
+    Rows are sorted by length so that similar lengths share a micro-batch (less padding)."""
+    order = sorted(rows, key=lambda i: prompt_lengths[i] + completion_lengths[i])
+    batches, current, max_p, max_c = [], [], 0, 0
+    for i in order:
+        p, c = max(max_p, prompt_lengths[i]), max(max_c, completion_lengths[i])
+        if current and (len(current) + 1) * (p + c) > budget:
+            batches.append(current)
+            current, p, c = [], prompt_lengths[i], completion_lengths[i]
+        current.append(i)
+        max_p, max_c = p, c
+    return batches + [current] if current else batches
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Generation with Hugging Face `generate` (the vLLM paths live in vllm_utils.py)
+
+
+@torch.no_grad()
+def hf_generate(model, prompt_ids, args, eos_ids, pad_id):
+    """Sample num_generations completions per prompt; returns completion token ids (prompt-major), each cut after
+    its first EOS (the EOS is kept as the last token)."""
+    from transformers import GenerationConfig
+
+    repeated = [p for p in prompt_ids for _ in range(args.num_generations)]
+    P = max(len(p) for p in repeated)
+    input_ids = torch.full((len(repeated), P), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros_like(input_ids)
+    for i, p in enumerate(repeated):
+        input_ids[i, P - len(p) :] = torch.tensor(p)
+        attention_mask[i, P - len(p) :] = 1
+    config = GenerationConfig(
+        do_sample=True, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+        min_p=args.min_p or None, repetition_penalty=args.repetition_penalty, max_new_tokens=args.max_completion_length,
+        eos_token_id=eos_ids, pad_token_id=pad_id, use_cache=True,
+    )
+    model.eval()
+    with torch.autocast(model.device.type, torch.bfloat16, enabled=args.bf16 and model.device.type == "cuda"):
+        out = model.generate(input_ids=input_ids.to(model.device), attention_mask=attention_mask.to(model.device),
+                             generation_config=config)
+    completions = []
+    for row in out[:, P:].tolist():
+        end = next((t + 1 for t, token in enumerate(row) if token in eos_ids), len(row))
+        completions.append(row[:end])
+    return completions, None
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Checkpoints
+
+
+def save_atomically(path, write):
+    """Run write(tmp_dir) then rename tmp_dir to `path`: a crash never leaves a half-written `path`."""
+    tmp = f"{path}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    write(tmp)
+    if os.path.isdir(path):
+        old = f"{path}.old-{os.getpid()}"
+        os.replace(path, old)
+        os.replace(tmp, path)
+        shutil.rmtree(old)
+    else:
+        os.replace(tmp, path)
+
+
+def save_final(output_dir, model, tokenizer):
+    """save_pretrained into output_dir itself, next to checkpoints and metrics: the files are written to a temporary
+    folder, then each is moved in with an atomic rename, config.json last, so a config.json means a complete model."""
+    tmp = os.path.join(output_dir, f".final-tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    for name in sorted(os.listdir(tmp), key=lambda n: n == "config.json"):
+        os.replace(os.path.join(tmp, name), os.path.join(output_dir, name))
+    os.rmdir(tmp)
+
+
+def find_checkpoint(output_dir, name):
+    """Resolve --resume-from-checkpoint: a directory, or "latest" = the highest checkpoint-N in output_dir."""
+    if name != "latest":
+        return name
+    steps = [int(d.split("-")[1]) for d in os.listdir(output_dir) if d.startswith("checkpoint-") and d.split("-")[1].isdigit()] if os.path.isdir(output_dir) else []
+    if not steps:
+        raise FileNotFoundError(f"--resume-from-checkpoint latest: no checkpoint-N directory in {output_dir}")
+    return os.path.join(output_dir, f"checkpoint-{max(steps)}")
+
+
+if __name__ == "__main__":
+    args = tyro.cli(Args)
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise RuntimeError("online_dpo.py trains in one process (one GPU, vLLM colocated or as a server); run it "
+                           "without torchrun")
+    if args.num_generations < 2:
+        raise ValueError("--num-generations must be at least 2: a preference pair compares two completions of a prompt")
+    if not args.beta or min(args.beta) <= 0:
+        raise ValueError(f"--beta needs one or more positive values, got {args.beta}")
+    if args.missing_eos_penalty is not None and args.missing_eos_penalty <= 0:
+        raise ValueError(f"--missing-eos-penalty must be > 0 (it is subtracted from the reward), got {args.missing_eos_penalty}")
+    if bool(args.reward_funcs) == bool(args.reward_model_path):
+        raise ValueError(("no reward given: " if not args.reward_funcs else "both --reward-funcs and --reward-model-path given: ")
+                         + "pass either --reward-funcs with names from rewards.py (e.g. gsm8k_accuracy) or "
+                         "--reward-model-path with a sequence-classification reward model, not both")
+    reward_fns = []  # resolved before anything slow is loaded
+    for name in args.reward_funcs:
+        if name.startswith("_") or not callable(getattr(rewards, name, None)):
+            public = [n for n in dir(rewards) if not n.startswith("_") and callable(getattr(rewards, n)) and getattr(rewards, n).__module__ == "rewards"]
+            raise ValueError(f"unknown reward function '{name}'. --reward-funcs takes names from rewards.py: {public}")
+        reward_fns.append(getattr(rewards, name))
+    reward_weights = torch.tensor(args.reward_weights or [1.0] * len(reward_fns))
+    if len(reward_weights) != len(reward_fns):
+        raise ValueError(f"--reward-weights has {len(reward_weights)} values for {len(reward_fns)} --reward-funcs")
+    run_name = f"{args.exp_name}__{args.seed}__{int(time.time())}"
+    os.makedirs(args.output_dir, exist_ok=True)
+
+    # TRY NOT TO MODIFY: seeding
+    random.seed(args.seed)
+    np.random.seed(args.seed)
+    torch.manual_seed(args.seed)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    autocast = dict(device_type=device.type, dtype=torch.bfloat16, enabled=args.bf16 and device.type == "cuda")
+
+    # Model, tokenizer, reference model (in the policy's dtype, so that z = 0 before the first update)
+    from transformers import AutoModelForCausalLM, AutoTokenizer, get_scheduler
+
+    checkpoint_dir = find_checkpoint(args.output_dir, args.resume_from_checkpoint) if args.resume_from_checkpoint else None
+    model_path = checkpoint_dir or args.model_name_or_path
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, args.param_dtype)).to(device)
+    ref_model = AutoModelForCausalLM.from_pretrained(args.model_name_or_path, dtype=getattr(torch, args.param_dtype)).to(device).eval()
+    ref_model.requires_grad_(False)
+    for module in model.modules():  # no dropout: before the first update the policy's log-probs equal the reference's
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+    if args.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    eos_ids = set(model.generation_config.eos_token_id if isinstance(model.generation_config.eos_token_id, list) else [model.generation_config.eos_token_id])
+    eos_ids = sorted((eos_ids | {tokenizer.eos_token_id}) - {None})
+
+    # Data, and the reward model if one scores instead of reward functions
+    max_context = getattr(model.config, "max_position_embeddings", None) or 10**9
+    prompt_ids, raw_prompts, columns, conversational = load_prompts(args, tokenizer, max_context)
+    reward_model = None
+    if args.reward_model_path:
+        reward_model, reward_tokenizer = load_reward_model(args.reward_model_path, device,
+                                                           torch.bfloat16 if device.type == "cuda" else torch.float32)
+
+    # Optimizer and schedule
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2),
+                                  weight_decay=args.weight_decay)
+    scheduler = get_scheduler(args.lr_scheduler_type, optimizer, args.warmup_steps, args.max_steps)
+    global_step, prompts_consumed, skipped_steps = 0, 0, 0
+    if checkpoint_dir:
+        state = torch.load(os.path.join(checkpoint_dir, "trainer_state.pt"), weights_only=False)
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        global_step, prompts_consumed, skipped_steps = state["global_step"], state["prompts_consumed"], state["skipped_steps"]
+        torch.set_rng_state(state["torch_rng"])
+        print(f"resumed from {checkpoint_dir} at step {global_step}")
+    prompts = prompt_stream(len(prompt_ids), args.seed, start=prompts_consumed)
+
+    # Generator: Hugging Face generate, or vLLM (colocated engine or a `vllm serve` server)
+    if args.use_vllm:
+        import vllm_utils
+
+        engine = vllm_utils.start(args, model_path, max(len(p) for p in prompt_ids))
+        generate = lambda batch_prompt_ids: vllm_utils.generate(engine, batch_prompt_ids, args)  # noqa: E731
+    else:
+        generate = lambda batch_prompt_ids: hf_generate(model, batch_prompt_ids, args, eos_ids, pad_id)  # noqa: E731
+
+    if args.track:
+        import wandb
+
+        wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, name=run_name, config=asdict(args))
+    metrics_file = open(os.path.join(args.output_dir, "metrics.jsonl"), "a")
+    progress = tqdm(total=args.max_steps, initial=global_step, desc="online_dpo", dynamic_ncols=True)
+
+    G = args.num_generations
+    while global_step < args.max_steps:
+        round_start = time.perf_counter()
+        beta = beta_for_epoch(args.beta, prompts_consumed // len(prompt_ids))
+        # ALGO LOGIC: 1. sample prompts and generate G completions each
+        rows = [next(prompts) for _ in range(args.prompts_per_step)]
+        prompts_consumed += len(rows)
+        t0 = time.perf_counter()
+        completion_ids, _ = generate([prompt_ids[i] for i in rows])  # prompt-major: completion k is rows[k // G]'s
+        generation_time = time.perf_counter() - t0
+        batch_prompts = [prompt_ids[i] for i in rows for _ in range(G)]
+        texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+
+        # 2. score every completion: reward functions (their columns by name), or the reward model on prompt + completion
+        if reward_model is not None:
+            if conversational:
+                rm_prompts, rm_completions = [raw_prompts[i] for i in rows for _ in range(G)], texts
+            else:  # the decoded prompt and its exact continuation (decoding a completion alone may drop a leading space)
+                rm_prompts = tokenizer.batch_decode(batch_prompts, skip_special_tokens=True)
+                full = tokenizer.batch_decode([p + c for p, c in zip(batch_prompts, completion_ids)], skip_special_tokens=True)
+                rm_completions = [f[len(p):] if f.startswith(p) else t for f, p, t in zip(full, rm_prompts, texts)]
+            rm_inputs = reward_model_inputs(reward_tokenizer, rm_prompts, rm_completions)
+            rewards_total = reward_model_scores(reward_model, rm_inputs, args.micro_batch_tokens, device)
+        else:
+            completions = [[{"role": "assistant", "content": t}] for t in texts] if conversational else texts
+            repeated = lambda values: [values[i] for i in rows for _ in range(G)]  # noqa: E731
+            reward_columns = {c: repeated(v) for c, v in columns.items()}
+            reward_columns.update(prompts=tokenizer.batch_decode(batch_prompts), completion_ids=completion_ids,
+                                  max_completion_length=args.max_completion_length, **args.reward_kwargs)
+            scores = score_completions(reward_fns, completions, reward_columns)  # (len(rows) * G, num_funcs)
+            rewards_total = (scores * reward_weights).nansum(-1).masked_fill(scores.isnan().all(-1), float("nan"))
+        if args.missing_eos_penalty is not None:
+            rewards_total = apply_missing_eos_penalty(rewards_total, completion_ids, eos_ids, args.missing_eos_penalty)
+
+        # 3. pair the best and the worst completion of each prompt
+        chosen, rejected, num_tied, num_unscorable = select_pairs(rewards_total, G)
+        num_pairs = len(chosen)
+
+        # 4. one optimizer step on the DPO loss, in micro-batches of whole pairs
+        logps = torch.zeros(num_pairs, 2, device=device)  # sequence log-probs of (chosen, rejected) under the policy
+        ref_logps = torch.zeros(num_pairs, 2, device=device)  # ... and under the reference model
+        if num_pairs:
+            model.train()
+            optimizer.zero_grad(set_to_none=True)
+            step_loss = 0.0
+            pair_prompt_lengths = [len(batch_prompts[c]) for c in chosen]
+            pair_lengths = [max(len(completion_ids[c]), len(completion_ids[r])) for c, r in zip(chosen, rejected)]
+            for mb in token_budget_batches(range(num_pairs), pair_prompt_lengths, pair_lengths, args.micro_batch_tokens // 2):
+                mb_rows = [chosen[j] for j in mb] + [rejected[j] for j in mb]  # 2k rows: k chosen, then k rejected
+                mb_prompts, mb_completions = [batch_prompts[i] for i in mb_rows], [completion_ids[i] for i in mb_rows]
+                # (2k,) -> (2, k): row 0 the chosen completions, row 1 the rejected ones
+                with torch.no_grad(), torch.autocast(**autocast):
+                    ref = sequence_logprobs(ref_model, mb_prompts, mb_completions, args.temperature, device, pad_id).view(2, -1)
+                with torch.autocast(**autocast):
+                    policy = sequence_logprobs(model, mb_prompts, mb_completions, args.temperature, device, pad_id).view(2, -1)
+                losses = dpo_loss(policy[0], policy[1], ref[0], ref[1], beta, args.loss_type)  # (k,)
+                loss = losses.sum() / num_pairs  # every pair weighs 1 / num_pairs, however the pairs are micro-batched
+                loss.backward()
+                step_loss += loss.detach()  # summed on the device: no host sync per micro-batch
+                logps[mb], ref_logps[mb] = policy.detach().T, ref.T
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+            optimizer.step()
+        else:
+            skipped_steps += 1  # every prompt tied (or was unscorable): no pair, no update; the step still counts
+        scheduler.step()
+        global_step += 1
+        progress.update(1)
+
+        # 5. push the new weights to vLLM before the next generation round
+        sync_time = 0.0
+        if args.use_vllm and num_pairs:
+            t0 = time.perf_counter()
+            vllm_utils.sync_weights(engine, model)
+            sync_time = time.perf_counter() - t0
+
+        # TRY NOT TO MODIFY: logging (TRL's metric names) and checkpoints
+        completion_lengths = [len(c) for c in completion_ids]
+        metrics = {
+            "step": global_step, "beta": beta, "learning_rate": scheduler.get_last_lr()[0],
+            "objective/scores": rewards_total.nanmean().item(), "frac_tied": num_tied / len(rows),
+            "frac_unscorable": num_unscorable / len(rows), "num_pairs": num_pairs, "skipped_steps": skipped_steps,
+            "completions/mean_length": float(np.mean(completion_lengths)),
+            "completions/clipped_ratio": float(np.mean([not (c and c[-1] in eos_ids) for c in completion_ids])),
+            "timing/generation": generation_time, "timing/weight_sync": sync_time,
+        }
+        for k, fn in enumerate(reward_fns):
+            metrics[f"scores/{fn.__name__}/mean"] = scores[:, k].nanmean().item()
+        if num_pairs:
+            implicit = beta * (logps - ref_logps)  # (num_pairs, 2): DPO's implicit rewards of chosen, rejected
+            metrics.update({
+                "loss": step_loss.item(), "grad_norm": grad_norm.item(),
+                "rewards/chosen": implicit[:, 0].mean().item(), "rewards/rejected": implicit[:, 1].mean().item(),
+                "rewards/margins": (implicit[:, 0] - implicit[:, 1]).mean().item(),
+                "rewards/accuracies": (implicit[:, 0] > implicit[:, 1]).float().mean().item(),
+                "logps/chosen": logps[:, 0].mean().item(), "logps/rejected": logps[:, 1].mean().item(),
+                "objective/scores_margin": (rewards_total[chosen] - rewards_total[rejected]).mean().item(),
+                "kl": (logps - ref_logps).mean().item(),  # per sampled completion: sum over its tokens of log pi - log pi_ref
+            })
+        metrics["step_time"] = time.perf_counter() - round_start
+        progress.set_postfix(score=f"{metrics['objective/scores']:.3f}", kl=f"{metrics.get('kl', 0):.3f}", pairs=num_pairs)
+        if global_step % args.logging_steps == 0:
+            tqdm.write(" | ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in metrics.items()))
+        metrics_file.write(json.dumps(metrics) + "\n")
+        metrics_file.flush()
+        if args.track:
+            wandb.log(metrics, step=global_step)
+        if args.save_steps and global_step % args.save_steps == 0 and global_step < args.max_steps:
+            def write_checkpoint(tmp):
+                model.save_pretrained(tmp)
+                tokenizer.save_pretrained(tmp)
+                torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "global_step": global_step,
+                            "prompts_consumed": prompts_consumed, "skipped_steps": skipped_steps,
+                            "torch_rng": torch.get_rng_state()}, os.path.join(tmp, "trainer_state.pt"))
+            save_atomically(os.path.join(args.output_dir, f"checkpoint-{global_step}"), write_checkpoint)
+            checkpoints = sorted((d for d in os.listdir(args.output_dir) if d.startswith("checkpoint-") and d[11:].isdigit()), key=lambda d: int(d[11:]))
+            for old in checkpoints[: -args.save_total_limit] if args.save_total_limit else []:
+                shutil.rmtree(os.path.join(args.output_dir, old))
+
+    # final model + tokenizer, loadable with from_pretrained(output_dir)
+    progress.close()
+    save_final(args.output_dir, model, tokenizer)
+    print(f"saved the final model to {args.output_dir}")
+    metrics_file.close()
+    if args.track:
+        wandb.finish()
