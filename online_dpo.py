@@ -22,11 +22,13 @@ import os
 import random
 import shutil
 import time
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from typing import Literal
 
 import numpy as np
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 import tyro
 from torch.utils.checkpoint import checkpoint
@@ -381,8 +383,10 @@ def per_token_logprobs(model, input_ids, attention_mask, position_ids, completio
     The fp32 logits of a 150k vocabulary would be the memory peak, so they never exist for the whole batch: the LM
     head runs on chunks of `chunk_tokens` completion tokens, each under activation checkpointing, so the backward pass
     recomputes one chunk at a time too."""
-    hidden = model.base_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                              use_cache=False).last_hidden_state
+    # the model's own forward (not its backbone alone), so that FSDP2 gathers every parameter; it computes the logits
+    # of one position only, and its last hidden state is the final, normed one
+    hidden = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False,
+                   logits_to_keep=1, output_hidden_states=True).hidden_states[-1]
     hidden = hidden[:, prompt_length - 1 : -1]  # (B, C, H): position t predicts completion token t
     targets = input_ids[:, prompt_length:]
     mask = completion_mask.bool()
@@ -431,6 +435,62 @@ def token_budget_batches(rows, prompt_lengths, completion_lengths, budget):
         current.append(i)
         max_p, max_c = p, c
     return batches + [current] if current else batches
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Several GPUs (torchrun): FSDP2 shards the weights, each rank generates, scores and pairs its own prompts
+
+
+def shard_model(model, mixed_precision):
+    """FSDP2: shard every decoder layer, then the rest (embeddings, final norm, LM head) as the root. With
+    mixed_precision, each layer computes in bf16 while the sharded fp32 weights and gradient reduction stay fp32."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed_precision else MixedPrecisionPolicy()
+    for layer in model.base_model.layers:
+        fully_shard(layer, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
+    return model
+
+
+@contextmanager
+def unsharded(model, world_size):
+    """Hold an FSDP2 model's full weights for forward-only passes (generation, old/reference log-probs): no collective
+    per forward, so ranks may run different numbers of passes (decoding steps, micro-batches)."""
+    if world_size == 1:
+        yield
+        return
+    layers = list(model.base_model.layers)
+    for module in [*layers, model]:
+        module.unshard()
+    for layer in layers:
+        layer.set_reshard_after_forward(False, recurse=False)
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.set_reshard_after_forward(True, recurse=False)
+        for module in [*layers, model]:
+            module.reshard()
+
+
+def same_count_on_all_ranks(micro_batches, world_size, device):
+    """Pad this rank's micro-batch list with None (a pass whose loss is multiplied by 0) up to the longest list of any
+    rank: every FSDP2 backward is a collective, so all ranks must run the same number of them."""
+    if world_size == 1:
+        return micro_batches
+    count = torch.tensor(len(micro_batches), device=device)
+    dist.all_reduce(count, op=dist.ReduceOp.MAX)
+    return micro_batches + [None] * (int(count) - len(micro_batches))
+
+
+def global_sum(value, world_size, device, op="sum"):
+    """Sum (or "min") of a number over all ranks."""
+    if world_size == 1:
+        return float(value)
+    total = torch.tensor(float(value), device=device)
+    dist.all_reduce(total, op=dist.ReduceOp.MIN if op == "min" else dist.ReduceOp.SUM)
+    return total.item()
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -484,12 +544,24 @@ def save_atomically(path, write):
         os.replace(tmp, path)
 
 
-def save_final(output_dir, model, tokenizer):
+def full_state(model, optimizer, world_size):
+    """Unsharded weights and optimizer state; with several ranks they are gathered onto rank 0's CPU (every rank must
+    call this: it is a collective), the other ranks get empty dicts."""
+    if world_size == 1:
+        return model.state_dict(), optimizer.state_dict() if optimizer is not None else None
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    optimizer_state = get_optimizer_state_dict(model, optimizer, options=options) if optimizer is not None else None
+    return get_model_state_dict(model, options=options), optimizer_state
+
+
+def save_final(output_dir, model, tokenizer, state_dict=None):
     """save_pretrained into output_dir itself, next to checkpoints and metrics: the files are written to a temporary
     folder, then each is moved in with an atomic rename, config.json last, so a config.json means a complete model."""
     tmp = os.path.join(output_dir, f".final-tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
+    model.save_pretrained(tmp, state_dict=state_dict)
     tokenizer.save_pretrained(tmp)
     for name in sorted(os.listdir(tmp), key=lambda n: n == "config.json"):
         os.replace(os.path.join(tmp, name), os.path.join(output_dir, name))
@@ -508,9 +580,10 @@ def find_checkpoint(output_dir, name):
 
 if __name__ == "__main__":
     args = tyro.cli(Args)
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        raise RuntimeError("online_dpo.py trains in one process (one GPU, vLLM colocated or as a server); run it "
-                           "without torchrun")
+    # several processes (torchrun): each rank takes an equal share of every step's prompts and pairs them itself
+    world_size, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
+    if args.prompts_per_step % world_size:
+        raise ValueError(f"--prompts-per-step {args.prompts_per_step} must be divisible by the number of processes ({world_size})")
     if args.num_generations < 2:
         raise ValueError("--num-generations must be at least 2: a preference pair compares two completions of a prompt")
     if not args.beta or min(args.beta) <= 0:
@@ -533,11 +606,17 @@ if __name__ == "__main__":
     run_name = f"{args.exp_name}__{args.seed}__{int(time.time())}"
     os.makedirs(args.output_dir, exist_ok=True)
 
-    # TRY NOT TO MODIFY: seeding
+    device = torch.device(f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if torch.cuda.is_available() else "cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if world_size > 1:
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    is_main = rank == 0
+
+    # TRY NOT TO MODIFY: seeding (the same on every rank until sampling, so that all ranks hold the same weights)
     random.seed(args.seed)
     np.random.seed(args.seed)
     torch.manual_seed(args.seed)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     autocast = dict(device_type=device.type, dtype=torch.bfloat16, enabled=args.bf16 and device.type == "cuda")
 
     # Model, tokenizer, reference model (in the policy's dtype, so that z = 0 before the first update)
@@ -554,6 +633,9 @@ if __name__ == "__main__":
             module.p = 0.0
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if world_size > 1:  # FSDP2: every rank keeps 1/world_size of the weights, gradients and AdamW states
+        shard_model(model, mixed_precision=args.bf16 and device.type == "cuda")
+        shard_model(ref_model, mixed_precision=args.bf16 and device.type == "cuda")
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     eos_ids = set(model.generation_config.eos_token_id if isinstance(model.generation_config.eos_token_id, list) else [model.generation_config.eos_token_id])
     eos_ids = sorted((eos_ids | {tokenizer.eos_token_id}) - {None})
@@ -571,12 +653,18 @@ if __name__ == "__main__":
                                   weight_decay=args.weight_decay)
     scheduler = get_scheduler(args.lr_scheduler_type, optimizer, args.warmup_steps, args.max_steps)
     global_step, prompts_consumed, skipped_steps = 0, 0, 0
+    torch.manual_seed(args.seed + rank)  # from here on each rank samples its own completions
     if checkpoint_dir:
         state = torch.load(os.path.join(checkpoint_dir, "trainer_state.pt"), weights_only=False)
-        optimizer.load_state_dict(state["optimizer"])
+        if world_size > 1:  # the full optimizer state, sharded like the weights (resume with the same number of ranks)
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+            set_optimizer_state_dict(model, optimizer, state["optimizer"], options=StateDictOptions(full_state_dict=True))
+        else:
+            optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
         global_step, prompts_consumed, skipped_steps = state["global_step"], state["prompts_consumed"], state["skipped_steps"]
-        torch.set_rng_state(state["torch_rng"])
+        torch.set_rng_state(state["torch_rng"][rank])
         print(f"resumed from {checkpoint_dir} at step {global_step}")
     prompts = prompt_stream(len(prompt_ids), args.seed, start=prompts_consumed)
 
@@ -587,22 +675,31 @@ if __name__ == "__main__":
         engine = vllm_utils.start(args, model_path, max(len(p) for p in prompt_ids))
         generate = lambda batch_prompt_ids: vllm_utils.generate(engine, batch_prompt_ids, args)  # noqa: E731
     else:
-        generate = lambda batch_prompt_ids: hf_generate(model, batch_prompt_ids, args, eos_ids, pad_id)  # noqa: E731
+        def generate(batch_prompt_ids):
+            with unsharded(model, world_size):  # FSDP2: full weights while decoding, ranks stop at different steps
+                return hf_generate(model, batch_prompt_ids, args, eos_ids, pad_id)
 
-    if args.track:
+    if args.track and is_main:
         import wandb
 
         wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, name=run_name, config=asdict(args))
-    metrics_file = open(os.path.join(args.output_dir, "metrics.jsonl"), "a")
-    progress = tqdm(total=args.max_steps, initial=global_step, desc="online_dpo", dynamic_ncols=True)
+    metrics_path = os.path.join(args.output_dir, "metrics.jsonl")
+    if checkpoint_dir and is_main and os.path.exists(metrics_path):  # steps logged after the checkpoint are redone
+        kept = [line for line in open(metrics_path) if json.loads(line)["step"] <= global_step]
+        with open(metrics_path, "w") as f:
+            f.writelines(kept)
+    metrics_file = open(metrics_path, "a") if is_main else None
+    progress = tqdm(total=args.max_steps, initial=global_step, desc="online_dpo", dynamic_ncols=True, disable=not is_main)
+    prompts_per_rank = args.prompts_per_step // world_size
 
     G = args.num_generations
     while global_step < args.max_steps:
         round_start = time.perf_counter()
         beta = beta_for_epoch(args.beta, prompts_consumed // len(prompt_ids))
         # ALGO LOGIC: 1. sample prompts and generate G completions each
-        rows = [next(prompts) for _ in range(args.prompts_per_step)]
+        rows = [next(prompts) for _ in range(args.prompts_per_step)]  # the same on every rank
         prompts_consumed += len(rows)
+        rows = rows[rank * prompts_per_rank : (rank + 1) * prompts_per_rank]  # this rank's share
         t0 = time.perf_counter()
         completion_ids, _ = generate([prompt_ids[i] for i in rows])  # prompt-major: completion k is rows[k // G]'s
         generation_time = time.perf_counter() - t0
@@ -633,30 +730,37 @@ if __name__ == "__main__":
         # 3. pair the best and the worst completion of each prompt
         chosen, rejected, num_tied, num_unscorable = select_pairs(rewards_total, G)
         num_pairs = len(chosen)
+        all_pairs = int(global_sum(num_pairs, world_size, device))  # every rank's pairs weigh the same in the loss
 
         # 4. one optimizer step on the DPO loss, in micro-batches of whole pairs
         logps = torch.zeros(num_pairs, 2, device=device)  # sequence log-probs of (chosen, rejected) under the policy
         ref_logps = torch.zeros(num_pairs, 2, device=device)  # ... and under the reference model
-        if num_pairs:
+        if all_pairs:
             model.train()
             optimizer.zero_grad(set_to_none=True)
             step_loss = 0.0
             pair_prompt_lengths = [len(batch_prompts[c]) for c in chosen]
             pair_lengths = [max(len(completion_ids[c]), len(completion_ids[r])) for c, r in zip(chosen, rejected)]
-            for mb in token_budget_batches(range(num_pairs), pair_prompt_lengths, pair_lengths, args.micro_batch_tokens // 2):
-                mb_rows = [chosen[j] for j in mb] + [rejected[j] for j in mb]  # 2k rows: k chosen, then k rejected
+            micro_batches = token_budget_batches(range(num_pairs), pair_prompt_lengths, pair_lengths, args.micro_batch_tokens // 2)
+            for mb in same_count_on_all_ranks(micro_batches, world_size, device):
+                padding_pass = mb is None  # only to keep FSDP's collectives in step with the other ranks
+                mb_rows = [0, 0] if padding_pass else [chosen[j] for j in mb] + [rejected[j] for j in mb]  # k chosen, k rejected
                 mb_prompts, mb_completions = [batch_prompts[i] for i in mb_rows], [completion_ids[i] for i in mb_rows]
                 # (2k,) -> (2, k): row 0 the chosen completions, row 1 the rejected ones
-                with torch.no_grad(), torch.autocast(**autocast):
+                with torch.no_grad(), torch.autocast(**autocast), unsharded(ref_model, world_size):
                     ref = sequence_logprobs(ref_model, mb_prompts, mb_completions, args.temperature, device, pad_id).view(2, -1)
                 with torch.autocast(**autocast):
                     policy = sequence_logprobs(model, mb_prompts, mb_completions, args.temperature, device, pad_id).view(2, -1)
                 losses = dpo_loss(policy[0], policy[1], ref[0], ref[1], beta, args.loss_type)  # (k,)
-                loss = losses.sum() / num_pairs  # every pair weighs 1 / num_pairs, however the pairs are micro-batched
+                # every pair of every rank weighs 1 / all_pairs, however the pairs are micro-batched; FSDP averages
+                # gradients over ranks, hence x world_size
+                loss = losses.sum() / all_pairs * (0 if padding_pass else world_size)
                 loss.backward()
                 step_loss += loss.detach()  # summed on the device: no host sync per micro-batch
-                logps[mb], ref_logps[mb] = policy.detach().T, ref.T
+                if not padding_pass:
+                    logps[mb], ref_logps[mb] = policy.detach().T, ref.T
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+            grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm  # FSDP2: a DTensor
             optimizer.step()
         else:
             skipped_steps += 1  # every prompt tied (or was unscorable): no pair, no update; the step still counts
@@ -666,58 +770,81 @@ if __name__ == "__main__":
 
         # 5. push the new weights to vLLM before the next generation round
         sync_time = 0.0
-        if args.use_vllm and num_pairs:
+        if args.use_vllm and all_pairs:
             t0 = time.perf_counter()
             vllm_utils.sync_weights(engine, model)
             sync_time = time.perf_counter() - t0
 
-        # TRY NOT TO MODIFY: logging (TRL's metric names) and checkpoints
-        completion_lengths = [len(c) for c in completion_ids]
+        # TRY NOT TO MODIFY: logging (TRL's metric names, over all ranks) and checkpoints
+        lengths = torch.tensor([len(c) for c in completion_ids], dtype=torch.float)
+        clipped = torch.tensor([not (c and c[-1] in eos_ids) for c in completion_ids], dtype=torch.float)
+        reward_scores = scores if reward_model is None else torch.zeros(len(completion_ids), 0)
+        pair_rewards = torch.stack([rewards_total[chosen], rewards_total[rejected]], -1) if num_pairs else torch.zeros(0, 2)
+        pair_logps = torch.stack([logps.cpu(), ref_logps.cpu()], -1)  # (num_pairs, 2, 2): (chosen, rejected) x (policy, ref)
+        counts = torch.tensor([num_tied, num_unscorable, len(rows)], dtype=torch.float)
+        if world_size > 1:
+            gathered = [None] * world_size
+            dist.all_gather_object(gathered, (rewards_total, reward_scores, lengths, clipped, pair_rewards, pair_logps, counts))
+            rewards_total, reward_scores, lengths, clipped, pair_rewards, pair_logps = (torch.cat([g[i] for g in gathered]) for i in range(6))
+            counts = sum(g[6] for g in gathered)
+            if all_pairs:
+                dist.all_reduce(step_loss)
         metrics = {
             "step": global_step, "beta": beta, "learning_rate": scheduler.get_last_lr()[0],
-            "objective/scores": rewards_total.nanmean().item(), "frac_tied": num_tied / len(rows),
-            "frac_unscorable": num_unscorable / len(rows), "num_pairs": num_pairs, "skipped_steps": skipped_steps,
-            "completions/mean_length": float(np.mean(completion_lengths)),
-            "completions/clipped_ratio": float(np.mean([not (c and c[-1] in eos_ids) for c in completion_ids])),
+            "objective/scores": rewards_total.nanmean().item(), "frac_tied": (counts[0] / counts[2]).item(),
+            "frac_unscorable": (counts[1] / counts[2]).item(), "num_pairs": all_pairs, "skipped_steps": skipped_steps,
+            "completions/mean_length": lengths.mean().item(), "completions/clipped_ratio": clipped.mean().item(),
             "timing/generation": generation_time, "timing/weight_sync": sync_time,
         }
         for k, fn in enumerate(reward_fns):
-            metrics[f"scores/{fn.__name__}/mean"] = scores[:, k].nanmean().item()
-        if num_pairs:
-            implicit = beta * (logps - ref_logps)  # (num_pairs, 2): DPO's implicit rewards of chosen, rejected
+            metrics[f"scores/{fn.__name__}/mean"] = reward_scores[:, k].nanmean().item()
+        if all_pairs:
+            logps, ref_logps = pair_logps[..., 0], pair_logps[..., 1]  # (all_pairs, 2): chosen, rejected
+            implicit = beta * (logps - ref_logps)  # DPO's implicit rewards of chosen, rejected
             metrics.update({
-                "loss": step_loss.item(), "grad_norm": grad_norm.item(),
+                "loss": step_loss.item() / world_size, "grad_norm": grad_norm.item(),
                 "rewards/chosen": implicit[:, 0].mean().item(), "rewards/rejected": implicit[:, 1].mean().item(),
                 "rewards/margins": (implicit[:, 0] - implicit[:, 1]).mean().item(),
                 "rewards/accuracies": (implicit[:, 0] > implicit[:, 1]).float().mean().item(),
                 "logps/chosen": logps[:, 0].mean().item(), "logps/rejected": logps[:, 1].mean().item(),
-                "objective/scores_margin": (rewards_total[chosen] - rewards_total[rejected]).mean().item(),
+                "objective/scores_margin": (pair_rewards[:, 0] - pair_rewards[:, 1]).mean().item(),
                 "kl": (logps - ref_logps).mean().item(),  # per sampled completion: sum over its tokens of log pi - log pi_ref
             })
         metrics["step_time"] = time.perf_counter() - round_start
-        progress.set_postfix(score=f"{metrics['objective/scores']:.3f}", kl=f"{metrics.get('kl', 0):.3f}", pairs=num_pairs)
-        if global_step % args.logging_steps == 0:
-            tqdm.write(" | ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in metrics.items()))
-        metrics_file.write(json.dumps(metrics) + "\n")
-        metrics_file.flush()
-        if args.track:
-            wandb.log(metrics, step=global_step)
+        if is_main:
+            progress.set_postfix(score=f"{metrics['objective/scores']:.3f}", kl=f"{metrics.get('kl', 0):.3f}", pairs=all_pairs)
+            if global_step % args.logging_steps == 0:
+                tqdm.write(" | ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in metrics.items()))
+            metrics_file.write(json.dumps(metrics) + "\n")
+            metrics_file.flush()
+            if args.track:
+                wandb.log(metrics, step=global_step)
         if args.save_steps and global_step % args.save_steps == 0 and global_step < args.max_steps:
+            model_state, optimizer_state = full_state(model, optimizer, world_size)  # every rank takes part
+            rng_states = [torch.get_rng_state()] * world_size
+            if world_size > 1:
+                dist.all_gather_object(rng_states, torch.get_rng_state())
+
             def write_checkpoint(tmp):
-                model.save_pretrained(tmp)
+                model.save_pretrained(tmp, state_dict=model_state)
                 tokenizer.save_pretrained(tmp)
-                torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "global_step": global_step,
+                torch.save({"optimizer": optimizer_state, "scheduler": scheduler.state_dict(), "global_step": global_step,
                             "prompts_consumed": prompts_consumed, "skipped_steps": skipped_steps,
-                            "torch_rng": torch.get_rng_state()}, os.path.join(tmp, "trainer_state.pt"))
-            save_atomically(os.path.join(args.output_dir, f"checkpoint-{global_step}"), write_checkpoint)
-            checkpoints = sorted((d for d in os.listdir(args.output_dir) if d.startswith("checkpoint-") and d[11:].isdigit()), key=lambda d: int(d[11:]))
-            for old in checkpoints[: -args.save_total_limit] if args.save_total_limit else []:
-                shutil.rmtree(os.path.join(args.output_dir, old))
+                            "torch_rng": rng_states}, os.path.join(tmp, "trainer_state.pt"))
+            if is_main:
+                save_atomically(os.path.join(args.output_dir, f"checkpoint-{global_step}"), write_checkpoint)
+                checkpoints = sorted((d for d in os.listdir(args.output_dir) if d.startswith("checkpoint-") and d[11:].isdigit()), key=lambda d: int(d[11:]))
+                for old in checkpoints[: -args.save_total_limit] if args.save_total_limit else []:
+                    shutil.rmtree(os.path.join(args.output_dir, old))
 
     # final model + tokenizer, loadable with from_pretrained(output_dir)
     progress.close()
-    save_final(args.output_dir, model, tokenizer)
-    print(f"saved the final model to {args.output_dir}")
-    metrics_file.close()
-    if args.track:
-        wandb.finish()
+    model_state, _ = full_state(model, None, world_size)
+    if is_main:
+        save_final(args.output_dir, model, tokenizer, model_state)
+        print(f"saved the final model to {args.output_dir}")
+        metrics_file.close()
+        if args.track:
+            wandb.finish()
+    if world_size > 1:
+        dist.destroy_process_group()

@@ -85,3 +85,20 @@ def test_grpo_dynamic_sampling_under_torchrun(tmp_path):
     assert [m["step"] for m in metrics] == [1, 2]
     for m in metrics:  # groups kept over both ranks: a full step unless it gave up after 6 rounds
         assert m["dynamic_sampling/kept_groups"] in (2, 4) and (m["dynamic_sampling/kept_groups"] == 4 or m["dynamic_sampling/generation_rounds"] == 6)
+
+
+def test_online_dpo_under_torchrun_trains_saves_and_resumes(tmp_path):
+    out = tmp_path / "run"
+    common = [*SMALL, "--dataset-name", ASSETS / "stories_prompts.jsonl", "--output-dir", out, "--prompts-per-step", 4,
+              "--learning-rate", 3e-4, "--save-steps", 2]
+    result = torchrun(2, "online_dpo.py", *common, "--max-steps", 3)
+    assert result.returncode == 0, result.stderr[-4000:]
+    metrics = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    assert [m["step"] for m in metrics] == [1, 2, 3]
+    assert "loss" not in metrics[0] or abs(metrics[0]["loss"] - 0.6931) < 1e-3  # policy = reference at step 1: log 2
+    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_pretrained(out)
+    resumed = torchrun(2, "online_dpo.py", *common, "--max-steps", 4, "--resume-from-checkpoint", "latest")
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    assert [json.loads(line)["step"] for line in open(out / "metrics.jsonl")] == [1, 2, 3, 4]
