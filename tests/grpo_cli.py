@@ -1,4 +1,4 @@
-"""Run grpo.py as a command on the CPU (shared by the CLI, dynamic-sampling and learning tests)."""
+"""Run the training scripts as commands on the CPU (shared by the CLI, dynamic-sampling and learning tests)."""
 import json
 import os
 import subprocess
@@ -22,15 +22,20 @@ def write_jsonl(path, rows):
     return str(path)
 
 
-def run_grpo(*args, timeout=300):
+def run_script(script, *args, timeout=300):
+    """Run one of the training scripts (grpo.py, rloo.py, online_dpo.py) on the CPU; returns the CompletedProcess."""
     env = dict(os.environ, WANDB_MODE="offline", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
                CUDA_VISIBLE_DEVICES="", TOKENIZERS_PARALLELISM="false")
-    return subprocess.run([sys.executable, str(ROOT / "grpo.py"), *map(str, args)], cwd=ROOT, env=env,
+    return subprocess.run([sys.executable, str(ROOT / script), *map(str, args)], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=timeout)
 
 
+def run_grpo(*args, timeout=300):
+    return run_script("grpo.py", *args, timeout=timeout)
+
+
 def check(result):
-    assert result.returncode == 0, f"grpo.py failed ({result.returncode}):\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
+    assert result.returncode == 0, f"{result.args[1]} failed ({result.returncode}):\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
     return result
 
 

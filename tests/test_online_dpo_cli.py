@@ -3,12 +3,10 @@ all-tied steps, a reward model, clear errors, and learning on the bundled storie
 import json
 import os
 import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
-from grpo_cli import ASSETS, ROOT, STORIES, read_metrics, write_jsonl
+from grpo_cli import ASSETS, STORIES, check, read_metrics, run_script, write_jsonl
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForSequenceClassification
 
 PROMPTS = ["Once upon a time, there was a little girl named Lily.", "One day, a boy named Tim went to the park.",
@@ -20,15 +18,7 @@ SMALL = ["--model-name-or-path", STORIES, "--prompt-column", "prompt", "--answer
 
 
 def run_online_dpo(*args, timeout=300):
-    env = dict(os.environ, WANDB_MODE="offline", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
-               CUDA_VISIBLE_DEVICES="", TOKENIZERS_PARALLELISM="false")
-    return subprocess.run([sys.executable, str(ROOT / "online_dpo.py"), *map(str, args)], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=timeout)
-
-
-def check(result):
-    assert result.returncode == 0, f"online_dpo.py failed ({result.returncode}):\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
-    return result
+    return run_script("online_dpo.py", *args, timeout=timeout)
 
 
 @pytest.fixture

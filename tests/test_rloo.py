@@ -2,14 +2,11 @@
 arXiv 2402.14740), learning on the CPU, and clear errors."""
 import json
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from grpo_cli import ASSETS, STORIES, write_jsonl
+from grpo_cli import ASSETS, STORIES, run_script, write_jsonl
 
 import rloo
 
@@ -17,9 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def run_rloo(*args, timeout=300):
-    env = dict(os.environ, WANDB_MODE="offline", OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
-    return subprocess.run([sys.executable, str(ROOT / "rloo.py"), *map(str, args)], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+    return run_script("rloo.py", *args, timeout=timeout)
 
 
 def test_leave_one_out_baseline_k3():
