@@ -1,4 +1,4 @@
-"""One GRPO optimizer step on a fixed global batch, run with `torchrun --nproc_per_node N tests/dist_step.py OUT`.
+"""One optimizer step of GRPO (each loss type), RLOO and Online DPO on a fixed global batch, run with `torchrun --nproc_per_node N tests/dist_step.py OUT`.
 Each rank takes its contiguous share of the rows, the model is FSDP2-sharded when N > 1, the loss normalisers count
 all ranks' rows and the loss is scaled by N (FSDP averages gradients), exactly as grpo.py's loop does. Rank 0 saves
 the full gradients and updated weights for each loss type to OUT (tests/test_distributed.py compares N = 1 and 2)."""
@@ -50,6 +50,56 @@ for loss_type in ("grpo", "bnpo", "dr_grpo", "dapo"):
     optimizer.step()
     state, _ = grpo.full_state(model, None, world_size)
     results[loss_type] = {"grads": grads, "weights": {k: v.clone() for k, v in state.items()}}
+
+# RLOO (rloo.py): per-sequence loss, each sequence weighs 1 / (all ranks' sequences)
+import rloo  # noqa: E402
+
+model = AutoModelForCausalLM.from_pretrained(STORIES, dtype=torch.float32)
+if world_size > 1:
+    rloo.shard_model(model, mixed_precision=False)
+optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+micro_batches = rloo.token_budget_batches(rows, [len(p) for p in batch_prompts], [len(c) for c in batch_completions], 30)
+for micro_batch in rloo.same_count_on_all_ranks(micro_batches, world_size, "cpu"):
+    padding_pass = micro_batch is None
+    micro_batch = [rows[0]] if padding_pass else micro_batch
+    ids, attn, pos, cmask, P = rloo.collate([batch_prompts[i] for i in micro_batch], [batch_completions[i] for i in micro_batch], "cpu", 0)
+    logprobs = rloo.per_token_logprobs(model, ids, attn, pos, cmask, P, temperature=0.8, chunk_tokens=5)
+    offset = 0.05 * torch.sin(torch.tensor(micro_batch)[:, None] * 10.0 + torch.arange(cmask.shape[1])[None])
+    loss, _ = rloo.sequence_policy_loss(logprobs, logprobs.detach() + offset, advantages[micro_batch], cmask, 0.2, 0.2)
+    ((loss / (N * world_size)).sum() * (0 if padding_pass else world_size)).backward()
+grads = {name: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).clone() for name, p in model.named_parameters()}
+optimizer.step()
+state, _ = rloo.full_state(model, None, world_size)
+results["rloo"] = {"grads": grads, "weights": {k: v.clone() for k, v in state.items()}}
+
+# Online DPO (online_dpo.py): rows (2i, 2i + 1) of the batch form pair i; every pair weighs 1 / (all ranks' pairs)
+import online_dpo  # noqa: E402
+
+model = AutoModelForCausalLM.from_pretrained(STORIES, dtype=torch.float32)
+reference = AutoModelForCausalLM.from_pretrained(STORIES, dtype=torch.float32)
+with torch.no_grad():  # a reference that differs from the policy, so that z != 0
+    for p in reference.parameters():
+        p.mul_(1.05)
+if world_size > 1:
+    online_dpo.shard_model(model, mixed_precision=False)
+    online_dpo.shard_model(reference, mixed_precision=False)
+optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+pairs = [(r, r + 1) for r in rows[::2]]  # this rank's pairs
+micro_batches = online_dpo.same_count_on_all_ranks([[j] for j in range(len(pairs))], world_size, "cpu")  # a pair each
+for micro_batch in micro_batches:
+    padding_pass = micro_batch is None
+    mb_rows = [rows[0], rows[0]] if padding_pass else [pairs[j][0] for j in micro_batch] + [pairs[j][1] for j in micro_batch]
+    prompts_, completions_ = [batch_prompts[i] for i in mb_rows], [batch_completions[i] for i in mb_rows]
+    with torch.no_grad(), online_dpo.unsharded(reference, world_size):
+        ref = online_dpo.sequence_logprobs(reference, prompts_, completions_, 0.8, "cpu", 0).view(2, -1)
+    policy = online_dpo.sequence_logprobs(model, prompts_, completions_, 0.8, "cpu", 0).view(2, -1)
+    losses = online_dpo.dpo_loss(policy[0], policy[1], ref[0], ref[1], 0.1, "sigmoid")
+    (losses.sum() / (len(pairs) * world_size) * (0 if padding_pass else world_size)).backward()
+grads = {name: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).clone() for name, p in model.named_parameters()}
+optimizer.step()
+state, _ = online_dpo.full_state(model, None, world_size)
+results["online_dpo"] = {"grads": grads, "weights": {k: v.clone() for k, v in state.items()}}
+
 if rank == 0:
     torch.save(results, sys.argv[1])
 if world_size > 1:

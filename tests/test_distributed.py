@@ -23,7 +23,7 @@ def test_two_ranks_take_the_same_step_as_one(tmp_path):
         result = torchrun(n, "tests/dist_step.py", tmp_path / f"step{n}.pt")
         assert result.returncode == 0, result.stderr[-3000:]
     one, two = torch.load(tmp_path / "step1.pt"), torch.load(tmp_path / "step2.pt")
-    for loss_type in ("grpo", "bnpo", "dr_grpo", "dapo"):
+    for loss_type in ("grpo", "bnpo", "dr_grpo", "dapo", "rloo", "online_dpo"):
         for kind in ("grads", "weights"):
             a, b = one[loss_type][kind], two[loss_type][kind]
             assert a.keys() == b.keys()
