@@ -772,7 +772,7 @@ if __name__ == "__main__":
         C = max(max(completion_lengths), 1)
         completion_mask_all = (torch.arange(C)[None] < torch.tensor(completion_lengths)[:, None]).float()
         loss_mask_all = completion_mask_all * (~truncated[:, None]).float() if args.mask_truncated_completions else completion_mask_all
-        use_vllm_is = args.use_vllm and args.vllm_importance_sampling_correction and batch_sampling_lp
+        use_vllm_is = args.use_vllm and args.vllm_importance_sampling_correction and len(batch_sampling_lp) > 0
         need_old = args.num_iterations > 1 or args.steps_per_generation > 1 or use_vllm_is
         old_logprobs = torch.zeros(N, C) if need_old else None
         ref_logprobs = torch.zeros(N, C) if ref_model is not None else None
