@@ -26,6 +26,7 @@ import shutil
 import time
 from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass, field
+from datetime import timedelta
 from typing import Literal
 
 import numpy as np
@@ -537,7 +538,7 @@ def hf_generate(model, prompt_ids, args, eos_ids, pad_id):
         attention_mask[i, P - len(p) :] = 1
     config = GenerationConfig(
         do_sample=True, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-        min_p=args.min_p or None, repetition_penalty=args.repetition_penalty, max_new_tokens=args.max_completion_length,
+        min_p=args.min_p, repetition_penalty=args.repetition_penalty, max_new_tokens=args.max_completion_length,
         eos_token_id=eos_ids, pad_token_id=pad_id, use_cache=True,
     )
     model.eval()
@@ -617,8 +618,18 @@ if __name__ == "__main__":
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if world_size > 1:
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        # rank 0 alone may spend minutes writing a checkpoint while the others wait in the next collective
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timedelta(hours=1))
     is_main = rank == 0
+    steps_per_round = args.steps_per_generation * args.num_iterations
+    if args.save_steps % steps_per_round:
+        raise ValueError(f"--save-steps {args.save_steps} must be a multiple of the optimizer steps per generation round "
+                         f"(--steps-per-generation x --num-iterations = {steps_per_round}): checkpoints are written between rounds")
+    truncated_sampling = args.top_p < 1 or args.top_k > 0 or args.min_p > 0 or args.repetition_penalty != 1
+    if args.use_vllm and args.vllm_importance_sampling_correction and truncated_sampling:
+        print("warning: with top_p / top_k / min_p / repetition_penalty, vLLM's processed log-probs come from a truncated "
+              "distribution that the trainer does not model: the importance ratio is biased below 1, and at the sequence "
+              "level (product over tokens) it shrinks the updates of long completions. Prefer token_truncate, or neutral values.")
     run_name = f"{args.exp_name}__{args.seed}__{int(time.time())}"
     os.makedirs(args.output_dir, exist_ok=True)
 
@@ -690,6 +701,8 @@ if __name__ == "__main__":
         import vllm_utils
 
         engine = vllm_utils.start(args, model_path, max(len(p) for p in prompt_ids))
+        if args.vllm_mode == "server":  # the server may hold other weights (an earlier run, or this one before a resume)
+            vllm_utils.sync_weights(engine, model)
         generate = lambda batch_prompt_ids: vllm_utils.generate(engine, batch_prompt_ids, args)  # noqa: E731
     else:
         def generate(batch_prompt_ids):
@@ -747,6 +760,8 @@ if __name__ == "__main__":
                 batch_scores.append(total[group])
                 if sampling_logprobs is not None:
                     batch_sampling_lp += sampling_logprobs[group]
+        if args.use_vllm:
+            vllm_utils.sleep(engine)  # sleep mode: vLLM's memory goes to training until the next generation
         # groups kept per rank: the same on every rank, a multiple of steps_per_generation
         keep = int(global_sum(min(len(batch_rows), prompts_per_rank), world_size, device, "min"))
         keep = keep // args.steps_per_generation * args.steps_per_generation

@@ -24,6 +24,7 @@ import shutil
 import time
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
+from datetime import timedelta
 from typing import Literal
 
 import numpy as np
@@ -512,7 +513,7 @@ def hf_generate(model, prompt_ids, args, eos_ids, pad_id):
         attention_mask[i, P - len(p) :] = 1
     config = GenerationConfig(
         do_sample=True, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-        min_p=args.min_p or None, repetition_penalty=args.repetition_penalty, max_new_tokens=args.max_completion_length,
+        min_p=args.min_p, repetition_penalty=args.repetition_penalty, max_new_tokens=args.max_completion_length,
         eos_token_id=eos_ids, pad_token_id=pad_id, use_cache=True,
     )
     model.eval()
@@ -610,7 +611,8 @@ if __name__ == "__main__":
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if world_size > 1:
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        # rank 0 alone may spend minutes writing a checkpoint while the others wait in the next collective
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timedelta(hours=1))
     is_main = rank == 0
 
     # TRY NOT TO MODIFY: seeding (the same on every rank until sampling, so that all ranks hold the same weights)
@@ -673,6 +675,8 @@ if __name__ == "__main__":
         import vllm_utils
 
         engine = vllm_utils.start(args, model_path, max(len(p) for p in prompt_ids))
+        if args.vllm_mode == "server":  # the server may hold other weights (an earlier run, or this one before a resume)
+            vllm_utils.sync_weights(engine, model)
         generate = lambda batch_prompt_ids: vllm_utils.generate(engine, batch_prompt_ids, args)  # noqa: E731
     else:
         def generate(batch_prompt_ids):
@@ -703,6 +707,8 @@ if __name__ == "__main__":
         t0 = time.perf_counter()
         completion_ids, _ = generate([prompt_ids[i] for i in rows])  # prompt-major: completion k is rows[k // G]'s
         generation_time = time.perf_counter() - t0
+        if args.use_vllm:
+            vllm_utils.sleep(engine)  # sleep mode: vLLM's memory goes to training until the next generation
         batch_prompts = [prompt_ids[i] for i in rows for _ in range(G)]
         texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
 
@@ -770,7 +776,7 @@ if __name__ == "__main__":
 
         # 5. push the new weights to vLLM before the next generation round
         sync_time = 0.0
-        if args.use_vllm and all_pairs:
+        if args.use_vllm and (all_pairs or engine.get("weights_asleep")):  # asleep: refill before generating
             t0 = time.perf_counter()
             vllm_utils.sync_weights(engine, model)
             sync_time = time.perf_counter() - t0

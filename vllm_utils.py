@@ -14,7 +14,7 @@ Two ways to run vLLM next to a trainer (README.md, "Using vLLM"):
 Both return completion token ids and vLLM's log-prob of each sampled token (after temperature and other
 processors: "processed_logprobs"), which the trainer uses to correct the vLLM/trainer mismatch.
 
-The three entry points `start`, `generate` and `sync_weights` take the script's `Args`; every step they take is a
+The entry points `start`, `generate`, `sleep` and `sync_weights` take the script's `Args` / the engine they return; every step they take is a
 small function below that a fork can call directly. vLLM is imported only inside functions that need it.
 """
 import os
@@ -268,6 +268,8 @@ def server_sync_weights(base_url, group, weights):
                    "packed_num_buffers": PACKED_NUM_BUFFERS}
     _post(base_url, "/start_weight_update", 60, json={})
 
+    torch.cuda.current_stream().synchronize()  # the casts / FSDP gathers above ran there; the producer uses side streams
+
     def broadcast():
         packed_nccl_broadcast_producer(iter(weights), group, 0, lambda item: item[1], PACKED_BUFFER_BYTES, PACKED_NUM_BUFFERS)
         torch.cuda.synchronize()  # 0.26's producer does not drain its streams
@@ -328,7 +330,7 @@ def start(args, model_path, max_prompt_length):
             model_path, args.vllm_gpu_memory_utilization, args.vllm_tensor_parallel_size,
             args.vllm_max_model_len or max_prompt_length + args.max_completion_length, args.vllm_enable_sleep_mode,
             args.seed, max_num_seqs=args.prompts_per_step * args.num_generations, dtype="bfloat16" if args.bf16 else "auto")
-        engine["sleep"] = args.vllm_enable_sleep_mode  # starts awake with the checkpoint's weights
+        engine["sleep"] = args.vllm_enable_sleep_mode  # starts awake with the checkpoint's weights (model_path)
         engine["tp_group"] = tensor_parallel_group(args.vllm_tensor_parallel_size)
         engine["startup_s"] = time.perf_counter() - t0
         return engine
@@ -361,8 +363,11 @@ def generate(engine, prompt_ids, args=None):
     if engine["mode"] == "server":
         return server_generate(engine["base_url"], engine["model_id"], prompt_ids, engine["n"], engine["fields"])
     llm, group = engine["llm"], engine["tp_group"]
-    if engine["sleep"] and engine.get("asleep"):
-        llm.wake_up(tags=["kv_cache"])
+    if engine.get("weights_asleep"):
+        raise RuntimeError("the colocated engine's weights are asleep (level 2 discards them): call sync_weights first")
+    if engine.get("kv_asleep"):
+        llm.wake_up(tags=["kv_cache"])  # scheduling resumes once weights and KV cache are both awake
+        engine["kv_asleep"] = False
     if group is None:
         out = colocate_generate(llm, prompt_ids, engine["n"], engine["fields"])
     else:  # the ranks of one tensor-parallel engine generate everyone's prompts together, then keep their own
@@ -371,10 +376,16 @@ def generate(engine, prompt_ids, args=None):
         completion_ids, logprobs = colocate_generate(llm, [p for part in parts for p in part], engine["n"], engine["fields"])
         mine = slice(torch.distributed.get_rank(group) * len(prompt_ids) * engine["n"], (torch.distributed.get_rank(group) + 1) * len(prompt_ids) * engine["n"])
         out = completion_ids[mine], logprobs[mine]
-    if engine["sleep"]:
-        llm.sleep(level=2)  # drops weights and KV cache: the backward pass gets the memory
-        engine["asleep"] = True
     return out
+
+
+def sleep(engine):
+    """Colocate with sleep mode: free vLLM's GPU memory (weights and KV cache, level 2) for training. Call it once the
+    step's generation is done; sync_weights wakes and refills the weights, generate wakes the KV cache. No-op
+    otherwise."""
+    if engine["mode"] == "colocate" and engine["sleep"] and not engine.get("weights_asleep"):
+        engine["llm"].sleep(level=2)
+        engine["weights_asleep"] = engine["kv_asleep"] = True
 
 
 def _rank():
@@ -392,8 +403,9 @@ def sync_weights(engine, model):
             torch.distributed.barrier()  # no rank generates before the server has the new weights
         return
     llm = engine["llm"]
-    if engine["sleep"] and engine.get("asleep"):
-        torch.cuda.empty_cache()
+    if engine.get("weights_asleep"):
+        torch.cuda.empty_cache()  # give the trainer's cached blocks back so that vLLM can map its weights again
         llm.wake_up(tags=["weights"])  # level 2 left garbage: every weight is reloaded below
+        engine["weights_asleep"] = False
     colocate_load_weights(llm, weights)
     llm.reset_prefix_cache()

@@ -156,3 +156,47 @@ def test_weight_endpoint_failure_is_raised_not_retried():
         assert calls == ["/update_weights"]
     finally:
         server.close()
+
+
+class FakeLLM:
+    """Records the calls a colocated engine gets; generates one token per prompt and sample."""
+
+    def __init__(self):
+        self.calls = []
+        model = SimpleNamespace(load_weights=lambda weights: self.calls.append(("load", len(list(weights)))))
+        worker = SimpleNamespace(model_runner=SimpleNamespace(model=model))
+        self.llm_engine = SimpleNamespace(model_executor=SimpleNamespace(driver_worker=worker))
+
+    def sleep(self, level):
+        self.calls.append(("sleep", level))
+
+    def wake_up(self, tags):
+        self.calls.append(("wake_up", tuple(tags)))
+
+    def reset_prefix_cache(self):
+        self.calls.append(("reset_prefix_cache",))
+
+    def generate(self, prompts, params, use_tqdm=False):
+        self.calls.append(("generate", len(prompts)))
+        sample = SimpleNamespace(token_ids=[7], logprobs=[{7: SimpleNamespace(logprob=-0.5)}])
+        return [SimpleNamespace(outputs=[sample] * params.n) for _ in prompts]
+
+
+def test_colocate_sleep_mode_order():
+    # generate -> sleep (training) -> sync: wake weights, load all, reset cache -> generate: wake KV cache first
+    llm = FakeLLM()
+    engine = {"mode": "colocate", "sleep": True, "llm": llm, "tp_group": None, "n": 2,
+              "fields": {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0, "max_tokens": 4}}
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=1))
+    ids, lps = vllm_utils.generate(engine, [[1, 2], [3]])
+    assert ids == [[7]] * 4 and lps == [[-0.5]] * 4
+    vllm_utils.sleep(engine)
+    vllm_utils.sleep(engine)  # a second call is a no-op
+    with pytest.raises(RuntimeError, match="call sync_weights first"):  # level 2 discarded the weights
+        vllm_utils.generate(engine, [[1]])
+    vllm_utils.sync_weights(engine, model)
+    vllm_utils.generate(engine, [[1]])
+    n_params = len(list(model.parameters()))
+    assert llm.calls == [("generate", 2), ("sleep", 2), ("wake_up", ("weights",)), ("load", n_params),
+                         ("reset_prefix_cache",), ("wake_up", ("kv_cache",)), ("generate", 1)]
