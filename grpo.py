@@ -330,10 +330,13 @@ def collate(prompt_ids, completion_ids, device, pad_id):
     return input_ids.to(device), attention_mask.to(device), position_ids.to(device), completion_mask.to(device), P
 
 
-def _token_logprobs(hidden, targets, lm_head, temperature):
-    # hidden: (n, H) -> logits (n, V) in float32 for this chunk only
-    logits = lm_head(hidden).float() / temperature
-    return logits.log_softmax(-1).gather(-1, targets[:, None]).squeeze(-1)
+def _token_logprobs(hidden, targets, lm_head, temperature, with_entropy=False):
+    # hidden: (n, H) -> logits (n, V) in float32 for this chunk only; the entropy (a metric) comes from the same pass
+    all_logprobs = (lm_head(hidden).float() / temperature).log_softmax(-1)
+    logprobs = all_logprobs.gather(-1, targets[:, None]).squeeze(-1)
+    if not with_entropy:
+        return logprobs
+    return logprobs, -(all_logprobs.exp() * all_logprobs).sum(-1).detach()
 
 
 def per_token_logprobs(model, input_ids, attention_mask, position_ids, completion_mask, prompt_length,
@@ -356,13 +359,12 @@ def per_token_logprobs(model, input_ids, attention_mask, position_ids, completio
     for start in range(0, targets.numel(), chunk_tokens):
         h, t = hidden[start : start + chunk_tokens], targets[start : start + chunk_tokens]
         if torch.is_grad_enabled():
-            pieces.append(checkpoint(_token_logprobs, h, t, lm_head, temperature, use_reentrant=False))
+            out = checkpoint(_token_logprobs, h, t, lm_head, temperature, with_entropy, use_reentrant=False)
         else:
-            pieces.append(_token_logprobs(h, t, lm_head, temperature))
+            out = _token_logprobs(h, t, lm_head, temperature, with_entropy)
+        pieces.append(out[0] if with_entropy else out)
         if with_entropy:
-            with torch.no_grad():
-                logits = lm_head(h).float() / temperature
-                entropies.append(logits.logsumexp(-1) - (logits.softmax(-1) * logits).sum(-1))
+            entropies.append(out[1])
     logprobs = torch.zeros(mask.shape, device=input_ids.device)
     logprobs = logprobs.masked_scatter(mask, torch.cat(pieces)) if pieces else logprobs
     if not with_entropy:
