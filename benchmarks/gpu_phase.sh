@@ -1,9 +1,13 @@
 #!/usr/bin/env bash
 # The GPU runs behind benchmarks/results/, on a 2 x H200 host prepared by ../shared/gpu/README.md (source .gpu/setup.sh
-# first). Usage: bash benchmarks/gpu_phase.sh learn|bench OUT_DIR
+# first). Usage: bash benchmarks/gpu_phase.sh learn|bench|check|bench_server|scale OUT_DIR
 #   learn: GPU tests (colocate + sleep on GPU 0; server on GPU 1 + trainer on GPU 0), then the addition task with
 #          SmolLM2-135M-Instruct (/tmp/smol) for 100 steps in server mode and in colocate mode (sleep on).
 #   bench: bench-0.5b (/tmp/bench-qwen05b) for 8 steps: colocate (1 GPU), server (2 GPUs), no vLLM (1 GPU).
+#   check: the GPU tests, rloo.py (colocate + server, 60 steps) and online_dpo.py (colocate, 100 steps) on the addition
+#          task, packed onto the two GPUs; ends by starting the bench-0.5b server for bench_server.
+#   bench_server: bench-0.5b in server mode (trainer GPU 0, server GPU 1).
+#   scale: torchrun --nproc_per_node 2 (colocate): addition task, bench-0.5b, and one engine with tensor parallel 2.
 # Every run writes <OUT_DIR>/<name>/metrics.jsonl and <name>.log; benchmarks/summarize.py turns them into JSON.
 set -u
 PHASE=$1; OUT=$2; mkdir -p "$OUT"
@@ -15,21 +19,22 @@ BENCH="--model-name-or-path /tmp/bench-qwen05b --dataset-name /tmp/tasks/bench.j
        --no-use-chat-template --reward-funcs keyword_reward --prompts-per-step 32 --num-generations 8
        --max-completion-length 256 --micro-batch-tokens 11520 --beta 0 --learning-rate 1e-6 --max-steps 8"
 
-serve() {  # serve MODEL PORT: a stock vLLM server on GPU 1, in its own session so that it outlives this command
-  CUDA_VISIBLE_DEVICES=1 VLLM_SERVER_DEV_MODE=1 setsid python3 -m vllm.entrypoints.cli.main serve "$1" --port "$2" \
+serve() {  # serve MODEL PORT [ARGS]: a stock vLLM server on GPU 1, in its own session so that it outlives this command
+  local model=$1 port=$2; shift 2
+  CUDA_VISIBLE_DEVICES=1 VLLM_SERVER_DEV_MODE=1 setsid python3 -m vllm.entrypoints.cli.main serve "$model" --port "$port" "$@" \
     --weight-transfer-config '{"backend": "nccl"}' --logprobs-mode processed_logprobs --max-logprobs -1 \
-    > "$OUT/server_$2.log" 2>&1 &
-  echo "$(date +%s) started vllm serve $1 on port $2" >> "$OUT/server_$2.log.start"
+    > "$OUT/server_$port.log" 2>&1 &
+  echo "$(date +%s) started vllm serve $model on port $port" >> "$OUT/server_$port.log.start"
 }
 stop_servers() {  # the engine core renames itself VLLM::EngineCore: kill the whole session of each server
   for pid in $(pgrep -f "vllm.entrypoints.cli.main serve"); do kill -- -"$(ps -o sid= -p "$pid" | tr -d ' ')"; done
   sleep 5
 }
 wait_server() { python3 -c "import sys, vllm_utils; vllm_utils.wait_for_server('http://127.0.0.1:$1', 600, 'server')"; }
-run() {  # run NAME TIMEOUT ARGS...: one grpo.py run
+run() {  # run NAME TIMEOUT ARGS...: one run of grpo.py, or of rloo.py / online_dpo.py for names starting so
   local name=$1 limit=$2; shift 2
-  echo "== $name: python grpo.py $*" | tee "$OUT/$name.log"
   local script=grpo.py; case $name in rloo*) script=rloo.py;; online_dpo*) script=online_dpo.py;; esac
+  echo "== $name: ${LAUNCH:-python} $script $*" | tee "$OUT/$name.log"
   eval timeout "$limit" ${LAUNCH:-python3} $script --output-dir "$OUT/$name" "$@" >> "$OUT/$name.log" 2>&1
   echo "== $name exit $?" | tee -a "$OUT/$name.log"
 }
@@ -54,20 +59,33 @@ if [ "$PHASE" = bench ]; then
   CUDA_VISIBLE_DEVICES=0 run bench_no_vllm 300 $BENCH --no-use-vllm
   stop_servers
 fi
-if [ "$PHASE" = algos ]; then  # rloo.py (60 steps) and online_dpo.py (100 steps) on the addition task
-  serve /tmp/smol 8000
+if [ "$PHASE" = check ]; then  # tests/gpu, rloo.py (60 steps, colocate + server), online_dpo.py (100 steps, G=4 and G=2)
+  # vLLM's start-up profiling asserts that no other process on its GPU frees memory meanwhile, and a sleeping engine
+  # frees memory every step: so each engine starts while its GPU holds only servers and trainers that do not sleep.
+  serve /tmp/smol 8000 --gpu-memory-utilization 0.4
   ADD_RLOO="${ADD/--max-steps 100/--max-steps 60}"
-  CUDA_VISIBLE_DEVICES=0 run rloo_colocate 300 --model-name-or-path /tmp/smol $ADD_RLOO --vllm-mode colocate --vllm-enable-sleep-mode
+  DPO4="${ADD/--prompts-per-step 16 --num-generations 8/--prompts-per-step 64 --num-generations 4} --vllm-gpu-memory-utilization 0.2"
+  DPO2="${ADD/--prompts-per-step 16 --num-generations 8/--prompts-per-step 64 --num-generations 2} --vllm-gpu-memory-utilization 0.2"
+  CUDA_VISIBLE_DEVICES=0 GPU_RESULTS_DIR=$OUT timeout 200 python3 -m pytest -x -q tests/gpu/test_colocate.py 2>&1 | tee "$OUT/pytest_colocate.log"
+  CUDA_VISIBLE_DEVICES=0 run rloo_colocate 300 --model-name-or-path /tmp/smol $ADD_RLOO --vllm-mode colocate --vllm-enable-sleep-mode &
+  RLOO_COLOCATE=$!
   wait_server 8000
-  CUDA_VISIBLE_DEVICES=0 run rloo_server 240 --model-name-or-path /tmp/smol $ADD_RLOO --vllm-mode server --vllm-group-port 51302
-  stop_servers
-fi
-if [ "$PHASE" = dpo ]; then
-  DPO="${ADD/--prompts-per-step 16 --num-generations 8/--prompts-per-step 64 --num-generations 4}"
-  CUDA_VISIBLE_DEVICES=0 run online_dpo_colocate 400 --model-name-or-path /tmp/smol $DPO --vllm-mode colocate --vllm-enable-sleep-mode
+  CUDA_VISIBLE_DEVICES=1 run online_dpo_colocate 420 --model-name-or-path /tmp/smol $DPO4 --vllm-mode colocate --vllm-enable-sleep-mode &
+  DPO_G4=$!
+  GPU_RESULTS_DIR=$OUT VLLM_TEST_SERVER_URL=http://127.0.0.1:8000 timeout 120 python3 -m pytest -x -q tests/gpu/test_server.py 2>&1 | tee "$OUT/pytest_server.log"
+  CUDA_VISIBLE_DEVICES=0 run rloo_server 240 --model-name-or-path /tmp/smol $ADD_RLOO --vllm-mode server --vllm-group-port 51302 &
+  RLOO_SERVER=$!
+  wait $RLOO_COLOCATE
+  CUDA_VISIBLE_DEVICES=0 run online_dpo_colocate_g2 300 --model-name-or-path /tmp/smol $DPO2 --vllm-mode colocate --vllm-enable-sleep-mode &
+  DPO_G2=$!
+  wait $RLOO_SERVER; stop_servers
+  wait $DPO_G4
+  serve /tmp/bench-qwen05b 8001  # GPU 1 is free again: warm up the server of the bench_server phase
+  wait $DPO_G2
 fi
 if [ "$PHASE" = bench_server ]; then
-  serve /tmp/bench-qwen05b 8001; wait_server 8001
+  pgrep -f "serve /tmp/bench-qwen05b" > /dev/null || serve /tmp/bench-qwen05b 8001
+  wait_server 8001
   CUDA_VISIBLE_DEVICES=0 run bench_server 200 $BENCH --use-vllm --vllm-mode server --vllm-server-port 8001 --vllm-group-port 51301
   stop_servers
 fi
@@ -75,14 +93,9 @@ if [ "$PHASE" = scale ]; then  # torchrun on 2 GPUs: colocated addition (sleep o
   export LAUNCH="python3 -m torch.distributed.run --nproc_per_node 2"
   CUDA_VISIBLE_DEVICES=0,1 run addition_colocate_2gpu 360 --model-name-or-path /tmp/smol $ADD --vllm-mode colocate --vllm-enable-sleep-mode
   CUDA_VISIBLE_DEVICES=0,1 run bench_colocate_2gpu 240 $BENCH --use-vllm --vllm-mode colocate
+  # one vLLM engine spread over both ranks (tensor parallel 2): both ranks sample the same gathered prompts
+  CUDA_VISIBLE_DEVICES=0,1 run addition_colocate_2gpu_tp2 150 --model-name-or-path /tmp/smol ${ADD/--max-steps 100/--max-steps 20} \
+    --vllm-mode colocate --vllm-enable-sleep-mode --vllm-tensor-parallel-size 2
   unset LAUNCH
-fi
-if [ "$PHASE" = tests ]; then  # the two GPU tests, then bench-0.5b without vLLM
-  serve /tmp/smol 8000
-  CUDA_VISIBLE_DEVICES=0 GPU_RESULTS_DIR=$OUT timeout 200 python3 -m pytest -x -q tests/gpu/test_colocate.py 2>&1 | tee "$OUT/pytest_colocate.log"
-  wait_server 8000
-  GPU_RESULTS_DIR=$OUT VLLM_TEST_SERVER_URL=http://127.0.0.1:8000 timeout 120 python3 -m pytest -x -q tests/gpu/test_server.py 2>&1 | tee "$OUT/pytest_server.log"
-  stop_servers
-  [ -n "${WITH_BENCH:-}" ] && CUDA_VISIBLE_DEVICES=0 run bench_no_vllm 170 $BENCH --no-use-vllm
 fi
 nvidia-smi --query-gpu=name,memory.total --format=csv > "$OUT/gpus.txt" 2>&1

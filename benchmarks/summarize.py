@@ -8,6 +8,10 @@ import sys
 TRL_1_16 = {  # seconds per step (or reward) that TRL 1.16 reached on the same task, sizes and hosts (issue text)
     "addition_server": {"reward_first": 0.08, "reward_last": 0.84, "s_per_step": 0.97, "note": "TRL ran colocate"},
     "addition_colocate": {"reward_first": 0.08, "reward_last": 0.84, "s_per_step": 0.97},
+    "rloo_colocate": {"reward_first": 0.08, "reward_last": 0.60, "s_per_step": 0.95, "note": "RLOOTrainer, 60 steps"},
+    "rloo_server": {"reward_first": 0.08, "reward_last": 0.60, "s_per_step": 0.95, "note": "RLOOTrainer ran colocate"},
+    "online_dpo_colocate": {"reward_first": 0.13, "reward_last": 0.13, "note": "OnlineDPOTrainer, 2 samples, lr 1e-5, step 1 and step 60"},
+    "online_dpo_colocate_g2": {"reward_first": 0.13, "reward_last": 0.13, "note": "OnlineDPOTrainer, 2 samples, lr 1e-5, step 1 and step 60"},
     "bench_server": {"s_per_step": 7.32}, "bench_colocate": {"s_per_step": 7.72}, "bench_no_vllm": {"s_per_step": 12.41},
 }
 out_dir = os.path.join(os.path.dirname(__file__), "results")
@@ -20,7 +24,7 @@ for results in sys.argv[1:]:
         rows = [json.loads(line) for line in open(path)]
         log = open(os.path.join(results, f"{name}.log")).read()
         command = log.splitlines()[0].removeprefix(f"== {name}: ")
-        rewards = [r["reward"] for r in rows]
+        rewards = [r["reward"] if "reward" in r else r["objective/scores"] for r in rows]  # online_dpo: mean sample reward
         window = rows[2:8] if name.startswith("bench") else rows  # bench: median of steps 3-8
         summary = {
             "run": name, "command": command, "steps": len(rows),
