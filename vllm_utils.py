@@ -80,11 +80,17 @@ def colocate_engine(model_path, gpu_memory_utilization=0.3, tensor_parallel_size
     from vllm import LLM
 
     rank = int(os.environ["RANK"])
+    extra = {}
+    if tensor_parallel_size > 1 and os.environ.get("NCCL_NVLS_ENABLE") == "0":
+        # With TP > 1, vLLM fuses all-reduce + RMSNorm through FlashInfer, whose default "mnnvl" workspace maps NVLink
+        # multicast memory. A host that switched multicast off (NCCL_NVLS_ENABLE=0) must not get it: plain all-reduce.
+        extra["compilation_config"] = {"pass_config": {"fuse_allreduce_rms": False}}
     return LLM(
         model=model_path, tensor_parallel_size=tensor_parallel_size, gpu_memory_utilization=gpu_memory_utilization,
         max_model_len=max_model_len, enable_sleep_mode=enable_sleep_mode, dtype=dtype, max_num_seqs=max_num_seqs,
         distributed_executor_backend="external_launcher", logprobs_mode="processed_logprobs",
         seed=seed + rank // tensor_parallel_size,  # ranks of one TP group must sample identically
+        **extra,
     )
 
 

@@ -93,9 +93,9 @@ if [ "$PHASE" = scale ]; then  # torchrun on 2 GPUs: colocated addition (sleep o
   export LAUNCH="python3 -m torch.distributed.run --nproc_per_node 2"
   CUDA_VISIBLE_DEVICES=0,1 run addition_colocate_2gpu 360 --model-name-or-path /tmp/smol $ADD --vllm-mode colocate --vllm-enable-sleep-mode
   CUDA_VISIBLE_DEVICES=0,1 run bench_colocate_2gpu 240 $BENCH --use-vllm --vllm-mode colocate
-  # one vLLM engine spread over both ranks (tensor parallel 2): both ranks sample the same gathered prompts
-  CUDA_VISIBLE_DEVICES=0,1 run addition_colocate_2gpu_tp2 150 --model-name-or-path /tmp/smol ${ADD/--max-steps 100/--max-steps 20} \
-    --vllm-mode colocate --vllm-enable-sleep-mode --vllm-tensor-parallel-size 2
+  # one vLLM engine spread over both ranks (tensor parallel 2; SmolLM2's 9 heads do not split, Qwen2.5-0.5B's 14 do)
+  CUDA_VISIBLE_DEVICES=0,1 run bench_colocate_2gpu_tp2 230 $BENCH --use-vllm --vllm-mode colocate --vllm-tensor-parallel-size 2 \
+    --vllm-enable-sleep-mode
   unset LAUNCH
 fi
 nvidia-smi --query-gpu=name,memory.total --format=csv > "$OUT/gpus.txt" 2>&1

@@ -200,3 +200,24 @@ def test_colocate_sleep_mode_order():
     n_params = len(list(model.parameters()))
     assert llm.calls == [("generate", 2), ("sleep", 2), ("wake_up", ("weights",)), ("load", n_params),
                          ("reset_prefix_cache",), ("wake_up", ("kv_cache",)), ("generate", 1)]
+
+
+@pytest.mark.parametrize("nvls, tp, fused", [("0", 2, False), ("0", 1, True), (None, 2, True)])
+def test_colocate_engine_keeps_multicast_off_where_the_host_turned_it_off(monkeypatch, nvls, tp, fused):
+    """A tensor-parallel engine on a host with NCCL_NVLS_ENABLE=0 must not build FlashInfer's multicast all-reduce."""
+    import vllm
+
+    seen = {}
+    monkeypatch.setattr(vllm, "LLM", lambda **kwargs: seen.update(kwargs))
+    for key in ("RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("WORLD_SIZE", str(tp))
+    if nvls is None:
+        monkeypatch.delenv("NCCL_NVLS_ENABLE", raising=False)
+    else:
+        monkeypatch.setenv("NCCL_NVLS_ENABLE", nvls)
+    vllm_utils.colocate_engine("model", tensor_parallel_size=tp)
+    assert seen["distributed_executor_backend"] == "external_launcher" and seen["tensor_parallel_size"] == tp
+    assert ("compilation_config" not in seen) == fused
+    if not fused:
+        assert seen["compilation_config"] == {"pass_config": {"fuse_allreduce_rms": False}}
