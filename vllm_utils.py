@@ -380,7 +380,8 @@ def generate(engine, prompt_ids, args=None):
         parts = [None] * torch.distributed.get_world_size(group)
         torch.distributed.all_gather_object(parts, prompt_ids, group=group)
         completion_ids, logprobs = colocate_generate(llm, [p for part in parts for p in part], engine["n"], engine["fields"])
-        mine = slice(torch.distributed.get_rank(group) * len(prompt_ids) * engine["n"], (torch.distributed.get_rank(group) + 1) * len(prompt_ids) * engine["n"])
+        start = sum(len(part) for part in parts[: torch.distributed.get_rank(group)]) * engine["n"]
+        mine = slice(start, start + len(prompt_ids) * engine["n"])  # this rank's prompts, prompt-major
         out = completion_ids[mine], logprobs[mine]
     return out
 

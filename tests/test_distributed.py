@@ -33,6 +33,12 @@ def test_two_ranks_take_the_same_step_as_one(tmp_path):
         assert any(g.abs().max() > 1e-3 for g in one[loss_type]["grads"].values())
 
 
+def test_tensor_parallel_groups_generate_together_and_each_rank_gets_its_own_completions():
+    # 4 ranks, --vllm-tensor-parallel-size 2: ranks (0, 1) and (2, 3) each share one engine (tests/dist_tp.py)
+    result = torchrun(4, "tests/dist_tp.py", timeout=120)
+    assert result.returncode == 0 and "TP ROUTING OK" in result.stderr, result.stderr[-3000:]
+
+
 def test_grpo_under_torchrun_trains_saves_and_resumes(tmp_path):
     data = ASSETS / "stories_prompts.jsonl"
     out = tmp_path / "run"
