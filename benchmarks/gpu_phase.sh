@@ -8,6 +8,10 @@
 #          task, packed onto the two GPUs; ends by starting the bench-0.5b server for bench_server.
 #   bench_server: bench-0.5b in server mode (trainer GPU 0, server GPU 1).
 #   scale: torchrun --nproc_per_node 2 (colocate): addition task, bench-0.5b, and one engine with tensor parallel 2.
+#   eight_bench, eight_learn (8 GPUs): the layout of TRL's vLLM docs, a 4-GPU `vllm serve` on GPUs 0-3 and
+#          `torchrun --nproc_per_node 4` on GPUs 4-7, for grpo.py, rloo.py and online_dpo.py; bench-0.5b for speed,
+#          then the server sync test and the addition task with SmolLM2. Neither model splits 4 ways (14 and 9 attention
+#          heads), so the 4 server GPUs are tensor parallel 2 x data parallel 2 (bench) and data parallel 4 (SmolLM2).
 # Every run writes <OUT_DIR>/<name>/metrics.jsonl and <name>.log; benchmarks/summarize.py turns them into JSON.
 set -u
 PHASE=$1; OUT=$2; mkdir -p "$OUT"
@@ -19,9 +23,9 @@ BENCH="--model-name-or-path /tmp/bench-qwen05b --dataset-name /tmp/tasks/bench.j
        --no-use-chat-template --reward-funcs keyword_reward --prompts-per-step 32 --num-generations 8
        --max-completion-length 256 --micro-batch-tokens 11520 --beta 0 --learning-rate 1e-6 --max-steps 8"
 
-serve() {  # serve MODEL PORT [ARGS]: a stock vLLM server on GPU 1, in its own session so that it outlives this command
-  local model=$1 port=$2; shift 2
-  CUDA_VISIBLE_DEVICES=1 VLLM_SERVER_DEV_MODE=1 setsid python3 -m vllm.entrypoints.cli.main serve "$model" --port "$port" "$@" \
+serve() {  # serve MODEL PORT [ARGS]: a stock vLLM server on GPU 1 (or $SERVER_GPUS), in its own session so that it
+  local model=$1 port=$2; shift 2  # outlives this command
+  CUDA_VISIBLE_DEVICES=${SERVER_GPUS:-1} VLLM_SERVER_DEV_MODE=1 setsid python3 -m vllm.entrypoints.cli.main serve "$model" --port "$port" "$@" \
     --weight-transfer-config '{"backend": "nccl"}' --logprobs-mode processed_logprobs --max-logprobs -1 \
     > "$OUT/server_$port.log" 2>&1 &
   echo "$(date +%s) started vllm serve $model on port $port" >> "$OUT/server_$port.log.start"
@@ -98,4 +102,30 @@ if [ "$PHASE" = scale ]; then  # torchrun on 2 GPUs: colocated addition (sleep o
     --vllm-enable-sleep-mode
   unset LAUNCH
 fi
+if [ "$PHASE" = eight_bench ] || [ "$PHASE" = eight_learn ]; then
+  # on hosts with NVLink multicast off, keep vLLM's FlashInfer all-reduce fusion (it maps multicast memory) off
+  NOFUSE=""; [ "${NCCL_NVLS_ENABLE:-}" = 0 ] && NOFUSE='{"pass_config": {"fuse_allreduce_rms": false}}'
+  export LAUNCH="python3 -m torch.distributed.run --nproc_per_node 4" SERVER_GPUS=0,1,2,3
+fi
+if [ "$PHASE" = eight_bench ]; then
+  serve /tmp/bench-qwen05b 8001 --tensor-parallel-size 2 --data-parallel-size 2 ${NOFUSE:+--compilation-config "$NOFUSE"}
+  wait_server 8001
+  B20="${BENCH/--max-steps 8/--max-steps 20} --use-vllm --vllm-mode server --vllm-server-port 8001"
+  CUDA_VISIBLE_DEVICES=4,5,6,7 run bench_server_4x4 150 $B20 --vllm-group-port 51310
+  CUDA_VISIBLE_DEVICES=4,5,6,7 run rloo_bench_server_4x4 150 $B20 --vllm-group-port 51311
+  CUDA_VISIBLE_DEVICES=4,5,6,7 run online_dpo_bench_server_4x4 150 ${B20/--beta 0/--beta 0.1} --vllm-group-port 51312
+  stop_servers
+fi
+if [ "$PHASE" = eight_learn ]; then
+  serve /tmp/smol 8000 --data-parallel-size 4
+  wait_server 8000
+  CUDA_VISIBLE_DEVICES=4 GPU_RESULTS_DIR=$OUT VLLM_TEST_SERVER_URL=http://127.0.0.1:8000 timeout 120 python3 -m pytest -x -q tests/gpu/test_server.py 2>&1 | tee "$OUT/pytest_server_dp4.log"
+  CUDA_VISIBLE_DEVICES=4,5,6,7 run addition_server_4x4 150 --model-name-or-path /tmp/smol $ADD --vllm-mode server --vllm-group-port 51313
+  CUDA_VISIBLE_DEVICES=4,5,6,7 run rloo_server_4x4 120 --model-name-or-path /tmp/smol ${ADD/--max-steps 100/--max-steps 60} --vllm-mode server --vllm-group-port 51314
+  CUDA_VISIBLE_DEVICES=4,5,6,7 run online_dpo_server_4x4 120 --model-name-or-path /tmp/smol \
+    ${ADD/--prompts-per-step 16 --num-generations 8 --max-completion-length 32 --learning-rate 1e-5 --max-steps 100/--prompts-per-step 64 --num-generations 4 --max-completion-length 32 --learning-rate 1e-5 --max-steps 60} \
+    --vllm-mode server --vllm-group-port 51315
+  stop_servers
+fi
+unset LAUNCH SERVER_GPUS
 nvidia-smi --query-gpu=name,memory.total --format=csv > "$OUT/gpus.txt" 2>&1

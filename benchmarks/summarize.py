@@ -14,6 +14,14 @@ TRL_1_16 = {  # seconds per step (or reward) that TRL 1.16 reached on the same t
     "online_dpo_colocate_g2": {"reward_first": 0.13, "reward_last": 0.13, "note": "OnlineDPOTrainer, 2 samples, lr 1e-5, step 1 and step 60"},
     "bench_server": {"s_per_step": 7.32}, "bench_colocate": {"s_per_step": 7.72}, "bench_no_vllm": {"s_per_step": 12.41},
 }
+
+
+def flag(command, name):
+    """The integer value of a --flag in a logged command line."""
+    words = command.split()
+    return int(words[words.index(name) + 1])
+
+
 out_dir = os.path.join(os.path.dirname(__file__), "results")
 os.makedirs(out_dir, exist_ok=True)
 for results in sys.argv[1:]:
@@ -32,6 +40,10 @@ for results in sys.argv[1:]:
             "s_per_step_median": statistics.median(r["step_time"] for r in window),
             "generation_s_median": statistics.median(r["timing/generation"] for r in window),
             "weight_sync_s_median": statistics.median(r["timing/weight_sync"] for r in window),
+            # generated tokens per second of generation time: completions per step x mean length / generation time
+            "generation_tokens_per_s_median": statistics.median(
+                flag(command, "--prompts-per-step") * flag(command, "--num-generations") * r["completions/mean_length"]
+                / r["timing/generation"] for r in window),
             "sampling_logp_difference_mean_last_5": statistics.mean(r.get("sampling/sampling_logp_difference/mean", float("nan")) for r in rows[-5:]),
             "reward_curve": rewards, "s_per_step_curve": [r["step_time"] for r in rows],
             "trl_1_16": TRL_1_16.get(name),

@@ -18,11 +18,11 @@ PORT = int(os.environ.get("VLLM_TEST_PORT", "8011"))
 
 @pytest.fixture(scope="module")
 def server():
-    if torch.cuda.device_count() < 2:
-        pytest.skip("needs two GPUs")
-    if os.environ.get("VLLM_TEST_SERVER_URL"):  # a server already started on GPU 1 (benchmarks/gpu_phase.sh)
+    if os.environ.get("VLLM_TEST_SERVER_URL"):  # a server already started on other GPUs (benchmarks/gpu_phase.sh)
         yield os.environ["VLLM_TEST_SERVER_URL"], float("nan")
         return
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs (or VLLM_TEST_SERVER_URL of a server on GPUs this process does not see)")
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "1", "VLLM_SERVER_DEV_MODE": "1"}
     cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", MODEL, "--port", str(PORT),
            "--weight-transfer-config", '{"backend": "nccl"}', "--logprobs-mode", "processed_logprobs",
