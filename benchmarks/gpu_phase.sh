@@ -98,7 +98,7 @@ if [ "$PHASE" = scale ]; then  # torchrun on 2 GPUs: colocated addition (sleep o
   CUDA_VISIBLE_DEVICES=0,1 run addition_colocate_2gpu 360 --model-name-or-path /tmp/smol $ADD --vllm-mode colocate --vllm-enable-sleep-mode
   CUDA_VISIBLE_DEVICES=0,1 run bench_colocate_2gpu 240 $BENCH --use-vllm --vllm-mode colocate
   # one vLLM engine spread over both ranks (tensor parallel 2; SmolLM2's 9 heads do not split, Qwen2.5-0.5B's 14 do)
-  CUDA_VISIBLE_DEVICES=0,1 run bench_colocate_2gpu_tp2 230 $BENCH --use-vllm --vllm-mode colocate --vllm-tensor-parallel-size 2 \
+  NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0} CUDA_VISIBLE_DEVICES=0,1 run bench_colocate_2gpu_tp2 230 $BENCH --use-vllm --vllm-mode colocate --vllm-tensor-parallel-size 2 \
     --vllm-enable-sleep-mode
   unset LAUNCH
 fi
