@@ -25,6 +25,16 @@ advantages = torch.tensor([1.0, -1.0, 0.5, -0.5, 1.5, -1.5, 0.7, -0.7])
 N = len(batch_prompts) // world_size
 rows = list(range(rank * N, (rank + 1) * N))  # this rank's share of the rows
 results = {}
+
+
+def step_and_record(name, script, model, optimizer):
+    """Keep the full gradients, take the optimizer step, keep the full updated weights (gathered from the shards)."""
+    grads = {n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).clone() for n, p in model.named_parameters()}
+    optimizer.step()
+    state, _ = script.full_state(model, None, world_size)
+    results[name] = {"grads": grads, "weights": {k: v.clone() for k, v in state.items()}}
+
+
 for loss_type in ("grpo", "bnpo", "dr_grpo", "dapo"):
     model = AutoModelForCausalLM.from_pretrained(STORIES, dtype=torch.float32)
     if world_size > 1:
@@ -46,10 +56,7 @@ for loss_type in ("grpo", "bnpo", "dr_grpo", "dapo"):
         loss, _ = grpo.policy_loss(logprobs, old, advantages[micro_batch], cmask, 0.2, 0.28)
         local = [i - rows[0] for i in micro_batch]
         ((loss * weights[local, : cmask.shape[1]]).sum() * (0 if padding_pass else world_size)).backward()
-    grads = {name: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).clone() for name, p in model.named_parameters()}
-    optimizer.step()
-    state, _ = grpo.full_state(model, None, world_size)
-    results[loss_type] = {"grads": grads, "weights": {k: v.clone() for k, v in state.items()}}
+    step_and_record(loss_type, grpo, model, optimizer)
 
 # RLOO (rloo.py): per-sequence loss, each sequence weighs 1 / (all ranks' sequences)
 import rloo  # noqa: E402
@@ -67,10 +74,7 @@ for micro_batch in rloo.same_count_on_all_ranks(micro_batches, world_size, "cpu"
     offset = 0.05 * torch.sin(torch.tensor(micro_batch)[:, None] * 10.0 + torch.arange(cmask.shape[1])[None])
     loss, _ = rloo.sequence_policy_loss(logprobs, logprobs.detach() + offset, advantages[micro_batch], cmask, 0.2, 0.2)
     ((loss / (N * world_size)).sum() * (0 if padding_pass else world_size)).backward()
-grads = {name: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).clone() for name, p in model.named_parameters()}
-optimizer.step()
-state, _ = rloo.full_state(model, None, world_size)
-results["rloo"] = {"grads": grads, "weights": {k: v.clone() for k, v in state.items()}}
+step_and_record("rloo", rloo, model, optimizer)
 
 # Online DPO (online_dpo.py): rows (2i, 2i + 1) of the batch form pair i; every pair weighs 1 / (all ranks' pairs)
 import online_dpo  # noqa: E402
@@ -95,10 +99,7 @@ for micro_batch in micro_batches:
     policy = online_dpo.sequence_logprobs(model, prompts_, completions_, 0.8, "cpu", 0).view(2, -1)
     losses = online_dpo.dpo_loss(policy[0], policy[1], ref[0], ref[1], 0.1, "sigmoid")
     (losses.sum() / (len(pairs) * world_size) * (0 if padding_pass else world_size)).backward()
-grads = {name: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).clone() for name, p in model.named_parameters()}
-optimizer.step()
-state, _ = online_dpo.full_state(model, None, world_size)
-results["online_dpo"] = {"grads": grads, "weights": {k: v.clone() for k, v in state.items()}}
+step_and_record("online_dpo", online_dpo, model, optimizer)
 
 if rank == 0:
     torch.save(results, sys.argv[1])
