@@ -36,25 +36,34 @@ PACKED_NUM_BUFFERS = 2
 # Weights: what is sent, in which order
 
 
+def _checkpoint_name(name):
+    # activation-checkpoint / FSDP wrappers insert these into names; vLLM knows the checkpoint names
+    return name.replace("_checkpoint_wrapped_module.", "").replace("_fsdp_wrapped_module.", "")
+
+
 def named_weights(model, dtype=torch.bfloat16):
     """(HF name, tensor) for every parameter, cast to `dtype` (vLLM copies into its own dtype anyway; bf16 halves the
-    bytes sent). Tied embeddings appear once, as in the checkpoint; vLLM skips lm_head when it is tied."""
+    bytes sent). Tied embeddings appear once, as in the checkpoint; vLLM skips lm_head when it is tied.
+
+    A generator on purpose: with FSDP2 each parameter is gathered from the shards only when it is reached (a
+    collective: every rank must iterate, in the same order) and is dropped once the consumer has packed or loaded it,
+    so the whole unsharded model never sits on one GPU."""
     for name, param in model.named_parameters():
-        # activation-checkpoint / FSDP wrappers insert these into names; vLLM knows the checkpoint names
-        name = name.replace("_checkpoint_wrapped_module.", "").replace("_fsdp_wrapped_module.", "")
         tensor = param.detach()
         if hasattr(tensor, "full_tensor"):  # FSDP2 DTensor: gather the full parameter
             tensor = tensor.full_tensor()
-        yield name, tensor.to(dtype)
+        yield _checkpoint_name(name), tensor.to(dtype)
 
 
-def weight_metadata(weights):
-    """The `update_info` lists vLLM needs to receive `weights` (a list of (name, tensor)): the receiver allocates
-    buffers from these, so they must describe exactly the tensors streamed, in the same order."""
+def weight_metadata(model, dtype=torch.bfloat16):
+    """The `update_info` lists vLLM needs to receive `named_weights(model, dtype)`: the receiver allocates buffers from
+    these, so they must describe exactly the tensors streamed, in the same order. Read from the parameters without
+    gathering anything (an FSDP2 DTensor's shape is the full one)."""
+    params = list(model.named_parameters())
     return {
-        "names": [name for name, _ in weights],
-        "dtype_names": [str(tensor.dtype).removeprefix("torch.") for _, tensor in weights],
-        "shapes": [list(tensor.shape) for _, tensor in weights],
+        "names": [_checkpoint_name(name) for name, _ in params],
+        "dtype_names": [str(dtype).removeprefix("torch.")] * len(params),
+        "shapes": [list(param.shape) for _, param in params],
     }
 
 
@@ -265,19 +274,21 @@ def server_init_weight_sync(base_url, group_port, master_address="127.0.0.1"):
                        WEIGHT_SYNC_TIMEOUT_S)
 
 
-def server_sync_weights(base_url, group, weights):
-    """Send every (name, tensor) in `weights` to the server: start -> packed broadcast beside /update_weights ->
-    finish -> reset the prefix cache (its KV was computed by the old weights)."""
+def server_sync_weights(base_url, group, model):
+    """Send the model's weights to the server: start -> packed broadcast beside /update_weights -> finish -> reset the
+    prefix cache (its KV was computed by the old weights). The weights are streamed (named_weights): gathered, cast
+    and packed a buffer at a time. Under torchrun the other ranks must iterate named_weights(model) meanwhile."""
     from vllm.distributed.weight_transfer.packed_tensor import packed_nccl_broadcast_producer
 
-    update_info = {**weight_metadata(weights), "packed": True, "packed_buffer_size_bytes": PACKED_BUFFER_BYTES,
+    update_info = {**weight_metadata(model), "packed": True, "packed_buffer_size_bytes": PACKED_BUFFER_BYTES,
                    "packed_num_buffers": PACKED_NUM_BUFFERS}
     _post(base_url, "/start_weight_update", 60, json={})
 
-    torch.cuda.current_stream().synchronize()  # the casts / FSDP gathers above ran there; the producer uses side streams
+    # the optimizer step ran on this stream; the producer gathers, casts and packs on its own side streams
+    torch.cuda.current_stream().synchronize()
 
     def broadcast():
-        packed_nccl_broadcast_producer(iter(weights), group, 0, lambda item: item[1], PACKED_BUFFER_BYTES, PACKED_NUM_BUFFERS)
+        packed_nccl_broadcast_producer(named_weights(model), group, 0, lambda item: item[1], PACKED_BUFFER_BYTES, PACKED_NUM_BUFFERS)
         torch.cuda.synchronize()  # 0.26's producer does not drain its streams
 
     _run_beside(broadcast, lambda: _post(base_url, "/update_weights", WEIGHT_SYNC_TIMEOUT_S, json={"update_info": update_info}),
@@ -402,10 +413,12 @@ def _rank():
 def sync_weights(engine, model):
     """Push the trainer's current weights to vLLM (call after each optimizer step, before generating). With torchrun
     every rank must call it: gathering FSDP2-sharded weights is a collective."""
-    weights = list(named_weights(model))
     if engine["mode"] == "server":
         if _rank() == 0:
-            server_sync_weights(engine["base_url"], engine["group"], weights)
+            server_sync_weights(engine["base_url"], engine["group"], model)
+        else:  # take part in each parameter's FSDP2 gather, in rank 0's order, and drop the result
+            for _ in named_weights(model):
+                pass
         if torch.distributed.is_initialized():
             torch.distributed.barrier()  # no rank generates before the server has the new weights
         return
@@ -414,5 +427,5 @@ def sync_weights(engine, model):
         torch.cuda.empty_cache()  # give the trainer's cached blocks back so that vLLM can map its weights again
         llm.wake_up(tags=["weights"])  # level 2 left garbage: every weight is reloaded below
         engine["weights_asleep"] = False
-    colocate_load_weights(llm, weights)
+    colocate_load_weights(llm, named_weights(model))  # streamed: one full parameter at a time
     llm.reset_prefix_cache()

@@ -39,6 +39,12 @@ def test_tensor_parallel_groups_generate_together_and_each_rank_gets_its_own_com
     assert result.returncode == 0 and "TP ROUTING OK" in result.stderr, result.stderr[-3000:]
 
 
+def test_weight_sync_from_fsdp2_shards_delivers_the_full_weights_in_the_announced_order():
+    # server mode: rank 0 streams from a thread while rank 1 joins each gather; colocate: every rank loads (tests/dist_weights.py)
+    result = torchrun(2, "tests/dist_weights.py", timeout=180)
+    assert result.returncode == 0 and "WEIGHT SYNC OK" in result.stderr, result.stderr[-3000:]
+
+
 def test_grpo_under_torchrun_trains_saves_and_resumes(tmp_path):
     data = ASSETS / "stories_prompts.jsonl"
     out = tmp_path / "run"

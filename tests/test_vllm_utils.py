@@ -53,8 +53,8 @@ def test_weight_metadata_describes_exactly_the_streamed_tensors():
     config = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
                          num_key_value_heads=1, tie_word_embeddings=True)
     model = LlamaForCausalLM(config)
+    meta = vllm_utils.weight_metadata(model, torch.bfloat16)  # known before any tensor is gathered
     weights = list(vllm_utils.named_weights(model, torch.bfloat16))
-    meta = vllm_utils.weight_metadata(weights)
     params = list(model.named_parameters())
     assert meta["names"] == [n for n, _ in params]  # every parameter, in order, HF checkpoint names
     assert "lm_head.weight" not in meta["names"]  # tied: the shared tensor is sent once, as embed_tokens

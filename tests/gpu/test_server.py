@@ -58,15 +58,14 @@ def test_server_sync_matches_trainer(server):
     ids_before, lp_before = vllm_utils.server_generate(url, model_id, prompts, 4, fields)
     trainer_before, mask_before = trainer_logprobs(model, repeated, ids_before, 1.0)
     before, _ = mean_abs_diff(trainer_before, lp_before, mask_before)
-    weights = list(vllm_utils.named_weights(model))
     t0 = time.perf_counter()
-    vllm_utils.server_sync_weights(url, group, weights)
+    vllm_utils.server_sync_weights(url, group, model)
     sync_s = time.perf_counter() - t0
     ids_after, lp_after = vllm_utils.server_generate(url, model_id, prompts, 4, fields)
     trainer_lp, mask = trainer_logprobs(model, repeated, ids_after, 1.0)
     after, max_after = mean_abs_diff(trainer_lp, lp_after, mask)
     record("server_sync", {"model": MODEL, "server_startup_s": startup_s, "sync_s": sync_s,
-                           "synced_gb": sum(t.numel() * t.element_size() for _, t in weights) / 1e9,
+                           "synced_gb": sum(t.numel() * t.element_size() for _, t in vllm_utils.named_weights(model)) / 1e9,
                            "logprob_mean_abs_diff_before_sync": before, "logprob_mean_abs_diff_after_sync": after,
                            "logprob_max_abs_diff_after_sync": max_after})
     assert before > 0.05 and before > 3 * after, "the changed weights should give visibly different log-probs before the sync"

@@ -1,0 +1,63 @@
+"""Run under `torchrun --nproc_per_node 2` (gloo): weight sync from an FSDP2-sharded policy. In server mode rank 0
+streams the weights to the server from a side thread (as server_sync_weights does) while rank 1 takes part in every
+parameter's gather; in colocate mode every rank loads the full weights into its own engine. Both must deliver exactly
+the unsharded model's weights, in the order and shapes that weight_metadata announced before anything was gathered."""
+import os
+import sys
+import threading
+from types import SimpleNamespace
+
+import torch
+import torch.distributed as dist
+from transformers import AutoModelForCausalLM
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+import grpo  # noqa: E402
+import vllm_utils  # noqa: E402
+
+STORIES = os.path.join(os.path.dirname(__file__), "assets", "stories260K")
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+full = AutoModelForCausalLM.from_pretrained(STORIES, dtype=torch.float32)
+model = grpo.shard_model(AutoModelForCausalLM.from_pretrained(STORIES, dtype=torch.float32), mixed_precision=False)
+expected = {name: p.detach().to(torch.bfloat16) for name, p in full.named_parameters()}
+
+meta = vllm_utils.weight_metadata(model)  # from the shards: names and full shapes, nothing gathered
+assert meta == vllm_utils.weight_metadata(full), meta
+assert meta["names"] == list(expected) and meta["shapes"] == [list(t.shape) for t in expected.values()]
+
+
+def check(received, where):
+    assert list(received) == meta["names"], (where, list(received))
+    for name, tensor in received.items():
+        assert torch.equal(tensor, expected[name]), (where, name)
+
+
+# server mode: only rank 0 talks to the server, from a thread, consuming the stream lazily
+received = {}
+
+
+def fake_server_sync_weights(base_url, group, model_):
+    thread = threading.Thread(target=lambda: received.update(vllm_utils.named_weights(model_)))
+    thread.start()
+    thread.join(120)
+    assert not thread.is_alive(), "rank 0's stream waited forever: the other ranks did not gather in step"
+
+
+vllm_utils.server_sync_weights = fake_server_sync_weights
+vllm_utils.sync_weights({"mode": "server", "base_url": "http://unused", "group": None}, model)
+if rank == 0:
+    check(received, "server")
+else:
+    assert received == {}
+
+# colocate mode: every rank's engine loads every full weight
+loaded = {}
+worker = SimpleNamespace(model_runner=SimpleNamespace(model=SimpleNamespace(load_weights=loaded.update)))
+llm = SimpleNamespace(reset_prefix_cache=lambda: None, llm_engine=SimpleNamespace(model_executor=SimpleNamespace(driver_worker=worker)))
+vllm_utils.sync_weights({"mode": "colocate", "llm": llm}, model)
+check(loaded, "colocate")
+dist.barrier()
+if rank == 0:
+    print("WEIGHT SYNC OK", file=sys.stderr)
+dist.destroy_process_group()
