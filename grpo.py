@@ -4,7 +4,8 @@
 For each prompt, sample G completions, score them with reward functions, and push up the completions that beat
 their group's mean (DeepSeekMath, arXiv 2402.03300). Variants, chosen by flags:
   --loss-type grpo | bnpo | dr_grpo (arXiv 2503.20783) | dapo (arXiv 2503.14476, the default)
-  --importance-sampling-level sequence      GSPO (arXiv 2507.18071)
+  --importance-sampling-level sequence      GSPO (arXiv 2507.18071), with --loss-type grpo: its objective is the
+                                            mean over the G completions of each one's clipped sequence loss
   --epsilon-high 0.28                       DAPO clip-higher;  --delta 4  two-sided clipping (arXiv 2505.07291)
   --dynamic-sampling                        DAPO dynamic sampling: refill the batch with groups that carry signal
   --scale-rewards none                      Dr. GRPO: no division by the group std
@@ -181,7 +182,7 @@ class Args:
     warmup_steps: int = 0
     """linear warmup optimizer steps"""
     max_grad_norm: float = 1.0
-    """gradient clipping norm"""
+    """gradient clipping norm (0 or less = no clipping; the norm is still logged)"""
     max_steps: int = 200
     """total optimizer steps"""
     micro_batch_tokens: int = 16384
@@ -330,9 +331,24 @@ def collate(prompt_ids, completion_ids, device, pad_id):
     return input_ids.to(device), attention_mask.to(device), position_ids.to(device), completion_mask.to(device), P
 
 
-def _token_logprobs(hidden, targets, lm_head, temperature, with_entropy=False):
-    # hidden: (n, H) -> logits (n, V) in float32 for this chunk only; the entropy (a metric) comes from the same pass
-    all_logprobs = (lm_head(hidden).float() / temperature).log_softmax(-1)
+def final_logits(logits, config):
+    """The model's own transform of its LM head's output, as its forward applies it (transformers' modeling code) and
+    vLLM samples from it: Cohere multiplies by logit_scale, the Granite family divides by logits_scaling (HyperCLOVAX
+    multiplies by it), Gemma 2/3 soft-cap with final_logit_softcapping. check_logprobs catches any other transform."""
+    text = config.get_text_config()
+    if text.model_type.startswith("cohere") and getattr(text, "logit_scale", None) is not None:
+        logits = logits * text.logit_scale
+    if getattr(text, "logits_scaling", None) is not None:
+        logits = logits * text.logits_scaling if text.model_type == "hyperclovax" else logits / text.logits_scaling
+    if getattr(text, "final_logit_softcapping", None) is not None:
+        logits = torch.tanh(logits / text.final_logit_softcapping) * text.final_logit_softcapping
+    return logits
+
+
+def _token_logprobs(hidden, targets, lm_head, config, temperature, with_entropy=False):
+    # hidden: (n, H) -> logits (n, V) in float32 for this chunk only; the model's transform first, in the LM head's
+    # dtype as its forward applies it, then the temperature. The entropy (a metric) comes from the same pass
+    all_logprobs = (final_logits(lm_head(hidden), config).float() / temperature).log_softmax(-1)
     logprobs = all_logprobs.gather(-1, targets[:, None]).squeeze(-1)
     if not with_entropy:
         return logprobs
@@ -359,9 +375,9 @@ def per_token_logprobs(model, input_ids, attention_mask, position_ids, completio
     for start in range(0, targets.numel(), chunk_tokens):
         h, t = hidden[start : start + chunk_tokens], targets[start : start + chunk_tokens]
         if torch.is_grad_enabled():
-            out = checkpoint(_token_logprobs, h, t, lm_head, temperature, with_entropy, use_reentrant=False)
+            out = checkpoint(_token_logprobs, h, t, lm_head, model.config, temperature, with_entropy, use_reentrant=False)
         else:
-            out = _token_logprobs(h, t, lm_head, temperature, with_entropy)
+            out = _token_logprobs(h, t, lm_head, model.config, temperature, with_entropy)
         pieces.append(out[0] if with_entropy else out)
         if with_entropy:
             entropies.append(out[1])
@@ -371,6 +387,25 @@ def per_token_logprobs(model, input_ids, attention_mask, position_ids, completio
         return logprobs
     entropy = torch.zeros(mask.shape, device=input_ids.device)
     return logprobs, entropy.masked_scatter(mask, torch.cat(entropies)) if entropies else entropy
+
+
+def check_logprobs(model, input_ids, device, world_size):
+    """Raise unless per_token_logprobs of one short sequence match log_softmax of the model's own logits, which the
+    sampler uses: an architecture whose forward transforms its logits in a way final_logits does not know would
+    otherwise train on wrong log-probs. Every rank calls it: `unsharded` gathers the FSDP2 shards, a collective."""
+    ids, attn, pos, cmask, P = collate([input_ids[:1]], [input_ids[1:]], device, 0)
+    with torch.no_grad(), unsharded(model, world_size):
+        ours = per_token_logprobs(model, ids, attn, pos, cmask, P)
+        logits = model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=False).logits[:, P - 1 : -1]
+    theirs = logits.float().log_softmax(-1).gather(-1, ids[:, P:, None]).squeeze(-1)
+    error = (ours - theirs).abs().mean().item()
+    # in bf16 the LM head's GEMM on other shapes may round a logit of ~20 differently, by 0.125
+    if error > (1e-3 if logits.dtype == torch.float32 else 0.1):
+        raise ValueError(
+            f"{type(model).__name__}: the trainer's log-probs (LM head on the last hidden state, then final_logits) "
+            f"differ from those of the model's own logits by {error:.3g} nats per token, so they would not match the "
+            f"sampler's. Its forward transforms the logits in a way final_logits does not know: add it there."
+        )
 
 
 def policy_loss(logprobs, old_logprobs, advantages, completion_mask, epsilon_low=0.2, epsilon_high=0.2, delta=None,
@@ -439,6 +474,13 @@ def vllm_importance_ratio(old_logprobs, sampling_logprobs, completion_mask, mode
     else:
         ratio = torch.where((ratio >= low) & (ratio <= high), ratio, torch.zeros_like(ratio))
     return ratio.expand_as(old_logprobs).detach(), diff.abs()
+
+
+def clip_gradients(model, max_norm):
+    """Clip the gradients' global norm to max_norm (<= 0: no clipping) and return the norm before clipping."""
+    # max_norm 0 would scale every gradient to 0; inf still computes the norm (the grad_norm metric)
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm if max_norm > 0 else float("inf"))
+    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # FSDP2: a DTensor
 
 
 def token_budget_batches(rows, prompt_lengths, completion_lengths, budget):
@@ -544,9 +586,16 @@ def hf_generate(model, prompt_ids, args, eos_ids, pad_id):
         eos_token_id=eos_ids, pad_token_id=pad_id, use_cache=True,
     )
     model.eval()
-    with torch.autocast(model.device.type, torch.bfloat16, enabled=args.bf16 and model.device.type == "cuda"):
-        out = model.generate(input_ids=input_ids.to(model.device), attention_mask=attention_mask.to(model.device),
-                             generation_config=config)
+    # generate fills every field left None here from model.generation_config (the checkpoint's generation_config.json:
+    # no_repeat_ngram_size, suppress_tokens, ...), which neither the trainer's log-probs nor vLLM model; as the model's
+    # own config, this one is completed with the library's neutral defaults only
+    model_config, model.generation_config = model.generation_config, config
+    try:
+        with torch.autocast(model.device.type, torch.bfloat16, enabled=args.bf16 and model.device.type == "cuda"):
+            out = model.generate(input_ids=input_ids.to(model.device), attention_mask=attention_mask.to(model.device),
+                                 generation_config=config)
+    finally:
+        model.generation_config = model_config
     completions = []
     for row in out[:, P:].tolist():
         end = next((t + 1 for t, token in enumerate(row) if token in eos_ids), len(row))
@@ -661,6 +710,9 @@ if __name__ == "__main__":
         shard_model(model, mixed_precision=args.bf16 and device.type == "cuda")
         if ref_model is not None:
             shard_model(ref_model, mixed_precision=False)
+    # a forward that transforms its logits in a way the trainer does not model fails now, not after training on them
+    check_logprobs(model, tokenizer("The quick brown fox jumps over the lazy dog, and then it ran away.")["input_ids"],
+                   device, world_size)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     eos_ids = set(model.generation_config.eos_token_id if isinstance(model.generation_config.eos_token_id, list) else [model.generation_config.eos_token_id])
     eos_ids = sorted((eos_ids | {tokenizer.eos_token_id}) - {None})
@@ -685,7 +737,8 @@ if __name__ == "__main__":
     global_step, prompts_consumed = 0, 0
     torch.manual_seed(args.seed + rank)  # from here on each rank samples its own completions
     if checkpoint_dir:
-        state = torch.load(os.path.join(checkpoint_dir, "trainer_state.pt"), weights_only=False)
+        # mmap: pages of the full optimizer state are read as used, not all into every rank's memory (copy-on-write)
+        state = torch.load(os.path.join(checkpoint_dir, "trainer_state.pt"), weights_only=False, mmap=True)
         if world_size > 1:  # the full optimizer state, sharded like the weights (resume with the same number of ranks)
             from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
@@ -695,6 +748,8 @@ if __name__ == "__main__":
         scheduler.load_state_dict(state["scheduler"])
         global_step, prompts_consumed = state["global_step"], state["prompts_consumed"]
         torch.set_rng_state(state["torch_rng"][rank])
+        if device.type == "cuda" and state.get("cuda_rng") is not None:  # GPU sampling; older checkpoints have none
+            torch.cuda.set_rng_state(state["cuda_rng"][rank])
         print(f"resumed from {checkpoint_dir} at step {global_step}")
     prompts = prompt_stream(len(prompt_ids), args.seed, start=prompts_consumed)
 
@@ -729,11 +784,12 @@ if __name__ == "__main__":
         metrics = {}
         # ALGO LOGIC: 1. sample prompts and generate G completions each (dynamic sampling: until the round is full
         # of groups whose rewards differ)
-        batch_prompts, batch_completions, batch_rows, batch_scores, batch_sampling_lp = [], [], [], [], []
+        kept = []  # one (prompt row, its G completions, their rewards, their vLLM log-probs or None) per kept group
         all_scores, generation_time, num_generation_rounds = [], 0.0, 0
         max_rounds = args.dynamic_sampling_max_rounds if args.dynamic_sampling else 1
-        # every rank samples the same number of rounds (they share the prompt stream): until the emptiest rank is full
-        while global_sum(len(batch_rows), world_size, device, "min") < prompts_per_rank and num_generation_rounds < max_rounds:
+        # every rank samples the same number of rounds (they share the prompt stream): until all ranks together kept
+        # a full step's groups
+        while global_sum(len(kept), world_size, device) < args.prompts_per_step and num_generation_rounds < max_rounds:
             rows = [next(prompts) for _ in range(args.prompts_per_step)]  # the same on every rank
             prompts_consumed += len(rows)
             rows = rows[rank * prompts_per_rank : (rank + 1) * prompts_per_rank]  # this rank's share
@@ -756,27 +812,29 @@ if __name__ == "__main__":
                 group = slice(g * args.num_generations, (g + 1) * args.num_generations)
                 if args.dynamic_sampling and (total[group].nan_to_num(-1e9).unique().numel() == 1):
                     continue  # every completion of this prompt got the same reward: no signal
-                batch_rows.append(row)
-                batch_prompts += [prompt_ids[row]] * args.num_generations
-                batch_completions += completion_ids[group]
-                batch_scores.append(total[group])
-                if sampling_logprobs is not None:
-                    batch_sampling_lp += sampling_logprobs[group]
+                kept.append((row, completion_ids[group], total[group], None if sampling_logprobs is None else sampling_logprobs[group]))
         if args.use_vllm:
             vllm_utils.sleep(engine)  # sleep mode: vLLM's memory goes to training until the next generation
+        if args.dynamic_sampling and world_size > 1:  # ranks kept different numbers of groups: pool them, split evenly
+            pooled = [None] * world_size
+            dist.all_gather_object(pooled, kept)
+            share = min(sum(len(p) for p in pooled), args.prompts_per_step) // world_size
+            kept = [group for rank_kept in pooled for group in rank_kept][rank * share : (rank + 1) * share]
         # groups kept per rank: the same on every rank, a multiple of steps_per_generation
-        keep = int(global_sum(min(len(batch_rows), prompts_per_rank), world_size, device, "min"))
-        keep = keep // args.steps_per_generation * args.steps_per_generation
+        keep = min(len(kept), prompts_per_rank) // args.steps_per_generation * args.steps_per_generation
         if keep == 0:
             raise RuntimeError(
-                f"dynamic sampling found fewer than {args.steps_per_generation} prompt(s) whose {args.num_generations} "
+                f"dynamic sampling found fewer than {args.steps_per_generation * world_size} prompt(s) whose {args.num_generations} "
                 f"completions got different rewards in {num_generation_rounds} rounds of {args.prompts_per_step} prompts: "
                 f"the rewards carry no signal for this model and data. Check the reward functions and the answer column, "
                 f"or raise --dynamic-sampling-max-rounds."
             )
+        kept = kept[:keep]
         N = keep * args.num_generations
-        batch_prompts, batch_completions = batch_prompts[:N], batch_completions[:N]
-        rewards_total = torch.cat(batch_scores)[:N]
+        batch_prompts = [prompt_ids[row] for row, _, _, _ in kept for _ in range(args.num_generations)]  # (N,) rows
+        batch_completions = [c for _, completions, _, _ in kept for c in completions]
+        batch_sampling_lp = [lp for _, _, _, lps in kept if lps is not None for lp in lps]
+        rewards_total = torch.cat([rewards for _, _, rewards, _ in kept])  # (N,)
 
         # 3. advantages: group-relative (over all ranks' rewards for --scale-rewards batch; each rank keeps its rows)
         advantages = group_advantages(gather_rows(rewards_total.to(device), world_size).cpu(), args.num_generations, args.scale_rewards)
@@ -870,8 +928,7 @@ if __name__ == "__main__":
                     train_stats["clip_ratio/low_mean"].append(((low * cmask).sum() / n_tokens))
                     train_stats["clip_ratio/high_mean"].append(((high * cmask).sum() / n_tokens))
                     train_stats["clip_ratio/region_mean"].append((((low + high).clamp(max=1) * cmask).sum() / n_tokens))
-                grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-                grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm  # FSDP2: a DTensor
+                grad_norm = clip_gradients(model, args.max_grad_norm)
                 optimizer.step()
                 scheduler.step()
                 global_step += 1
@@ -922,15 +979,18 @@ if __name__ == "__main__":
                 wandb.log(metrics, step=global_step)
         if args.save_steps and global_step % args.save_steps == 0 and global_step < args.max_steps:
             model_state, optimizer_state = full_state(model, optimizer, world_size)  # every rank takes part
-            rng_states = [torch.get_rng_state()] * world_size
+            rng = (torch.get_rng_state(), torch.cuda.get_rng_state() if device.type == "cuda" else None)
+            rng_states = [rng] * world_size
             if world_size > 1:
-                dist.all_gather_object(rng_states, torch.get_rng_state())
+                dist.all_gather_object(rng_states, rng)
 
             def write_checkpoint(tmp):
                 model.save_pretrained(tmp, state_dict=model_state)
                 tokenizer.save_pretrained(tmp)
                 torch.save({"optimizer": optimizer_state, "scheduler": scheduler.state_dict(), "global_step": global_step,
-                            "prompts_consumed": prompts_consumed, "torch_rng": rng_states}, os.path.join(tmp, "trainer_state.pt"))
+                            "prompts_consumed": prompts_consumed, "torch_rng": [r[0] for r in rng_states],
+                            "cuda_rng": [r[1] for r in rng_states] if device.type == "cuda" else None},
+                           os.path.join(tmp, "trainer_state.pt"))
             if is_main:
                 save_atomically(os.path.join(args.output_dir, f"checkpoint-{global_step}"), write_checkpoint)
                 checkpoints = sorted((d for d in os.listdir(args.output_dir) if d.startswith("checkpoint-") and d[11:].isdigit()), key=lambda d: int(d[11:]))

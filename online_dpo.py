@@ -154,7 +154,7 @@ class Args:
     warmup_steps: int = 0
     """linear warmup optimizer steps"""
     max_grad_norm: float = 1.0
-    """gradient clipping norm"""
+    """gradient clipping norm (0 or less = no clipping; the norm is still logged)"""
     max_steps: int = 200
     """total steps (generation rounds; a round with no pair takes no optimizer step but counts)"""
     micro_batch_tokens: int = 16384
@@ -371,9 +371,24 @@ def collate(prompt_ids, completion_ids, device, pad_id):
     return input_ids.to(device), attention_mask.to(device), position_ids.to(device), completion_mask.to(device), P
 
 
-def _token_logprobs(hidden, targets, lm_head, temperature):
-    # hidden: (n, H) -> logits (n, V) in float32 for this chunk only
-    logits = lm_head(hidden).float() / temperature
+def final_logits(logits, config):
+    """The model's own transform of its LM head's output, as its forward applies it (transformers' modeling code) and
+    vLLM samples from it: Cohere multiplies by logit_scale, the Granite family divides by logits_scaling (HyperCLOVAX
+    multiplies by it), Gemma 2/3 soft-cap with final_logit_softcapping. check_logprobs catches any other transform."""
+    text = config.get_text_config()
+    if text.model_type.startswith("cohere") and getattr(text, "logit_scale", None) is not None:
+        logits = logits * text.logit_scale
+    if getattr(text, "logits_scaling", None) is not None:
+        logits = logits * text.logits_scaling if text.model_type == "hyperclovax" else logits / text.logits_scaling
+    if getattr(text, "final_logit_softcapping", None) is not None:
+        logits = torch.tanh(logits / text.final_logit_softcapping) * text.final_logit_softcapping
+    return logits
+
+
+def _token_logprobs(hidden, targets, lm_head, config, temperature):
+    # hidden: (n, H) -> logits (n, V) in float32 for this chunk only; the model's transform first, in the LM head's
+    # dtype as its forward applies it, then the temperature
+    logits = final_logits(lm_head(hidden), config).float() / temperature
     return logits.log_softmax(-1).gather(-1, targets[:, None]).squeeze(-1)
 
 
@@ -397,9 +412,9 @@ def per_token_logprobs(model, input_ids, attention_mask, position_ids, completio
     for start in range(0, targets.numel(), chunk_tokens):
         h, t = hidden[start : start + chunk_tokens], targets[start : start + chunk_tokens]
         if torch.is_grad_enabled():
-            pieces.append(checkpoint(_token_logprobs, h, t, lm_head, temperature, use_reentrant=False))
+            pieces.append(checkpoint(_token_logprobs, h, t, lm_head, model.config, temperature, use_reentrant=False))
         else:
-            pieces.append(_token_logprobs(h, t, lm_head, temperature))
+            pieces.append(_token_logprobs(h, t, lm_head, model.config, temperature))
     logprobs = torch.zeros(mask.shape, device=input_ids.device)
     return logprobs.masked_scatter(mask, torch.cat(pieces)) if pieces else logprobs
 
@@ -408,6 +423,25 @@ def sequence_logprobs(model, prompt_ids, completion_ids, temperature, device, pa
     """log pi(completion | prompt) = sum_t log pi(c_t | prompt, c_<t) at the sampling temperature, (B,)."""
     ids, attn, pos, cmask, P = collate(prompt_ids, completion_ids, device, pad_id)
     return per_token_logprobs(model, ids, attn, pos, cmask, P, temperature).sum(-1)  # (B, C) -> (B,): padding is 0
+
+
+def check_logprobs(model, input_ids, device, world_size):
+    """Raise unless per_token_logprobs of one short sequence match log_softmax of the model's own logits, which the
+    sampler uses: an architecture whose forward transforms its logits in a way final_logits does not know would
+    otherwise train on wrong log-probs. Every rank calls it: `unsharded` gathers the FSDP2 shards, a collective."""
+    ids, attn, pos, cmask, P = collate([input_ids[:1]], [input_ids[1:]], device, 0)
+    with torch.no_grad(), unsharded(model, world_size):
+        ours = per_token_logprobs(model, ids, attn, pos, cmask, P)
+        logits = model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=False).logits[:, P - 1 : -1]
+    theirs = logits.float().log_softmax(-1).gather(-1, ids[:, P:, None]).squeeze(-1)
+    error = (ours - theirs).abs().mean().item()
+    # in bf16 the LM head's GEMM on other shapes may round a logit of ~20 differently, by 0.125
+    if error > (1e-3 if logits.dtype == torch.float32 else 0.1):
+        raise ValueError(
+            f"{type(model).__name__}: the trainer's log-probs (LM head on the last hidden state, then final_logits) "
+            f"differ from those of the model's own logits by {error:.3g} nats per token, so they would not match the "
+            f"sampler's. Its forward transforms the logits in a way final_logits does not know: add it there."
+        )
 
 
 def dpo_loss(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, beta, loss_type="sigmoid"):
@@ -421,6 +455,13 @@ def dpo_loss(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps,
     if loss_type == "ipo":
         return (z - 1 / (2 * beta)) ** 2
     raise ValueError(f"unknown loss_type {loss_type}")
+
+
+def clip_gradients(model, max_norm):
+    """Clip the gradients' global norm to max_norm (<= 0: no clipping) and return the norm before clipping."""
+    # max_norm 0 would scale every gradient to 0; inf still computes the norm (the grad_norm metric)
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm if max_norm > 0 else float("inf"))
+    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # FSDP2: a DTensor
 
 
 def token_budget_batches(rows, prompt_lengths, completion_lengths, budget):
@@ -517,9 +558,16 @@ def hf_generate(model, prompt_ids, args, eos_ids, pad_id):
         eos_token_id=eos_ids, pad_token_id=pad_id, use_cache=True,
     )
     model.eval()
-    with torch.autocast(model.device.type, torch.bfloat16, enabled=args.bf16 and model.device.type == "cuda"):
-        out = model.generate(input_ids=input_ids.to(model.device), attention_mask=attention_mask.to(model.device),
-                             generation_config=config)
+    # generate fills every field left None here from model.generation_config (the checkpoint's generation_config.json:
+    # no_repeat_ngram_size, suppress_tokens, ...), which neither the trainer's log-probs nor vLLM model; as the model's
+    # own config, this one is completed with the library's neutral defaults only
+    model_config, model.generation_config = model.generation_config, config
+    try:
+        with torch.autocast(model.device.type, torch.bfloat16, enabled=args.bf16 and model.device.type == "cuda"):
+            out = model.generate(input_ids=input_ids.to(model.device), attention_mask=attention_mask.to(model.device),
+                                 generation_config=config)
+    finally:
+        model.generation_config = model_config
     completions = []
     for row in out[:, P:].tolist():
         end = next((t + 1 for t, token in enumerate(row) if token in eos_ids), len(row))
@@ -638,6 +686,9 @@ if __name__ == "__main__":
     if world_size > 1:  # FSDP2: every rank keeps 1/world_size of the weights, gradients and AdamW states
         shard_model(model, mixed_precision=args.bf16 and device.type == "cuda")
         shard_model(ref_model, mixed_precision=args.bf16 and device.type == "cuda")
+    # a forward that transforms its logits in a way the trainer does not model fails now, not after training on them
+    check_logprobs(model, tokenizer("The quick brown fox jumps over the lazy dog, and then it ran away.")["input_ids"],
+                   device, world_size)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     eos_ids = set(model.generation_config.eos_token_id if isinstance(model.generation_config.eos_token_id, list) else [model.generation_config.eos_token_id])
     eos_ids = sorted((eos_ids | {tokenizer.eos_token_id}) - {None})
@@ -657,7 +708,8 @@ if __name__ == "__main__":
     global_step, prompts_consumed, skipped_steps = 0, 0, 0
     torch.manual_seed(args.seed + rank)  # from here on each rank samples its own completions
     if checkpoint_dir:
-        state = torch.load(os.path.join(checkpoint_dir, "trainer_state.pt"), weights_only=False)
+        # mmap: pages of the full optimizer state are read as used, not all into every rank's memory (copy-on-write)
+        state = torch.load(os.path.join(checkpoint_dir, "trainer_state.pt"), weights_only=False, mmap=True)
         if world_size > 1:  # the full optimizer state, sharded like the weights (resume with the same number of ranks)
             from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
@@ -667,6 +719,8 @@ if __name__ == "__main__":
         scheduler.load_state_dict(state["scheduler"])
         global_step, prompts_consumed, skipped_steps = state["global_step"], state["prompts_consumed"], state["skipped_steps"]
         torch.set_rng_state(state["torch_rng"][rank])
+        if device.type == "cuda" and state.get("cuda_rng") is not None:  # GPU sampling; older checkpoints have none
+            torch.cuda.set_rng_state(state["cuda_rng"][rank])
         print(f"resumed from {checkpoint_dir} at step {global_step}")
     prompts = prompt_stream(len(prompt_ids), args.seed, start=prompts_consumed)
 
@@ -765,8 +819,7 @@ if __name__ == "__main__":
                 step_loss += loss.detach()  # summed on the device: no host sync per micro-batch
                 if not padding_pass:
                     logps[mb], ref_logps[mb] = policy.detach().T, ref.T
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-            grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm  # FSDP2: a DTensor
+            grad_norm = clip_gradients(model, args.max_grad_norm)
             optimizer.step()
         else:
             skipped_steps += 1  # every prompt tied (or was unscorable): no pair, no update; the step still counts
@@ -827,16 +880,19 @@ if __name__ == "__main__":
                 wandb.log(metrics, step=global_step)
         if args.save_steps and global_step % args.save_steps == 0 and global_step < args.max_steps:
             model_state, optimizer_state = full_state(model, optimizer, world_size)  # every rank takes part
-            rng_states = [torch.get_rng_state()] * world_size
+            rng = (torch.get_rng_state(), torch.cuda.get_rng_state() if device.type == "cuda" else None)
+            rng_states = [rng] * world_size
             if world_size > 1:
-                dist.all_gather_object(rng_states, torch.get_rng_state())
+                dist.all_gather_object(rng_states, rng)
 
             def write_checkpoint(tmp):
                 model.save_pretrained(tmp, state_dict=model_state)
                 tokenizer.save_pretrained(tmp)
                 torch.save({"optimizer": optimizer_state, "scheduler": scheduler.state_dict(), "global_step": global_step,
                             "prompts_consumed": prompts_consumed, "skipped_steps": skipped_steps,
-                            "torch_rng": rng_states}, os.path.join(tmp, "trainer_state.pt"))
+                            "torch_rng": [r[0] for r in rng_states],
+                            "cuda_rng": [r[1] for r in rng_states] if device.type == "cuda" else None},
+                           os.path.join(tmp, "trainer_state.pt"))
             if is_main:
                 save_atomically(os.path.join(args.output_dir, f"checkpoint-{global_step}"), write_checkpoint)
                 checkpoints = sorted((d for d in os.listdir(args.output_dir) if d.startswith("checkpoint-") and d[11:].isdigit()), key=lambda d: int(d[11:]))

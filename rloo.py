@@ -173,7 +173,7 @@ class Args:
     warmup_steps: int = 0
     """linear warmup optimizer steps"""
     max_grad_norm: float = 1.0
-    """gradient clipping norm"""
+    """gradient clipping norm (0 or less = no clipping; the norm is still logged)"""
     max_steps: int = 200
     """total optimizer steps"""
     micro_batch_tokens: int = 16384
@@ -324,9 +324,24 @@ def collate(prompt_ids, completion_ids, device, pad_id):
     return input_ids.to(device), attention_mask.to(device), position_ids.to(device), completion_mask.to(device), P
 
 
-def _token_logprobs(hidden, targets, lm_head, temperature, with_entropy=False):
-    # hidden: (n, H) -> logits (n, V) in float32 for this chunk only; the entropy (a metric) comes from the same pass
-    all_logprobs = (lm_head(hidden).float() / temperature).log_softmax(-1)
+def final_logits(logits, config):
+    """The model's own transform of its LM head's output, as its forward applies it (transformers' modeling code) and
+    vLLM samples from it: Cohere multiplies by logit_scale, the Granite family divides by logits_scaling (HyperCLOVAX
+    multiplies by it), Gemma 2/3 soft-cap with final_logit_softcapping. check_logprobs catches any other transform."""
+    text = config.get_text_config()
+    if text.model_type.startswith("cohere") and getattr(text, "logit_scale", None) is not None:
+        logits = logits * text.logit_scale
+    if getattr(text, "logits_scaling", None) is not None:
+        logits = logits * text.logits_scaling if text.model_type == "hyperclovax" else logits / text.logits_scaling
+    if getattr(text, "final_logit_softcapping", None) is not None:
+        logits = torch.tanh(logits / text.final_logit_softcapping) * text.final_logit_softcapping
+    return logits
+
+
+def _token_logprobs(hidden, targets, lm_head, config, temperature, with_entropy=False):
+    # hidden: (n, H) -> logits (n, V) in float32 for this chunk only; the model's transform first, in the LM head's
+    # dtype as its forward applies it, then the temperature. The entropy (a metric) comes from the same pass
+    all_logprobs = (final_logits(lm_head(hidden), config).float() / temperature).log_softmax(-1)
     logprobs = all_logprobs.gather(-1, targets[:, None]).squeeze(-1)
     if not with_entropy:
         return logprobs
@@ -353,9 +368,9 @@ def per_token_logprobs(model, input_ids, attention_mask, position_ids, completio
     for start in range(0, targets.numel(), chunk_tokens):
         h, t = hidden[start : start + chunk_tokens], targets[start : start + chunk_tokens]
         if torch.is_grad_enabled():
-            out = checkpoint(_token_logprobs, h, t, lm_head, temperature, with_entropy, use_reentrant=False)
+            out = checkpoint(_token_logprobs, h, t, lm_head, model.config, temperature, with_entropy, use_reentrant=False)
         else:
-            out = _token_logprobs(h, t, lm_head, temperature, with_entropy)
+            out = _token_logprobs(h, t, lm_head, model.config, temperature, with_entropy)
         pieces.append(out[0] if with_entropy else out)
         if with_entropy:
             entropies.append(out[1])
@@ -365,6 +380,25 @@ def per_token_logprobs(model, input_ids, attention_mask, position_ids, completio
         return logprobs
     entropy = torch.zeros(mask.shape, device=input_ids.device)
     return logprobs, entropy.masked_scatter(mask, torch.cat(entropies)) if entropies else entropy
+
+
+def check_logprobs(model, input_ids, device, world_size):
+    """Raise unless per_token_logprobs of one short sequence match log_softmax of the model's own logits, which the
+    sampler uses: an architecture whose forward transforms its logits in a way final_logits does not know would
+    otherwise train on wrong log-probs. Every rank calls it: `unsharded` gathers the FSDP2 shards, a collective."""
+    ids, attn, pos, cmask, P = collate([input_ids[:1]], [input_ids[1:]], device, 0)
+    with torch.no_grad(), unsharded(model, world_size):
+        ours = per_token_logprobs(model, ids, attn, pos, cmask, P)
+        logits = model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=False).logits[:, P - 1 : -1]
+    theirs = logits.float().log_softmax(-1).gather(-1, ids[:, P:, None]).squeeze(-1)
+    error = (ours - theirs).abs().mean().item()
+    # in bf16 the LM head's GEMM on other shapes may round a logit of ~20 differently, by 0.125
+    if error > (1e-3 if logits.dtype == torch.float32 else 0.1):
+        raise ValueError(
+            f"{type(model).__name__}: the trainer's log-probs (LM head on the last hidden state, then final_logits) "
+            f"differ from those of the model's own logits by {error:.3g} nats per token, so they would not match the "
+            f"sampler's. Its forward transforms the logits in a way final_logits does not know: add it there."
+        )
 
 
 def sequence_policy_loss(logprobs, old_logprobs, advantages, completion_mask, epsilon_low=0.2, epsilon_high=0.2):
@@ -403,6 +437,13 @@ def vllm_importance_ratio(old_logprobs, sampling_logprobs, completion_mask, mode
     else:
         ratio = torch.where((ratio >= low) & (ratio <= high), ratio, torch.zeros_like(ratio))
     return ratio.expand_as(old_logprobs).detach(), diff.abs()
+
+
+def clip_gradients(model, max_norm):
+    """Clip the gradients' global norm to max_norm (<= 0: no clipping) and return the norm before clipping."""
+    # max_norm 0 would scale every gradient to 0; inf still computes the norm (the grad_norm metric)
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm if max_norm > 0 else float("inf"))
+    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # FSDP2: a DTensor
 
 
 def token_budget_batches(rows, prompt_lengths, completion_lengths, budget):
@@ -506,9 +547,16 @@ def hf_generate(model, prompt_ids, args, eos_ids, pad_id):
         eos_token_id=eos_ids, pad_token_id=pad_id, use_cache=True,
     )
     model.eval()
-    with torch.autocast(model.device.type, torch.bfloat16, enabled=args.bf16 and model.device.type == "cuda"):
-        out = model.generate(input_ids=input_ids.to(model.device), attention_mask=attention_mask.to(model.device),
-                             generation_config=config)
+    # generate fills every field left None here from model.generation_config (the checkpoint's generation_config.json:
+    # no_repeat_ngram_size, suppress_tokens, ...), which neither the trainer's log-probs nor vLLM model; as the model's
+    # own config, this one is completed with the library's neutral defaults only
+    model_config, model.generation_config = model.generation_config, config
+    try:
+        with torch.autocast(model.device.type, torch.bfloat16, enabled=args.bf16 and model.device.type == "cuda"):
+            out = model.generate(input_ids=input_ids.to(model.device), attention_mask=attention_mask.to(model.device),
+                                 generation_config=config)
+    finally:
+        model.generation_config = model_config
     completions = []
     for row in out[:, P:].tolist():
         end = next((t + 1 for t, token in enumerate(row) if token in eos_ids), len(row))
@@ -592,7 +640,9 @@ if __name__ == "__main__":
     if args.use_vllm and args.vllm_importance_sampling_correction and truncated_sampling:
         print("warning: with top_p / top_k / min_p / repetition_penalty, vLLM's processed log-probs come from a truncated "
               "distribution that the trainer does not model: the importance ratio is biased below 1, and at the sequence "
-              "level (product over tokens) it shrinks the updates of long completions. Prefer token_truncate, or neutral values.")
+              "level (product over tokens) it shrinks the updates of long completions. Prefer neutral values, or "
+              "--vllm-importance-sampling-mode sequence_truncate with a --vllm-importance-sampling-clip-min (e.g. 0.5) "
+              "that bounds the shrinking.")
     run_name = f"{args.exp_name}__{args.seed}__{int(time.time())}"
     os.makedirs(args.output_dir, exist_ok=True)
 
@@ -623,6 +673,9 @@ if __name__ == "__main__":
         shard_model(model, mixed_precision=args.bf16 and device.type == "cuda")
         if ref_model is not None:
             shard_model(ref_model, mixed_precision=False)
+    # a forward that transforms its logits in a way the trainer does not model fails now, not after training on them
+    check_logprobs(model, tokenizer("The quick brown fox jumps over the lazy dog, and then it ran away.")["input_ids"],
+                   device, world_size)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     eos_ids = model.generation_config.eos_token_id
     eos_ids = sorted((set(eos_ids if isinstance(eos_ids, list) else [eos_ids]) | {tokenizer.eos_token_id}) - {None})
@@ -647,7 +700,8 @@ if __name__ == "__main__":
     global_step, prompts_consumed = 0, 0
     torch.manual_seed(args.seed + rank)  # from here on each rank samples its own completions
     if checkpoint_dir:
-        state = torch.load(os.path.join(checkpoint_dir, "trainer_state.pt"), weights_only=False)
+        # mmap: pages of the full optimizer state are read as used, not all into every rank's memory (copy-on-write)
+        state = torch.load(os.path.join(checkpoint_dir, "trainer_state.pt"), weights_only=False, mmap=True)
         if world_size > 1:  # the full optimizer state, sharded like the weights (resume with the same number of ranks)
             from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
@@ -657,6 +711,8 @@ if __name__ == "__main__":
         scheduler.load_state_dict(state["scheduler"])
         global_step, prompts_consumed = state["global_step"], state["prompts_consumed"]
         torch.set_rng_state(state["torch_rng"][rank])
+        if device.type == "cuda" and state.get("cuda_rng") is not None:  # GPU sampling; older checkpoints have none
+            torch.cuda.set_rng_state(state["cuda_rng"][rank])
         print(f"resumed from {checkpoint_dir} at step {global_step}")
     prompts = prompt_stream(len(prompt_ids), args.seed, start=prompts_consumed)
 
@@ -805,8 +861,7 @@ if __name__ == "__main__":
                     train_stats["clip_ratio/low_mean"].append(low.mean())
                     train_stats["clip_ratio/high_mean"].append(high.mean())
                     train_stats["clip_ratio/region_mean"].append((low + high).clamp(max=1).mean())
-                grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-                grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm  # FSDP2: a DTensor
+                grad_norm = clip_gradients(model, args.max_grad_norm)
                 optimizer.step()
                 scheduler.step()
                 global_step += 1
@@ -855,15 +910,18 @@ if __name__ == "__main__":
                 wandb.log(metrics, step=global_step)
         if args.save_steps and global_step % args.save_steps == 0 and global_step < args.max_steps:
             model_state, optimizer_state = full_state(model, optimizer, world_size)  # every rank takes part
-            rng_states = [torch.get_rng_state()] * world_size
+            rng = (torch.get_rng_state(), torch.cuda.get_rng_state() if device.type == "cuda" else None)
+            rng_states = [rng] * world_size
             if world_size > 1:
-                dist.all_gather_object(rng_states, torch.get_rng_state())
+                dist.all_gather_object(rng_states, rng)
 
             def write_checkpoint(tmp):
                 model.save_pretrained(tmp, state_dict=model_state)
                 tokenizer.save_pretrained(tmp)
                 torch.save({"optimizer": optimizer_state, "scheduler": scheduler.state_dict(), "global_step": global_step,
-                            "prompts_consumed": prompts_consumed, "torch_rng": rng_states}, os.path.join(tmp, "trainer_state.pt"))
+                            "prompts_consumed": prompts_consumed, "torch_rng": [r[0] for r in rng_states],
+                            "cuda_rng": [r[1] for r in rng_states] if device.type == "cuda" else None},
+                           os.path.join(tmp, "trainer_state.pt"))
             if is_main:
                 save_atomically(os.path.join(args.output_dir, f"checkpoint-{global_step}"), write_checkpoint)
                 checkpoints = sorted((d for d in os.listdir(args.output_dir) if d.startswith("checkpoint-") and d[11:].isdigit()), key=lambda d: int(d[11:]))

@@ -99,6 +99,27 @@ def test_grpo_dynamic_sampling_under_torchrun(tmp_path):
         assert m["dynamic_sampling/kept_groups"] in (2, 4) and (m["dynamic_sampling/kept_groups"] == 4 or m["dynamic_sampling/generation_rounds"] == 6)
 
 
+def test_grpo_dynamic_sampling_pools_kept_groups_across_ranks(tmp_path):
+    # 2 prompts, one per rank and round, and only prompt 0 can be rewarded. With a seed whose first 6 epochs all hand
+    # prompt 1 to rank 0, rank 0 never finds a group with signal itself: the step must still train, with groups that
+    # rank 1 found (the ranks pool what they kept and split it evenly) instead of giving up.
+    from itertools import islice
+
+    import grpo
+    from grpo_cli import write_jsonl
+
+    seed = next(s for s in range(1000) if list(islice(grpo.prompt_stream(2, s), 0, 12, 2)) == [1] * 6)
+    data = write_jsonl(tmp_path / "two.jsonl", [{"prompt": "Once upon a time, there was a little girl named Lily.", "keyword": "the"},
+                                                {"prompt": "The cat was sad.", "keyword": "zzzqqq"}])
+    out = tmp_path / "run"
+    result = torchrun(2, "grpo.py", *SMALL, "--dataset-name", data, "--output-dir", out, "--seed", seed,
+                      "--max-completion-length", 16, "--num-generations", 8, "--max-steps", 1, "--dynamic-sampling",
+                      "--dynamic-sampling-max-rounds", 6)
+    assert result.returncode == 0, result.stderr[-4000:]
+    (metrics,) = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    assert metrics["dynamic_sampling/kept_groups"] == 2 and metrics["dynamic_sampling/generation_rounds"] >= 2
+
+
 def test_online_dpo_under_torchrun_trains_saves_and_resumes(tmp_path):
     out = tmp_path / "run"
     common = [*SMALL, "--dataset-name", ASSETS / "stories_prompts.jsonl", "--output-dir", out, "--prompts-per-step", 4,

@@ -113,6 +113,28 @@ def test_policy_loss_sequence_level_gradient_is_length_normalised():
     assert logp.grad.tolist() == [pytest.approx([-1.5] * 3), pytest.approx([2.0, 2.0, 0.0])]
 
 
+def test_gspo_recipe_is_the_paper_objective():
+    # GSPO (arXiv 2507.18071 eq. 5-7): J = 1/G sum_i min(s_i A_i, clip(s_i, 1 - eps, 1 + eps) A_i), with
+    # s_i = exp(1/|y_i| sum_t log r_it); --importance-sampling-level sequence --loss-type grpo must give -J.
+    # Completions of 1 and 4 tokens (padding's log-ratio 3.0 is ignored), A = +1 and -1, eps = 0.2.
+    mask = t([[1, 0, 0, 0], [1, 1, 1, 1]])
+    log_ratio = [[0.1, 3.0, 3.0, 3.0], [-0.1, -0.5, -0.2, -0.4]]  # s = e^0.1 = 1.105 (inside); e^-0.3 = 0.741 (< 0.8)
+    logp = t([[-1.0, -2.0, -0.5, -1.0], [-1.5, -0.3, -2.0, -0.7]]).requires_grad_()
+    old = logp.detach() - t(log_ratio)
+    adv = t([1.0, -1.0])
+    per_token, _ = grpo.policy_loss(logp, old, adv, mask, 0.2, 0.2, importance_sampling_level="sequence")
+    loss = (per_token * grpo.policy_loss_weights(mask, "grpo", max_completion_length=4)).sum()
+    s0, s1 = math.exp(0.1), math.exp(-0.3)
+    paper = -(min(s0 * 1, clip(s0, 0.8, 1.2) * 1) + min(s1 * -1, clip(s1, 0.8, 1.2) * -1)) / 2  # -(1.105 - 0.8) / 2
+    assert loss.item() == pytest.approx(paper, rel=1e-6)
+    # gradient: only the unclipped completion's tokens, d(-s0 A0 / 2)/d logp_0 = -s0 / 2 (its one token)
+    loss.backward()
+    assert logp.grad.tolist() == [pytest.approx([-s0 / 2, 0, 0, 0], rel=1e-6), pytest.approx([0] * 4)]
+    # the default --loss-type dapo weighs each completion by its length instead: (1 * -1.105 + 4 * 0.8) / 5
+    dapo = (per_token * grpo.policy_loss_weights(mask, "dapo", 4, total_tokens=mask.sum().item())).sum().item()
+    assert dapo == pytest.approx((-s0 + 4 * 0.8) / 5, rel=1e-6) and abs(dapo - paper) > 0.5
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # policy_loss_weights: loss aggregation of each loss_type
 

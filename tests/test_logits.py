@@ -1,0 +1,89 @@
+"""The trainer's log-probs apply the model's own final-logit transform (Gemma 2 soft-capping, Granite logits_scaling,
+Cohere logit_scale), and the start-up check (check_logprobs) fails loudly on a transform it does not know."""
+import pytest
+import torch
+from transformers import (CohereConfig, CohereForCausalLM, Gemma2Config, Gemma2ForCausalLM, GraniteConfig,
+                          GraniteForCausalLM, LlamaConfig, LlamaForCausalLM)
+
+import grpo
+import online_dpo
+import rloo
+
+SCRIPTS = [grpo, rloo, online_dpo]
+PAD = 0
+TEMPERATURE = 0.7
+SIZES = dict(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=128, pad_token_id=PAD, tie_word_embeddings=False)
+ARCHS = {
+    "gemma2": lambda: Gemma2ForCausalLM(Gemma2Config(**SIZES, head_dim=8, final_logit_softcapping=30.0)),
+    "granite": lambda: GraniteForCausalLM(GraniteConfig(**SIZES, logits_scaling=8.0)),
+    "cohere": lambda: CohereForCausalLM(CohereConfig(**SIZES, logit_scale=0.0625)),
+    "llama": lambda: LlamaForCausalLM(LlamaConfig(**SIZES)),
+}
+
+
+def tiny(arch):
+    torch.manual_seed(0)
+    model = ARCHS[arch]().eval()
+    with torch.no_grad():  # raw logits of up to 100: the soft cap (30) bites, and scaling them changes the log-probs a lot
+        hidden = model(input_ids=torch.arange(1, 20)[None], output_hidden_states=True).hidden_states[-1]
+        model.lm_head.weight.mul_(100 / model.lm_head(hidden).abs().max())
+    return model
+
+
+def batch():
+    gen = torch.Generator().manual_seed(1)
+    ids = lambda n: torch.randint(1, 300, (n,), generator=gen).tolist()  # noqa: E731
+    return grpo.collate([ids(3), ids(7), ids(1)], [ids(6), ids(2), ids(4)], "cpu", PAD)
+
+
+def model_logprobs(model, ids, attn, pos, cmask, P):
+    """log_softmax(model(...).logits / T) of the completion tokens: what generate samples from."""
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=attn, position_ids=pos).logits[:, P - 1 : -1]
+    logprobs = (logits.float() / TEMPERATURE).log_softmax(-1).gather(-1, ids[:, P:, None]).squeeze(-1)
+    return torch.where(cmask.bool(), logprobs, 0.0)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda m: m.__name__)
+def test_per_token_logprobs_equal_the_model_logits(script, arch, monkeypatch):
+    model, args = tiny(arch), batch()
+    if arch == "gemma2":  # the cap bites: raw logits go well past it
+        with torch.no_grad():
+            assert model.lm_head(model(input_ids=args[0], output_hidden_states=True).hidden_states[-1]).abs().max() > 60
+    reference = model_logprobs(model, *args)
+    with torch.no_grad():
+        ours = script.per_token_logprobs(model, *args, temperature=TEMPERATURE, chunk_tokens=5)
+    torch.testing.assert_close(ours, reference, atol=1e-5, rtol=0)
+    # ...and the transform matters here: without it the log-probs are far off (Llama has none)
+    monkeypatch.setattr(script, "final_logits", lambda logits, config: logits)
+    with torch.no_grad():
+        raw = script.per_token_logprobs(model, *args, temperature=TEMPERATURE, chunk_tokens=5)
+    assert ((raw - reference).abs().max() > 0.5) == (arch != "llama")
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda m: m.__name__)
+def test_check_logprobs_passes_for_known_transforms(script, arch):
+    script.check_logprobs(tiny(arch), list(range(5, 25)), "cpu", world_size=1)
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda m: m.__name__)
+def test_check_logprobs_raises_for_an_unknown_transform(script, monkeypatch):
+    # a forward that transforms its logits after the LM head in a way final_logits does not know
+    model = tiny("llama")
+    forward = model.forward
+
+    def scaled_forward(*args, **kwargs):
+        out = forward(*args, **kwargs)
+        out.logits = out.logits * 0.5
+        return out
+
+    monkeypatch.setattr(model, "forward", scaled_forward)
+    with pytest.raises(ValueError, match="LlamaForCausalLM.*would not match the sampler"):
+        script.check_logprobs(model, list(range(5, 25)), "cpu", world_size=1)
+    # the same for a known architecture whose transform the trainer would skip (the bug this check guards against)
+    monkeypatch.setattr(script, "final_logits", lambda logits, config: logits)
+    with pytest.raises(ValueError, match="Gemma2ForCausalLM"):
+        script.check_logprobs(tiny("gemma2"), list(range(5, 25)), "cpu", world_size=1)
