@@ -52,6 +52,9 @@ def math_accuracy(completions, answer, **kwargs) -> list[float | None]:
     timeout = _timeout()
     rewards = []
     for completion, gold in zip(completions, _column(completions, "answer", answer)):
+        if gold is None or gold != gold:  # a missing answer (None, or NaN from pandas): str() would parse as symbols
+            rewards.append(None)
+            continue
         gold = str(gold).strip()
         if not re.search(r"(?<!\\)\$|\\boxed|\\\(|\\\[", gold):
             gold = f"${gold}$"
@@ -72,11 +75,11 @@ def gsm8k_accuracy(completions, answer, **kwargs) -> list[float | None]:
     """
     rewards = []
     for completion, gold in zip(completions, _column(completions, "answer", answer)):
-        gold = str(gold).rsplit("####", 1)[-1].replace(",", "").replace("$", "").strip()
+        gold = str(gold).rsplit("####", 1)[-1].replace(",", "").replace("$", "").replace("\u2212", "-").strip()
         if not re.fullmatch(r"-?\d+(?:\.\d+)?", gold):
             rewards.append(None)
             continue
-        text = _text(completion)
+        text = _text(completion).replace("\u2212", "-")  # the Unicode minus sign some models write
         if "####" in text:
             numbers = _NUMBER.findall(text.rsplit("####", 1)[-1])[:1]
         else:

@@ -191,9 +191,9 @@ def check_server(base_url, model):
         raise RuntimeError(f"the server at {base_url} was started without --weight-transfer-config, so it cannot receive "
                            f"weights. Restart it as:\n  {serve_command(model)}")
     logprobs_mode = config.get("model_config", {}).get("logprobs_mode")
-    if logprobs_mode != "processed_logprobs":
-        print(f"warning: the server returns {logprobs_mode}; start it with --logprobs-mode processed_logprobs so that "
-              f"its log-probs include temperature and the importance-sampling correction is right")
+    if logprobs_mode != "processed_logprobs":  # raw log-probs ignore the temperature: every importance ratio is biased
+        raise RuntimeError(f"the server at {base_url} returns {logprobs_mode} log-probs, which leave out the temperature "
+                           f"the trainer samples with, so the importance-sampling correction would be wrong. Restart it as:\n  {serve_command(model)}")
     server_version = requests.get(f"{base_url}/version", timeout=30).json()["version"]
     if server_version != vllm.__version__:
         raise RuntimeError(f"the server runs vLLM {server_version} but the trainer has vLLM {vllm.__version__}; the NCCL "
@@ -238,28 +238,40 @@ def _post(base_url, path, timeout, **kwargs):
 
 
 def _run_beside(nccl_work, http_call, timeout):
-    """Run the trainer's NCCL side in a daemon thread while the matching HTTP call (which blocks inside the server's
-    side of the same collective) runs here. NCCL has no timeout, so if the HTTP side fails we raise and leave the
-    thread behind rather than hang."""
-    device = torch.cuda.current_device()
-    result, errors = {}, []
+    """Run the trainer's NCCL side and the matching HTTP call (which blocks inside the server's side of the same
+    collective) side by side, each in a daemon thread; return the NCCL side's result. NCCL has no timeout, so the first
+    failure is raised at once and the other side is left behind rather than waited for. When both fail, the NCCL
+    side's error is raised (it is usually the cause: a taken --vllm-group-port, an out-of-memory while packing)."""
+    device = torch.cuda.current_device() if torch.cuda.is_available() else None
+    outcome = {}  # side -> (ok, result or exception)
 
-    def target():
+    def run(side, work):
         try:
-            torch.cuda.set_device(device)  # the current device is per thread
-            result["value"] = nccl_work()
+            if device is not None:
+                torch.cuda.set_device(device)  # the current device is per thread
+            outcome[side] = (True, work())
         except BaseException as error:  # noqa: BLE001
-            errors.append(error)
+            outcome[side] = (False, error)
 
-    thread = threading.Thread(target=target, daemon=True)
-    thread.start()
-    http_call()
-    thread.join(timeout)
-    if thread.is_alive():
-        raise TimeoutError(f"the trainer's NCCL side did not finish within {timeout:.0f} s after the server's")
-    if errors:
-        raise errors[0]
-    return result.get("value")
+    nccl = threading.Thread(target=run, args=("nccl", nccl_work), daemon=True)
+    nccl.start()
+    threading.Thread(target=run, args=("http", http_call), daemon=True).start()
+    http_done = None
+    while True:  # the HTTP side ends by itself (requests' timeout); the NCCL side gets `timeout` s after it
+        if outcome.get("nccl", (True,))[0] is False:
+            raise outcome["nccl"][1]
+        if outcome.get("http", (True,))[0] is False:
+            nccl.join(1.0)  # a NCCL error that caused the server's failure is the one to report
+            if outcome.get("nccl", (True,))[0] is False:
+                raise outcome["nccl"][1] from outcome["http"][1]
+            raise outcome["http"][1]
+        if len(outcome) == 2:
+            return outcome["nccl"][1]
+        if "http" in outcome:
+            http_done = http_done or time.monotonic()
+            if time.monotonic() - http_done > timeout:
+                raise TimeoutError(f"the trainer's NCCL side did not finish within {timeout:.0f} s after the server's")
+        time.sleep(0.01)
 
 
 def server_init_weight_sync(base_url, group_port, master_address="127.0.0.1"):
@@ -359,6 +371,7 @@ def start(args, model_path, max_prompt_length):
         raise ValueError(f"the longest prompt ({max_prompt_length} tokens) + --max-completion-length "
                          f"{args.max_completion_length} exceeds the server's --max-model-len {max_model_len}")
     engine["startup_s"] = time.perf_counter() - t0
+    engine["base_url"] = base_url
     if _rank() != 0:  # with torchrun every rank generates through HTTP, rank 0 alone sends the weights
         return engine
     check_gpu_not_shared(base_url)
@@ -370,7 +383,7 @@ def start(args, model_path, max_prompt_length):
         from vllm.utils.network_utils import get_ip
 
         master_address = get_ip()
-    engine.update(base_url=base_url, group=server_init_weight_sync(base_url, args.vllm_group_port, master_address))
+    engine["group"] = server_init_weight_sync(base_url, args.vllm_group_port, master_address)
     engine["startup_s"] = time.perf_counter() - t0
     return engine
 

@@ -105,6 +105,12 @@ def test_math_accuracy_unparseable_gold_is_none():
     assert rewards.math_accuracy([_boxed("\\frac{14}{3}")] * 4, answer=golds) == [None, None, None, 1.0]
 
 
+def test_math_accuracy_missing_gold_is_none():
+    # None / NaN (pandas) must not become the text "None" / "nan", which parses as a product of symbols
+    preds = [_boxed("None"), "the answer is none", _boxed("nan"), _boxed("3")]
+    assert rewards.math_accuracy(preds, answer=[None, None, float("nan"), "3"]) == [None, None, None, 1.0]
+
+
 def test_math_accuracy_gold_already_in_math_mode():
     golds = ["$\\frac{14}{3}$", "The answer is $\\boxed{7}$.", "\\$18.90"]
     preds = [_boxed("\\frac{14}{3}"), _boxed("7"), _boxed("18.90")]
@@ -170,6 +176,9 @@ def test_gsm8k_number_formats():
     assert rewards.gsm8k_accuracy(preds, answer=golds) == [1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 0.0]
     assert rewards.gsm8k_accuracy(["5-3"], answer=["-3"]) == [0.0]  # a minus after a digit is an operator
     assert rewards.gsm8k_accuracy(["is 3.5 not 3"], answer=["3.5"]) == [0.0]
+    # the Unicode minus sign (U+2212), in the completion or the gold
+    assert rewards.gsm8k_accuracy(["x = \u22125", "#### \u22125", "x = -5"], answer=["-5", "-5", "#### \u22125"]) == [1.0, 1.0, 1.0]
+    assert rewards.gsm8k_accuracy(["x = \u22125"], answer=["5"]) == [0.0]
 
 
 @pytest.mark.parametrize("text", MALFORMED + ["#### ", "#### none"])

@@ -2,6 +2,7 @@
 metadata, and the errors a misconfigured server gets. A small HTTP server on 127.0.0.1 plays `vllm serve`."""
 import json
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from types import SimpleNamespace
 
@@ -119,6 +120,7 @@ def test_check_server_accepts_a_correct_server():
     ({**_routes(), "/server_info": (404, {})}, "VLLM_SERVER_DEV_MODE=1"),
     (_routes(weight_transfer=None), "--weight-transfer-config"),
     (_routes(version="0.1.0"), "vLLM 0.1.0 but the trainer has vLLM"),
+    (_routes(logprobs_mode="raw_logprobs"), "returns raw_logprobs log-probs, which leave out the temperature"),
 ])
 def test_check_server_names_the_problem_and_the_fix(routes, message):
     server = FakeServer(routes)
@@ -221,3 +223,51 @@ def test_colocate_engine_keeps_multicast_off_where_the_host_turned_it_off(monkey
     assert ("compilation_config" not in seen) == fused
     if not fused:
         assert seen["compilation_config"] == {"pass_config": {"fuse_allreduce_rms": False}}
+
+
+def test_every_rank_generates_through_the_server_and_only_rank_0_joins_the_weight_sync(monkeypatch):
+    """Under torchrun, ranks other than 0 skip the NCCL group but must still know where to send their prompts."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(vllm_utils, "wait_for_server", lambda *a: None)
+    monkeypatch.setattr(vllm_utils, "check_server", lambda *a: ("served-model", 2048))
+    monkeypatch.setattr(vllm_utils, "check_gpu_not_shared", lambda *a: None)
+    joined, sent = [], []
+    monkeypatch.setattr(vllm_utils, "server_init_weight_sync", lambda *a: joined.append(a) or "group")
+    monkeypatch.setattr(vllm_utils, "server_generate", lambda url, model_id, prompts, n, fields: sent.append(url) or ([[1]], [[-0.1]]))
+    args = SimpleNamespace(vllm_mode="server", vllm_server_host="10.0.0.7", vllm_server_port=8001, vllm_server_timeout=1,
+                           vllm_group_port=51216, num_generations=1, max_completion_length=8, temperature=1.0, top_p=1.0,
+                           top_k=0, min_p=0.0, repetition_penalty=1.0)
+    for rank in (1, 0):
+        monkeypatch.setattr(vllm_utils, "_rank", lambda: rank)
+        monkeypatch.setattr("vllm.utils.network_utils.get_ip", lambda: "10.0.0.1")
+        engine = vllm_utils.start(args, "m", max_prompt_length=10)
+        assert vllm_utils.generate(engine, [[5, 6]]) == ([[1]], [[-0.1]])
+        assert ("group" in engine) == (rank == 0)
+    assert sent == ["http://10.0.0.7:8001"] * 2
+    assert len(joined) == 1 and joined[0][2] == "10.0.0.1"  # rank 0 alone, advertising its routable address
+
+
+def _sleep_then(seconds, result=None, error=None):
+    def work():
+        time.sleep(seconds)
+        if error:
+            raise error
+        return result
+    return work
+
+
+@pytest.mark.parametrize("nccl, http, expected, within", [
+    (_sleep_then(0.1, result="group"), _sleep_then(0.2), "group", 5),  # both succeed: the NCCL side's result
+    (_sleep_then(0, error=OSError("port 51216 in use")), _sleep_then(30), OSError, 5),  # NCCL fails: raised at once
+    (_sleep_then(0, error=OSError("port 51216 in use")), _sleep_then(0.1, error=TimeoutError("read timed out")), OSError, 5),
+    (_sleep_then(30), _sleep_then(0, error=RuntimeError("POST /update_weights failed")), RuntimeError, 5),  # HTTP fails
+    (_sleep_then(30), _sleep_then(0), TimeoutError, 5),  # the server finished, the trainer's side never does
+])
+def test_run_beside_raises_the_first_failure_and_prefers_the_nccl_cause(nccl, http, expected, within):
+    t0 = time.perf_counter()
+    if isinstance(expected, str):
+        assert vllm_utils._run_beside(nccl, http, timeout=0.5) == expected
+    else:
+        with pytest.raises(expected):
+            vllm_utils._run_beside(nccl, http, timeout=0.5)
+    assert time.perf_counter() - t0 < within
