@@ -14,8 +14,9 @@ Two ways to run vLLM next to a trainer (README.md, "Using vLLM"):
 Both return completion token ids and vLLM's log-prob of each sampled token (after temperature and other
 processors: "processed_logprobs"), which the trainer uses to correct the vLLM/trainer mismatch.
 
-The entry points `start`, `generate`, `sleep` and `sync_weights` take the script's `Args` / the engine they return; every step they take is a
-small function below that a fork can call directly. vLLM is imported only inside functions that need it.
+The entry points `start`, `generate`, `sleep` and `sync_weights` take the script's `Args` / the engine they return;
+every step they take is a small function below that a fork can call directly. vLLM is imported only inside functions
+that need it.
 """
 import os
 import socket
@@ -244,6 +245,7 @@ def _run_beside(nccl_work, http_call, timeout):
     side's error is raised (it is usually the cause: a taken --vllm-group-port, an out-of-memory while packing)."""
     device = torch.cuda.current_device() if torch.cuda.is_available() else None
     outcome = {}  # side -> (ok, result or exception)
+    failed = lambda side: outcome.get(side, (True,))[0] is False  # noqa: E731
 
     def run(side, work):
         try:
@@ -258,11 +260,11 @@ def _run_beside(nccl_work, http_call, timeout):
     threading.Thread(target=run, args=("http", http_call), daemon=True).start()
     http_done = None
     while True:  # the HTTP side ends by itself (requests' timeout); the NCCL side gets `timeout` s after it
-        if outcome.get("nccl", (True,))[0] is False:
+        if failed("nccl"):
             raise outcome["nccl"][1]
-        if outcome.get("http", (True,))[0] is False:
+        if failed("http"):
             nccl.join(1.0)  # a NCCL error that caused the server's failure is the one to report
-            if outcome.get("nccl", (True,))[0] is False:
+            if failed("nccl"):
                 raise outcome["nccl"][1] from outcome["http"][1]
             raise outcome["http"][1]
         if len(outcome) == 2:

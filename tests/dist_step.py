@@ -27,6 +27,29 @@ rows = list(range(rank * N, (rank + 1) * N))  # this rank's share of the rows
 results = {}
 
 
+def sharded_model(script, scale=1.0):
+    """stories260K in fp32 (weights times `scale`), FSDP2-sharded as the script shards it when N > 1."""
+    model = AutoModelForCausalLM.from_pretrained(STORIES, dtype=torch.float32)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(scale)
+    return script.shard_model(model, mixed_precision=False) if world_size > 1 else model
+
+
+def micro_batch_logprobs(script, model):
+    """This rank's micro-batches as the scripts form them (padding passes included, to keep FSDP's collectives in
+    step), each with the policy's per-token log-probs and a fixed wave per (row, position) to offset old log-probs
+    by, so that ratios leave the clip range: (micro_batch, padding_pass, logprobs, completion_mask, wave)."""
+    micro_batches = script.token_budget_batches(rows, [len(p) for p in batch_prompts], [len(c) for c in batch_completions], 30)
+    for micro_batch in script.same_count_on_all_ranks(micro_batches, world_size, "cpu"):
+        padding_pass = micro_batch is None
+        micro_batch = [rows[0]] if padding_pass else micro_batch
+        ids, attn, pos, cmask, P = script.collate([batch_prompts[i] for i in micro_batch], [batch_completions[i] for i in micro_batch], "cpu", 0)
+        logprobs = script.per_token_logprobs(model, ids, attn, pos, cmask, P, temperature=0.8, chunk_tokens=5)
+        wave = torch.sin(torch.tensor(micro_batch)[:, None] * 10.0 + torch.arange(cmask.shape[1])[None])
+        yield micro_batch, padding_pass, logprobs, cmask, wave
+
+
 def step_and_record(name, script, model, optimizer):
     """Keep the full gradients, take the optimizer step, keep the full updated weights (gathered from the shards)."""
     grads = {n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).clone() for n, p in model.named_parameters()}
@@ -36,24 +59,14 @@ def step_and_record(name, script, model, optimizer):
 
 
 for loss_type in ("grpo", "bnpo", "dr_grpo", "dapo"):
-    model = AutoModelForCausalLM.from_pretrained(STORIES, dtype=torch.float32)
-    if world_size > 1:
-        grpo.shard_model(model, mixed_precision=False)
+    model = sharded_model(grpo)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
     lengths = torch.tensor([len(batch_completions[i]) for i in rows])
     mask = (torch.arange(8)[None] < lengths[:, None]).float()  # (N, C) of this rank
     weights = grpo.policy_loss_weights(mask, loss_type, 8, total_tokens=grpo.global_sum(mask.sum(), world_size, "cpu"),
                                        num_sequences=N * world_size, step_tokens=grpo.global_sum(mask.sum(), world_size, "cpu"))
-    micro_batches = grpo.token_budget_batches(rows, [len(p) for p in batch_prompts], [len(c) for c in batch_completions], 30)
-    for micro_batch in grpo.same_count_on_all_ranks(micro_batches, world_size, "cpu"):
-        padding_pass = micro_batch is None
-        micro_batch = [rows[0]] if padding_pass else micro_batch
-        ids, attn, pos, cmask, P = grpo.collate([batch_prompts[i] for i in micro_batch], [batch_completions[i] for i in micro_batch], "cpu", 0)
-        logprobs = grpo.per_token_logprobs(model, ids, attn, pos, cmask, P, temperature=0.8, chunk_tokens=5)
-        # old log-probs off the current ones by a fixed amount per (row, position), so that ratios leave the clip range
-        offset = 0.3 * torch.sin(torch.tensor(micro_batch)[:, None] * 10.0 + torch.arange(cmask.shape[1])[None])
-        old = logprobs.detach() + offset
-        loss, _ = grpo.policy_loss(logprobs, old, advantages[micro_batch], cmask, 0.2, 0.28)
+    for micro_batch, padding_pass, logprobs, cmask, wave in micro_batch_logprobs(grpo, model):
+        loss, _ = grpo.policy_loss(logprobs, logprobs.detach() + 0.3 * wave, advantages[micro_batch], cmask, 0.2, 0.28)
         local = [i - rows[0] for i in micro_batch]
         ((loss * weights[local, : cmask.shape[1]]).sum() * (0 if padding_pass else world_size)).backward()
     step_and_record(loss_type, grpo, model, optimizer)
@@ -61,32 +74,18 @@ for loss_type in ("grpo", "bnpo", "dr_grpo", "dapo"):
 # RLOO (rloo.py): per-sequence loss, each sequence weighs 1 / (all ranks' sequences)
 import rloo  # noqa: E402
 
-model = AutoModelForCausalLM.from_pretrained(STORIES, dtype=torch.float32)
-if world_size > 1:
-    rloo.shard_model(model, mixed_precision=False)
+model = sharded_model(rloo)
 optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
-micro_batches = rloo.token_budget_batches(rows, [len(p) for p in batch_prompts], [len(c) for c in batch_completions], 30)
-for micro_batch in rloo.same_count_on_all_ranks(micro_batches, world_size, "cpu"):
-    padding_pass = micro_batch is None
-    micro_batch = [rows[0]] if padding_pass else micro_batch
-    ids, attn, pos, cmask, P = rloo.collate([batch_prompts[i] for i in micro_batch], [batch_completions[i] for i in micro_batch], "cpu", 0)
-    logprobs = rloo.per_token_logprobs(model, ids, attn, pos, cmask, P, temperature=0.8, chunk_tokens=5)
-    offset = 0.05 * torch.sin(torch.tensor(micro_batch)[:, None] * 10.0 + torch.arange(cmask.shape[1])[None])
-    loss, _ = rloo.sequence_policy_loss(logprobs, logprobs.detach() + offset, advantages[micro_batch], cmask, 0.2, 0.2)
+for micro_batch, padding_pass, logprobs, cmask, wave in micro_batch_logprobs(rloo, model):
+    loss, _ = rloo.sequence_policy_loss(logprobs, logprobs.detach() + 0.05 * wave, advantages[micro_batch], cmask, 0.2, 0.2)
     ((loss / (N * world_size)).sum() * (0 if padding_pass else world_size)).backward()
 step_and_record("rloo", rloo, model, optimizer)
 
 # Online DPO (online_dpo.py): rows (2i, 2i + 1) of the batch form pair i; every pair weighs 1 / (all ranks' pairs)
 import online_dpo  # noqa: E402
 
-model = AutoModelForCausalLM.from_pretrained(STORIES, dtype=torch.float32)
-reference = AutoModelForCausalLM.from_pretrained(STORIES, dtype=torch.float32)
-with torch.no_grad():  # a reference that differs from the policy, so that z != 0
-    for p in reference.parameters():
-        p.mul_(1.05)
-if world_size > 1:
-    online_dpo.shard_model(model, mixed_precision=False)
-    online_dpo.shard_model(reference, mixed_precision=False)
+model = sharded_model(online_dpo)
+reference = sharded_model(online_dpo, scale=1.05)  # a reference that differs from the policy, so that z != 0
 optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
 pairs = [(r, r + 1) for r in rows[::2]]  # this rank's pairs
 micro_batches = online_dpo.same_count_on_all_ranks([[j] for j in range(len(pairs))], world_size, "cpu")  # a pair each
