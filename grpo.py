@@ -24,7 +24,10 @@ import json
 import os
 import random
 import shutil
+import threading
 import time
+from collections import defaultdict
+from concurrent.futures import Future
 from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
@@ -123,6 +126,10 @@ class Args:
     """server: seconds to wait for the server to answer /health"""
     vllm_group_port: int = 51216
     """server: TCP port the trainer opens for the NCCL weight-sync rendezvous"""
+    async_generation: bool = False
+    """server: generate the next round while training on this one (a step costs about max(generation, training)
+    instead of their sum). Each round is sampled by weights one optimizer round behind the ones it trains; the
+    importance-sampling correction below covers that staleness too"""
     vllm_importance_sampling_correction: bool = True
     """correct the vLLM/trainer log-prob mismatch with a truncated or masked importance ratio"""
     vllm_importance_sampling_mode: Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"] = (
@@ -605,6 +612,21 @@ def hf_generate(model, prompt_ids, args, eos_ids, pad_id):
     return completions, None
 
 
+def future_of(fn, *args, background=True):
+    """fn(*args) as a Future: run in a daemon thread (--async-generation: the trainer trains meanwhile; a daemon never
+    holds up the exit after an error), or right now. future.result() returns the value or raises fn's error."""
+    future = Future()
+
+    def run():
+        try:
+            future.set_result(fn(*args))
+        except BaseException as error:  # noqa: BLE001 - re-raised by future.result() in the training loop
+            future.set_exception(error)
+
+    threading.Thread(target=run, daemon=True).start() if background else run()
+    return future
+
+
 # ------------------------------------------------------------------------------------------------------------------
 # Checkpoints
 
@@ -662,6 +684,9 @@ if __name__ == "__main__":
     epsilon_high = args.epsilon_high if args.epsilon_high is not None else args.epsilon
     if args.num_generations < 2:
         raise ValueError("--num-generations must be at least 2: advantages compare completions of the same prompt")
+    if args.async_generation and not (args.use_vllm and args.vllm_mode == "server"):
+        raise ValueError("--async-generation needs --use-vllm --vllm-mode server: a colocated engine or `generate` "
+                         "share the trainer's GPU, so generation cannot overlap training")
     # several processes (torchrun): each rank takes an equal share of every step's prompts, whole groups
     world_size, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
     if args.prompts_per_step % (args.steps_per_generation * world_size):
@@ -733,8 +758,9 @@ if __name__ == "__main__":
         raise ValueError(f"--reward-weights has {len(reward_weights)} values for {len(reward_fns)} --reward-funcs")
 
     # Optimizer and schedule
+    # fused: one kernel for all parameters on CUDA, with no full-size temporaries (the foreach default allocates them)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2),
-                                  weight_decay=args.weight_decay)
+                                  weight_decay=args.weight_decay, fused=device.type == "cuda")
     scheduler = get_scheduler(args.lr_scheduler_type, optimizer, args.warmup_steps, args.max_steps)
     global_step, prompts_consumed = 0, 0
     torch.manual_seed(args.seed + rank)  # from here on each rank samples its own completions
@@ -767,7 +793,7 @@ if __name__ == "__main__":
         engine = vllm_utils.start(args, model_path, max(len(p) for p in prompt_ids))
         if args.vllm_mode == "server":  # the server may hold other weights (an earlier run, or this one before a resume)
             vllm_utils.sync_weights(engine, model)
-        generate = lambda batch_prompt_ids: vllm_utils.generate(engine, batch_prompt_ids, args)  # noqa: E731
+        generate = lambda batch_prompt_ids: vllm_utils.generate(engine, batch_prompt_ids)  # noqa: E731
     else:
         def generate(batch_prompt_ids):
             with unsharded(model, world_size):  # FSDP2: full weights while decoding, ranks stop at different steps
@@ -786,24 +812,49 @@ if __name__ == "__main__":
     progress = tqdm(total=args.max_steps, initial=global_step, desc="grpo", dynamic_ncols=True, disable=not is_main)
     prompts_per_rank = args.prompts_per_step // world_size
 
+    def start_round():
+        """Draw the next prompts_per_step prompts (the same on every rank), keep this rank's share and start generating
+        them: in the background with --async-generation, else now. Returns (rows, the optimizer step of the weights that
+        generate them, a Future of ((completion ids, vLLM log-probs), seconds))."""
+        global prompts_consumed
+        rows = [next(prompts) for _ in range(args.prompts_per_step)][rank * prompts_per_rank : (rank + 1) * prompts_per_rank]
+        prompts_consumed += args.prompts_per_step
+
+        def work():
+            t0 = time.perf_counter()
+            return generate([prompt_ids[i] for i in rows]), time.perf_counter() - t0
+        return rows, weights_version, future_of(work, background=args.async_generation)
+
+    def clock():  # phase timings: wait for the GPU's queued work so that each phase is charged its own time
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
+    weights_version = global_step  # the optimizer step whose weights the generator holds
+    next_round = None  # --async-generation: the round generating in the background while this one trains
+
     while global_step < args.max_steps:
         round_start = time.perf_counter()
-        metrics = {}
+        metrics, timing = {}, defaultdict(float)
         # ALGO LOGIC: 1. sample prompts and generate G completions each (dynamic sampling: until the round is full
-        # of groups whose rewards differ)
+        # of groups whose rewards differ). --async-generation: this step's round was generated during the last step, by
+        # the weights before it; the next round starts now, from the current weights, and generates while we train
         kept = []  # one (prompt row, its G completions, their rewards, their vLLM log-probs or None) per kept group
-        all_scores, generation_time, num_generation_rounds = [], 0.0, 0
+        all_scores, num_generation_rounds, staleness = [], 0, []
         max_rounds = args.dynamic_sampling_max_rounds if args.dynamic_sampling else 1
         # every rank samples the same number of rounds (they share the prompt stream): until all ranks together kept
         # a full step's groups
         while global_sum(len(kept), world_size, device) < args.prompts_per_step and num_generation_rounds < max_rounds:
-            rows = [next(prompts) for _ in range(args.prompts_per_step)]  # the same on every rank
-            prompts_consumed += len(rows)
-            rows = rows[rank * prompts_per_rank : (rank + 1) * prompts_per_rank]  # this rank's share
+            rows, version, generation = next_round if next_round and not num_generation_rounds else start_round()
+            if args.async_generation and not num_generation_rounds:
+                next_round = start_round() if global_step + steps_per_round < args.max_steps else None
             num_generation_rounds += 1
             t0 = time.perf_counter()
-            completion_ids, sampling_logprobs = generate([prompt_ids[i] for i in rows])
-            generation_time += time.perf_counter() - t0
+            (completion_ids, sampling_logprobs), seconds = generation.result()
+            timing["timing/generation_wait"] += time.perf_counter() - t0  # what generation costs the trainer
+            timing["timing/generation"] += seconds
+            staleness.append(global_step - version)  # optimizer steps between the sampling and the trained weights
+            t0 = time.perf_counter()
             # 2. score: reward functions see the decoded completions and this row's dataset columns by name
             texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
             completions = [[{"role": "assistant", "content": t}] for t in texts] if conversational else texts
@@ -821,6 +872,7 @@ if __name__ == "__main__":
                     continue  # every completion of this prompt got the same reward: no signal
                 vllm_logprobs = None if sampling_logprobs is None else sampling_logprobs[group]
                 kept.append((row, completion_ids[group], total[group].clone(), vllm_logprobs))  # a view would pickle all of `total`
+            timing["timing/scoring"] += time.perf_counter() - t0
         if args.use_vllm:
             vllm_utils.sleep(engine)  # sleep mode: vLLM's memory goes to training until the next generation
         if args.dynamic_sampling and world_size > 1:  # ranks kept different numbers of groups: pool them, split evenly
@@ -848,7 +900,9 @@ if __name__ == "__main__":
         advantages = group_advantages(gather_rows(rewards_total.to(device), world_size).cpu(), args.num_generations, args.scale_rewards)
         advantages = advantages[rank * N : (rank + 1) * N]
 
-        # 4. old and reference log-probs, before any update (no gradient)
+        # 4. old and reference log-probs, before any update (no gradient). The old log-probs need a pass of their own only
+        # when the weights change before the batch's last use; otherwise the training pass's own (detached) are the same
+        t0 = clock()
         prompt_lengths = [len(p) for p in batch_prompts]
         completion_lengths = [len(c) for c in batch_completions]
         truncated = torch.tensor([not (c and c[-1] in eos_ids) for c in batch_completions])
@@ -856,7 +910,7 @@ if __name__ == "__main__":
         completion_mask_all = (torch.arange(C)[None] < torch.tensor(completion_lengths)[:, None]).float()
         loss_mask_all = completion_mask_all * (~truncated[:, None]).float() if args.mask_truncated_completions else completion_mask_all
         use_vllm_is = args.use_vllm and args.vllm_importance_sampling_correction and len(batch_sampling_lp) > 0
-        need_old = args.num_iterations > 1 or args.steps_per_generation > 1 or use_vllm_is
+        need_old = args.num_iterations > 1 or args.steps_per_generation > 1
         old_logprobs = torch.zeros(N, C) if need_old else None
         ref_logprobs = torch.zeros(N, C) if ref_model is not None else None
         micro_batches_all = token_budget_batches(range(N), prompt_lengths, completion_lengths, args.micro_batch_tokens)
@@ -871,25 +925,17 @@ if __name__ == "__main__":
                         old_logprobs[mb, : cmask.shape[1]] = per_token_logprobs(model, ids, attn, pos, cmask, P, args.temperature).cpu()
                     if ref_model is not None:
                         ref_logprobs[mb, : cmask.shape[1]] = per_token_logprobs(ref_model, ids, attn, pos, cmask, P, args.temperature).cpu()
-        is_ratio = None
+        sampling_lp = None  # vLLM's log-probs of the sampled tokens, NaN where it gave none
         if use_vllm_is:
             sampling_lp = torch.zeros(N, C)
             for i, lp in enumerate(batch_sampling_lp[:N]):
                 sampling_lp[i, : len(lp)] = torch.tensor([float("nan") if v is None else v for v in lp])
-            is_ratio, logp_diff = vllm_importance_ratio(old_logprobs, sampling_lp, completion_mask_all,
-                                                        args.vllm_importance_sampling_mode,
-                                                        args.vllm_importance_sampling_clip_min,
-                                                        args.vllm_importance_sampling_clip_max)
-            valid = completion_mask_all.bool()
-            metrics["sampling/sampling_logp_difference/mean"] = logp_diff[valid].mean().item()
-            metrics["sampling/sampling_logp_difference/max"] = logp_diff[valid].max().item()
-            metrics["sampling/importance_sampling_ratio/min"] = is_ratio[valid].min().item()
-            metrics["sampling/importance_sampling_ratio/mean"] = is_ratio[valid].mean().item()
-            metrics["sampling/importance_sampling_ratio/max"] = is_ratio[valid].max().item()
+        timing["timing/old_ref_logprobs"] = clock() - t0
 
         # 5. optimise: num_iterations passes; each pass is steps_per_generation optimizer steps over whole groups
         model.train()
         train_stats = {"kl": [], "entropy": [], "clip_ratio/low_mean": [], "clip_ratio/high_mean": [], "clip_ratio/region_mean": []}
+        is_stats = {"logp_difference": [], "ratio": []}  # over the valid tokens of every micro-batch
         groups_per_step = keep // args.steps_per_generation
         total_tokens = global_sum(loss_mask_all.sum(), world_size, device) / args.steps_per_generation  # DAPO: tokens of the generated batch per step
         for iteration in range(args.num_iterations):
@@ -901,6 +947,7 @@ if __name__ == "__main__":
                 weights_all = policy_loss_weights(loss_mask_all[step_rows], args.loss_type, args.max_completion_length, total_tokens,
                                                   num_sequences=len(step_rows) * world_size,
                                                   step_tokens=global_sum(loss_mask_all[step_rows].sum(), world_size, device))
+                t0 = clock()
                 optimizer.zero_grad(set_to_none=True)
                 step_loss = 0.0
                 micro_batches = token_budget_batches(step_rows, prompt_lengths, completion_lengths, args.micro_batch_tokens)
@@ -916,8 +963,11 @@ if __name__ == "__main__":
                     A = advantages[mb].to(device)
                     per_token_loss, ratio = policy_loss(logprobs, old, A, cmask, args.epsilon, epsilon_high, args.delta,
                                                         args.importance_sampling_level)
-                    if is_ratio is not None:
-                        per_token_loss = per_token_loss * is_ratio[mb, :Cm].to(device)
+                    if use_vllm_is:  # pi_old / pi_vllm: vLLM's numerics and, with --async-generation, the older weights
+                        is_ratio, logp_difference = vllm_importance_ratio(
+                            old, sampling_lp[mb, :Cm].to(device), cmask, args.vllm_importance_sampling_mode,
+                            args.vllm_importance_sampling_clip_min, args.vllm_importance_sampling_clip_max)
+                        per_token_loss = per_token_loss * is_ratio
                     if ref_model is not None:
                         kl = k3_kl(logprobs, ref_logprobs[mb, :Cm].to(device))
                         per_token_loss = per_token_loss + args.beta * kl
@@ -926,6 +976,9 @@ if __name__ == "__main__":
                     step_loss += loss.detach()  # summed on the device: no host sync per micro-batch
                     if padding_pass:
                         continue
+                    if use_vllm_is:
+                        is_stats["logp_difference"].append(logp_difference[cmask.bool()])
+                        is_stats["ratio"].append(is_ratio[cmask.bool()])
                     if ref_model is not None:
                         train_stats["kl"].append(((kl * cmask).sum() / cmask.sum()).detach())
                     # metrics (TRL's definitions): clipped low with A < 0, high with A > 0, token means
@@ -936,18 +989,28 @@ if __name__ == "__main__":
                     train_stats["clip_ratio/low_mean"].append(((low * cmask).sum() / n_tokens))
                     train_stats["clip_ratio/high_mean"].append(((high * cmask).sum() / n_tokens))
                     train_stats["clip_ratio/region_mean"].append((((low + high).clamp(max=1) * cmask).sum() / n_tokens))
+                t1 = clock()
                 grad_norm = clip_gradients(model, args.max_grad_norm)
                 optimizer.step()
                 scheduler.step()
                 global_step += 1
                 progress.update(1)
+                timing["timing/forward_backward"] += t1 - t0
+                timing["timing/optimizer"] += clock() - t1
 
-        # 6. push the new weights to vLLM before the next generation round
-        sync_time = 0.0
+        # 6. push the new weights to vLLM before the next generation round. --async-generation: once the round in
+        # flight is complete (on every rank), so that vLLM never switches weights in the middle of a round
         if args.use_vllm:
             t0 = time.perf_counter()
+            if next_round is not None:
+                next_round[2].result()
+                if world_size > 1:
+                    dist.barrier()
+            t1 = time.perf_counter()
+            timing["timing/generation_wait"] += t1 - t0
             vllm_utils.sync_weights(engine, model)
-            sync_time = time.perf_counter() - t0
+            weights_version = global_step
+            timing["timing/weight_sync"] = time.perf_counter() - t1
 
         # TRY NOT TO MODIFY: logging (TRL's metric names, over all ranks) and checkpoints
         scores = torch.cat(all_scores)  # (this rank's generated rows, num_funcs)
@@ -968,8 +1031,17 @@ if __name__ == "__main__":
             "completions/max_length": int(lengths.max()), "completions/clipped_ratio": truncated.float().mean().item(),
             "grad_norm": grad_norm.item(), "learning_rate": scheduler.get_last_lr()[0], "loss": step_loss.item(),
             "num_tokens": global_sum(sum(prompt_lengths) + sum(completion_lengths), world_size, device),
-            "timing/generation": generation_time, "timing/weight_sync": sync_time, "step_time": time.perf_counter() - round_start,
+            **timing, "sampling/staleness": sum(staleness) / len(staleness), "step_time": time.perf_counter() - round_start,
         })
+        if device.type == "cuda":
+            metrics["memory/peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+        if use_vllm_is:
+            logp_difference, ratio = torch.cat(is_stats["logp_difference"]), torch.cat(is_stats["ratio"])
+            metrics["sampling/sampling_logp_difference/mean"] = logp_difference.mean().item()
+            metrics["sampling/sampling_logp_difference/max"] = logp_difference.max().item()
+            metrics["sampling/importance_sampling_ratio/min"] = ratio.min().item()
+            metrics["sampling/importance_sampling_ratio/mean"] = ratio.mean().item()
+            metrics["sampling/importance_sampling_ratio/max"] = ratio.max().item()
         for k, fn in enumerate(reward_fns):
             metrics[f"rewards/{fn.__name__}/mean"] = scores[:, k].nanmean().item()
             metrics[f"rewards/{fn.__name__}/std"] = scores[:, k][~scores[:, k].isnan()].std().item() if (~scores[:, k].isnan()).sum() > 1 else 0.0
@@ -995,8 +1067,10 @@ if __name__ == "__main__":
             def write_checkpoint(tmp):
                 model.save_pretrained(tmp, state_dict=model_state)
                 tokenizer.save_pretrained(tmp)
+                # a round generated in the background is not trained yet: a resume generates it again
                 torch.save({"optimizer": optimizer_state, "scheduler": scheduler.state_dict(), "global_step": global_step,
-                            "prompts_consumed": prompts_consumed, "torch_rng": [r[0] for r in rng_states],
+                            "prompts_consumed": prompts_consumed - (args.prompts_per_step if next_round else 0),
+                            "torch_rng": [r[0] for r in rng_states],
                             "cuda_rng": [r[1] for r in rng_states] if device.type == "cuda" else None},
                            os.path.join(tmp, "trainer_state.pt"))
             if is_main:
