@@ -21,7 +21,10 @@ import math
 import os
 import random
 import shutil
+import threading
 import time
+from collections import defaultdict
+from concurrent.futures import Future
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
@@ -121,6 +124,10 @@ class Args:
     """server: seconds to wait for the server to answer /health"""
     vllm_group_port: int = 51216
     """server: TCP port the trainer opens for the NCCL weight-sync rendezvous"""
+    async_generation: bool = False
+    """server: generate the next round while training on this one (a step costs about max(generation, training)
+    instead of their sum). Each round is sampled by the weights one step behind the ones it trains: the DPO loss
+    needs no correction for that (it is off-policy by construction), and sampling/staleness logs it"""
 
     # Rewards and pairs
     reward_funcs: list[str] = field(default_factory=list)
@@ -577,6 +584,21 @@ def hf_generate(model, prompt_ids, args, eos_ids, pad_id):
     return completions, None
 
 
+def future_of(fn, *args, background=True):
+    """fn(*args) as a Future: run in a daemon thread (--async-generation: the trainer trains meanwhile; a daemon never
+    holds up the exit after an error), or right now. future.result() returns the value or raises fn's error."""
+    future = Future()
+
+    def run():
+        try:
+            future.set_result(fn(*args))
+        except BaseException as error:  # noqa: BLE001 - re-raised by future.result() in the training loop
+            future.set_exception(error)
+
+    threading.Thread(target=run, daemon=True).start() if background else run()
+    return future
+
+
 # ------------------------------------------------------------------------------------------------------------------
 # Checkpoints
 
@@ -631,6 +653,9 @@ def find_checkpoint(output_dir, name):
 
 if __name__ == "__main__":
     args = tyro.cli(Args)
+    if args.async_generation and not (args.use_vllm and args.vllm_mode == "server"):
+        raise ValueError("--async-generation needs --use-vllm --vllm-mode server: a colocated engine or `generate` "
+                         "share the trainer's GPU, so generation cannot overlap training")
     # several processes (torchrun): each rank takes an equal share of every step's prompts and pairs them itself
     world_size, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
     if args.prompts_per_step % world_size:
@@ -704,8 +729,9 @@ if __name__ == "__main__":
                                                            torch.bfloat16 if device.type == "cuda" else torch.float32)
 
     # Optimizer and schedule
+    # fused: one kernel for all parameters on CUDA, with no full-size temporaries (the foreach default allocates them)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2),
-                                  weight_decay=args.weight_decay)
+                                  weight_decay=args.weight_decay, fused=device.type == "cuda")
     scheduler = get_scheduler(args.lr_scheduler_type, optimizer, args.warmup_steps, args.max_steps)
     global_step, prompts_consumed, skipped_steps = 0, 0, 0
     torch.manual_seed(args.seed + rank)  # from here on each rank samples its own completions
@@ -738,7 +764,7 @@ if __name__ == "__main__":
         engine = vllm_utils.start(args, model_path, max(len(p) for p in prompt_ids))
         if args.vllm_mode == "server":  # the server may hold other weights (an earlier run, or this one before a resume)
             vllm_utils.sync_weights(engine, model)
-        generate = lambda batch_prompt_ids: vllm_utils.generate(engine, batch_prompt_ids, args)  # noqa: E731
+        generate = lambda batch_prompt_ids: vllm_utils.generate(engine, batch_prompt_ids)  # noqa: E731
     else:
         def generate(batch_prompt_ids):
             with unsharded(model, world_size):  # FSDP2: full weights while decoding, ranks stop at different steps
@@ -758,22 +784,49 @@ if __name__ == "__main__":
     prompts_per_rank = args.prompts_per_step // world_size
 
     G = args.num_generations
+
+    def start_round():
+        """Draw the next prompts_per_step prompts (the same on every rank), keep this rank's share and start generating
+        them: in the background with --async-generation, else now. Returns (rows, the optimizer step of the weights that
+        generate them, a Future of ((completion ids, vLLM log-probs), seconds))."""
+        global prompts_consumed
+        rows = [next(prompts) for _ in range(args.prompts_per_step)][rank * prompts_per_rank : (rank + 1) * prompts_per_rank]
+        prompts_consumed += args.prompts_per_step
+
+        def work():
+            t0 = time.perf_counter()
+            return generate([prompt_ids[i] for i in rows]), time.perf_counter() - t0
+        return rows, weights_version, future_of(work, background=args.async_generation)
+
+    def clock():  # phase timings: wait for the GPU's queued work so that each phase is charged its own time
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
+    weights_version = global_step  # the optimizer step whose weights the generator holds
+    next_round = None  # --async-generation: the round generating in the background while this one trains
     while global_step < args.max_steps:
         round_start = time.perf_counter()
-        beta = beta_for_epoch(args.beta, prompts_consumed // len(prompt_ids))
-        # ALGO LOGIC: 1. sample prompts and generate G completions each
-        rows = [next(prompts) for _ in range(args.prompts_per_step)]  # the same on every rank
-        prompts_consumed += len(rows)
-        rows = rows[rank * prompts_per_rank : (rank + 1) * prompts_per_rank]  # this rank's share
+        timing = defaultdict(float)
+        # prompts of the rounds before this one (a round generating in the background is drawn but not trained yet)
+        beta = beta_for_epoch(args.beta, (prompts_consumed - (args.prompts_per_step if next_round else 0)) // len(prompt_ids))
+        # ALGO LOGIC: 1. sample prompts and generate G completions each. --async-generation: this step's round was
+        # generated during the last step, by the weights before it; the next round starts now, from the current
+        # weights, and generates while we train
+        rows, version, generation = next_round or start_round()
+        if args.async_generation:
+            next_round = start_round() if global_step + 1 < args.max_steps else None
         t0 = time.perf_counter()
-        completion_ids, _ = generate([prompt_ids[i] for i in rows])  # prompt-major: completion k is rows[k // G]'s
-        generation_time = time.perf_counter() - t0
+        (completion_ids, _), timing["timing/generation"] = generation.result()  # prompt-major: completion k is rows[k // G]'s
+        timing["timing/generation_wait"] = time.perf_counter() - t0  # what generation costs the trainer
+        staleness = global_step - version  # optimizer steps between the sampling and the trained weights
         if args.use_vllm:
             vllm_utils.sleep(engine)  # sleep mode: vLLM's memory goes to training until the next generation
         batch_prompts = [prompt_ids[i] for i in rows for _ in range(G)]
         texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
 
         # 2. score every completion: reward functions (their columns by name), or the reward model on prompt + completion
+        t0 = clock()
         if reward_model is not None:
             if conversational:
                 rm_prompts, rm_completions = [raw_prompts[i] for i in rows for _ in range(G)], texts
@@ -794,6 +847,8 @@ if __name__ == "__main__":
         if args.missing_eos_penalty is not None:
             rewards_total = apply_missing_eos_penalty(rewards_total, completion_ids, eos_ids, args.missing_eos_penalty)
 
+        timing["timing/scoring"] = clock() - t0
+
         # 3. pair the best and the worst completion of each prompt
         chosen, rejected, num_tied, num_unscorable = select_pairs(rewards_total, G)
         num_pairs = len(chosen)
@@ -802,6 +857,7 @@ if __name__ == "__main__":
         # 4. one optimizer step on the DPO loss, in micro-batches of whole pairs
         logps = torch.zeros(num_pairs, 2, device=device)  # sequence log-probs of (chosen, rejected) under the policy
         ref_logps = torch.zeros(num_pairs, 2, device=device)  # ... and under the reference model
+        t0 = clock()
         if all_pairs:
             model.train()
             optimizer.zero_grad(set_to_none=True)
@@ -826,20 +882,30 @@ if __name__ == "__main__":
                 step_loss += loss.detach()  # summed on the device: no host sync per micro-batch
                 if not padding_pass:
                     logps[mb], ref_logps[mb] = policy.detach().T, ref.T
+            t1 = clock()
+            timing["timing/forward_backward"] = t1 - t0  # the reference model's log-probs included
             grad_norm = clip_gradients(model, args.max_grad_norm)
             optimizer.step()
+            timing["timing/optimizer"] = clock() - t1
         else:
             skipped_steps += 1  # every prompt tied (or was unscorable): no pair, no update; the step still counts
         scheduler.step()
         global_step += 1
         progress.update(1)
 
-        # 5. push the new weights to vLLM before the next generation round
-        sync_time = 0.0
+        # 5. push the new weights to vLLM before the next generation round. --async-generation: once the round in
+        # flight is complete (on every rank), so that vLLM never switches weights in the middle of a round
         if args.use_vllm and (all_pairs or engine.get("weights_asleep")):  # asleep: refill before generating
             t0 = time.perf_counter()
+            if next_round is not None:
+                next_round[2].result()
+                if world_size > 1:
+                    dist.barrier()
+            t1 = time.perf_counter()
+            timing["timing/generation_wait"] += t1 - t0
             vllm_utils.sync_weights(engine, model)
-            sync_time = time.perf_counter() - t0
+            weights_version = global_step
+            timing["timing/weight_sync"] = time.perf_counter() - t1
 
         # TRY NOT TO MODIFY: logging (TRL's metric names, over all ranks) and checkpoints
         lengths = torch.tensor([len(c) for c in completion_ids], dtype=torch.float)
@@ -860,8 +926,10 @@ if __name__ == "__main__":
             "objective/scores": rewards_total.nanmean().item(), "frac_tied": (counts[0] / counts[2]).item(),
             "frac_unscorable": (counts[1] / counts[2]).item(), "num_pairs": all_pairs, "skipped_steps": skipped_steps,
             "completions/mean_length": lengths.mean().item(), "completions/clipped_ratio": clipped.mean().item(),
-            "timing/generation": generation_time, "timing/weight_sync": sync_time,
+            **timing, "sampling/staleness": staleness,
         }
+        if device.type == "cuda":
+            metrics["memory/peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
         for k, fn in enumerate(reward_fns):
             metrics[f"scores/{fn.__name__}/mean"] = reward_scores[:, k].nanmean().item()
         if all_pairs:
@@ -896,7 +964,9 @@ if __name__ == "__main__":
                 model.save_pretrained(tmp, state_dict=model_state)
                 tokenizer.save_pretrained(tmp)
                 torch.save({"optimizer": optimizer_state, "scheduler": scheduler.state_dict(), "global_step": global_step,
-                            "prompts_consumed": prompts_consumed, "skipped_steps": skipped_steps,
+                            # a round generated in the background is not trained yet: a resume generates it again
+                            "prompts_consumed": prompts_consumed - (args.prompts_per_step if next_round else 0),
+                            "skipped_steps": skipped_steps,
                             "torch_rng": [r[0] for r in rng_states],
                             "cuda_rng": [r[1] for r in rng_states] if device.type == "cuda" else None},
                            os.path.join(tmp, "trainer_state.pt"))

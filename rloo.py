@@ -22,7 +22,10 @@ import json
 import os
 import random
 import shutil
+import threading
 import time
+from collections import defaultdict
+from concurrent.futures import Future
 from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
@@ -121,6 +124,10 @@ class Args:
     """server: seconds to wait for the server to answer /health"""
     vllm_group_port: int = 51216
     """server: TCP port the trainer opens for the NCCL weight-sync rendezvous"""
+    async_generation: bool = False
+    """server: generate the next round while training on this one (a step costs about max(generation, training)
+    instead of their sum). Each round is sampled by weights one optimizer round behind the ones it trains; the
+    importance-sampling correction below covers that staleness too"""
     vllm_importance_sampling_correction: bool = True
     """correct the vLLM/trainer log-prob mismatch with a truncated or masked importance ratio"""
     vllm_importance_sampling_mode: Literal["sequence_truncate", "sequence_mask"] = "sequence_mask"
@@ -565,6 +572,21 @@ def hf_generate(model, prompt_ids, args, eos_ids, pad_id):
         completions.append(row[:end])
     return completions, None
 
+def future_of(fn, *args, background=True):
+    """fn(*args) as a Future: run in a daemon thread (--async-generation: the trainer trains meanwhile; a daemon never
+    holds up the exit after an error), or right now. future.result() returns the value or raises fn's error."""
+    future = Future()
+
+    def run():
+        try:
+            future.set_result(fn(*args))
+        except BaseException as error:  # noqa: BLE001 - re-raised by future.result() in the training loop
+            future.set_exception(error)
+
+    threading.Thread(target=run, daemon=True).start() if background else run()
+    return future
+
+
 # ------------------------------------------------------------------------------------------------------------------
 # Checkpoints
 
@@ -622,6 +644,9 @@ if __name__ == "__main__":
     epsilon_high = args.epsilon_high if args.epsilon_high is not None else args.epsilon
     if args.num_generations < 2:
         raise ValueError("--num-generations must be at least 2: the leave-one-out baseline needs another completion")
+    if args.async_generation and not (args.use_vllm and args.vllm_mode == "server"):
+        raise ValueError("--async-generation needs --use-vllm --vllm-mode server: a colocated engine or `generate` "
+                         "share the trainer's GPU, so generation cannot overlap training")
     # several processes (torchrun): each rank takes an equal share of every step's prompts, whole groups
     world_size, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
     if args.prompts_per_step % (args.steps_per_generation * world_size):
@@ -696,8 +721,9 @@ if __name__ == "__main__":
         raise ValueError(f"--reward-weights has {len(reward_weights)} values for {len(reward_fns)} --reward-funcs")
 
     # Optimizer and schedule
+    # fused: one kernel for all parameters on CUDA, with no full-size temporaries (the foreach default allocates them)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2),
-                                  weight_decay=args.weight_decay)
+                                  weight_decay=args.weight_decay, fused=device.type == "cuda")
     scheduler = get_scheduler(args.lr_scheduler_type, optimizer, args.warmup_steps, args.max_steps)
     global_step, prompts_consumed = 0, 0
     torch.manual_seed(args.seed + rank)  # from here on each rank samples its own completions
@@ -730,7 +756,7 @@ if __name__ == "__main__":
         engine = vllm_utils.start(args, model_path, max(len(p) for p in prompt_ids))
         if args.vllm_mode == "server":  # the server may hold other weights (an earlier run, or this one before a resume)
             vllm_utils.sync_weights(engine, model)
-        generate = lambda batch_prompt_ids: vllm_utils.generate(engine, batch_prompt_ids, args)  # noqa: E731
+        generate = lambda batch_prompt_ids: vllm_utils.generate(engine, batch_prompt_ids)  # noqa: E731
     else:
         def generate(batch_prompt_ids):
             with unsharded(model, world_size):  # FSDP2: full weights while decoding, ranks stop at different steps
@@ -750,22 +776,47 @@ if __name__ == "__main__":
     G = args.num_generations
     prompts_per_rank = args.prompts_per_step // world_size
 
+    def start_round():
+        """Draw the next prompts_per_step prompts (the same on every rank), keep this rank's share and start generating
+        them: in the background with --async-generation, else now. Returns (rows, the optimizer step of the weights that
+        generate them, a Future of ((completion ids, vLLM log-probs), seconds))."""
+        global prompts_consumed
+        rows = [next(prompts) for _ in range(args.prompts_per_step)][rank * prompts_per_rank : (rank + 1) * prompts_per_rank]
+        prompts_consumed += args.prompts_per_step
+
+        def work():
+            t0 = time.perf_counter()
+            return generate([prompt_ids[i] for i in rows]), time.perf_counter() - t0
+        return rows, weights_version, future_of(work, background=args.async_generation)
+
+    def clock():  # phase timings: wait for the GPU's queued work so that each phase is charged its own time
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
+    weights_version = global_step  # the optimizer step whose weights the generator holds
+    next_round = None  # --async-generation: the round generating in the background while this one trains
+
     while global_step < args.max_steps:
         round_start = time.perf_counter()
-        metrics = {}
-        # ALGO LOGIC: 1. sample prompts and generate k completions each
-        rows = [next(prompts) for _ in range(args.prompts_per_step)]  # the same on every rank
-        prompts_consumed += len(rows)
-        rows = rows[rank * prompts_per_rank : (rank + 1) * prompts_per_rank]  # this rank's share
+        metrics, timing = {}, defaultdict(float)
+        # ALGO LOGIC: 1. sample prompts and generate k completions each. --async-generation: this step's round was
+        # generated during the last step, by the weights before it; the next round starts now, from the current
+        # weights, and generates while we train
+        rows, version, generation = next_round or start_round()
+        if args.async_generation:
+            next_round = start_round() if global_step + steps_per_round < args.max_steps else None
         t0 = time.perf_counter()
-        completion_ids, sampling_logprobs = generate([prompt_ids[i] for i in rows])
-        generation_time = time.perf_counter() - t0
+        (completion_ids, sampling_logprobs), timing["timing/generation"] = generation.result()
+        timing["timing/generation_wait"] = time.perf_counter() - t0  # what generation costs the trainer
+        staleness = global_step - version  # optimizer steps between the sampling and the trained weights
         if args.use_vllm:
             vllm_utils.sleep(engine)  # sleep mode: vLLM's memory goes to training until the next generation
         batch_prompts = [prompt_ids[i] for i in rows for _ in range(G)]
         N = len(batch_prompts)
 
         # 2. score: reward functions see the decoded completions and this row's dataset columns by name
+        t0 = time.perf_counter()
         texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
         completions = [[{"role": "assistant", "content": t}] for t in texts] if conversational else texts
         repeated = lambda values: [values[i] for i in rows for _ in range(G)]  # noqa: E731
@@ -777,15 +828,19 @@ if __name__ == "__main__":
         rewards_total = (scores * reward_weights).nansum(-1).masked_fill(scores.isnan().all(-1), float("nan"))  # (N,)
         if args.reward_clip_range is not None:
             rewards_total = rewards_total.clamp(*args.reward_clip_range)
+        timing["timing/scoring"] = time.perf_counter() - t0
 
-        # 3. old and reference log-probs, before any update (no gradient)
+        # 3. old and reference log-probs, before any update (no gradient). The old log-probs need a pass of their own only
+        # when the weights change before the batch's last use, or for the KL; otherwise the training pass's own (detached)
+        # are the same
+        t0 = clock()
         prompt_lengths = [len(p) for p in batch_prompts]
         completion_lengths = [len(c) for c in completion_ids]
         truncated = torch.tensor([not (c and c[-1] in eos_ids) for c in completion_ids])
         C = max(max(completion_lengths), 1)
         completion_mask_all = (torch.arange(C)[None] < torch.tensor(completion_lengths)[:, None]).float()  # (N, C)
         use_vllm_is = args.use_vllm and args.vllm_importance_sampling_correction and sampling_logprobs is not None
-        need_old = args.num_iterations > 1 or args.steps_per_generation > 1 or use_vllm_is or ref_model is not None
+        need_old = args.num_iterations > 1 or args.steps_per_generation > 1 or ref_model is not None
         old_logprobs = torch.zeros(N, C) if need_old else None
         ref_logprobs = torch.zeros(N, C) if ref_model is not None else None
         if need_old:
@@ -809,28 +864,19 @@ if __name__ == "__main__":
         if args.normalize_advantages:  # over every rank's completions
             everyone = gather_rows(advantages.to(device), world_size).cpu()
             advantages = (advantages - everyone.mean()) / (everyone.std() + 1e-4)
-        is_ratio = None
+        sampling_lp = None  # vLLM's log-probs of the sampled tokens, NaN where it gave none
         if use_vllm_is:
             sampling_lp = torch.zeros(N, C)
             for i, lp in enumerate(sampling_logprobs):
                 sampling_lp[i, : len(lp)] = torch.tensor([float("nan") if v is None else v for v in lp])
-            is_ratio, logp_diff = vllm_importance_ratio(old_logprobs, sampling_lp, completion_mask_all,
-                                                        args.vllm_importance_sampling_mode,
-                                                        args.vllm_importance_sampling_clip_min,
-                                                        args.vllm_importance_sampling_clip_max)
-            is_ratio = is_ratio[:, 0]  # (N,): one ratio per sequence
-            valid = completion_mask_all.bool()
-            metrics["sampling/sampling_logp_difference/mean"] = logp_diff[valid].mean().item()
-            metrics["sampling/sampling_logp_difference/max"] = logp_diff[valid].max().item()
-            metrics["sampling/importance_sampling_ratio/min"] = is_ratio.min().item()
-            metrics["sampling/importance_sampling_ratio/mean"] = is_ratio.mean().item()
-            metrics["sampling/importance_sampling_ratio/max"] = is_ratio.max().item()
+        timing["timing/old_ref_logprobs"] = clock() - t0
 
         # 5. optimise: num_iterations passes; each pass is steps_per_generation optimizer steps over whole groups.
         # The loss is the mean over the step's sequences of all ranks: each weighs 1 / (rows_per_step x world_size)
         # (0 if masked), and FSDP averages gradients over ranks, hence the x world_size in the loss.
         model.train()
         train_stats = {"entropy": [], "clip_ratio/low_mean": [], "clip_ratio/high_mean": [], "clip_ratio/region_mean": []}
+        is_stats = {"logp_difference": [], "ratio": []}  # over the valid tokens / the sequences of every micro-batch
         rows_per_step = N // args.steps_per_generation
         sequence_weights = torch.ones(N) / (rows_per_step * world_size)
         if args.mask_truncated_completions:
@@ -840,6 +886,7 @@ if __name__ == "__main__":
                 if global_step >= args.max_steps:
                     break
                 step_rows = range(s * rows_per_step, (s + 1) * rows_per_step)
+                t0 = clock()
                 optimizer.zero_grad(set_to_none=True)
                 step_loss = 0.0
                 micro_batches = token_budget_batches(step_rows, prompt_lengths, completion_lengths, args.micro_batch_tokens)
@@ -853,8 +900,12 @@ if __name__ == "__main__":
                     old = old_logprobs[mb, :Cm].to(device) if need_old else logprobs.detach()
                     A = advantages[mb].to(device)
                     sequence_loss, ratio = sequence_policy_loss(logprobs, old, A, cmask, args.epsilon, epsilon_high)  # (B,)
-                    if is_ratio is not None:
-                        sequence_loss = sequence_loss * is_ratio[mb].to(device)
+                    if use_vllm_is:  # pi_old / pi_vllm: vLLM's numerics and, with --async-generation, the older weights
+                        is_ratio, logp_difference = vllm_importance_ratio(
+                            old, sampling_lp[mb, :Cm].to(device), cmask, args.vllm_importance_sampling_mode,
+                            args.vllm_importance_sampling_clip_min, args.vllm_importance_sampling_clip_max)
+                        is_ratio = is_ratio[:, 0]  # (B,): one ratio per sequence
+                        sequence_loss = sequence_loss * is_ratio
                     if ref_model is not None and not args.kl_in_reward:
                         sequence_loss = sequence_loss + args.beta * (k3_kl(logprobs, ref_logprobs[mb, :Cm].to(device)) * cmask).sum(-1)
                     loss = (sequence_loss * sequence_weights[mb].to(device)).sum() * (0 if padding_pass else world_size)
@@ -862,24 +913,37 @@ if __name__ == "__main__":
                     step_loss += loss.detach()  # summed on the device: no host sync per micro-batch
                     if padding_pass:
                         continue
+                    if use_vllm_is:
+                        is_stats["logp_difference"].append(logp_difference[cmask.bool()])
+                        is_stats["ratio"].append(is_ratio)
                     # metrics: clipped ratios per sequence (low with A < 0, high with A > 0), token-mean entropy
                     low, high = ((ratio < 1 - args.epsilon) & (A < 0)).float(), ((ratio > 1 + epsilon_high) & (A > 0)).float()
                     train_stats["entropy"].append(((entropy * cmask).sum() / cmask.sum().clamp(min=1)).detach())
                     train_stats["clip_ratio/low_mean"].append(low.mean())
                     train_stats["clip_ratio/high_mean"].append(high.mean())
                     train_stats["clip_ratio/region_mean"].append((low + high).clamp(max=1).mean())
+                t1 = clock()
                 grad_norm = clip_gradients(model, args.max_grad_norm)
                 optimizer.step()
                 scheduler.step()
                 global_step += 1
                 progress.update(1)
+                timing["timing/forward_backward"] += t1 - t0
+                timing["timing/optimizer"] += clock() - t1
 
-        # 6. push the new weights to vLLM before the next generation round
-        sync_time = 0.0
+        # 6. push the new weights to vLLM before the next generation round. --async-generation: once the round in
+        # flight is complete (on every rank), so that vLLM never switches weights in the middle of a round
         if args.use_vllm:
             t0 = time.perf_counter()
+            if next_round is not None:
+                next_round[2].result()
+                if world_size > 1:
+                    dist.barrier()
+            t1 = time.perf_counter()
+            timing["timing/generation_wait"] += t1 - t0
             vllm_utils.sync_weights(engine, model)
-            sync_time = time.perf_counter() - t0
+            weights_version = global_step
+            timing["timing/weight_sync"] = time.perf_counter() - t1
 
         # TRY NOT TO MODIFY: logging (TRL's metric names, over all ranks) and checkpoints
         lengths, train_means = torch.tensor(completion_lengths, dtype=torch.float), {k: torch.stack(v).mean() for k, v in train_stats.items() if v}
@@ -900,8 +964,17 @@ if __name__ == "__main__":
             "advantages/mean_abs": abs_advantages.mean().item(),
             "grad_norm": grad_norm.item(), "learning_rate": scheduler.get_last_lr()[0], "loss": step_loss.item(),
             "num_tokens": global_sum(sum(prompt_lengths) + sum(completion_lengths), world_size, device),
-            "timing/generation": generation_time, "timing/weight_sync": sync_time, "step_time": time.perf_counter() - round_start,
+            **timing, "sampling/staleness": staleness, "step_time": time.perf_counter() - round_start,
         })
+        if device.type == "cuda":
+            metrics["memory/peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+        if use_vllm_is:
+            logp_difference, ratio = torch.cat(is_stats["logp_difference"]), torch.cat(is_stats["ratio"])
+            metrics["sampling/sampling_logp_difference/mean"] = logp_difference.mean().item()
+            metrics["sampling/sampling_logp_difference/max"] = logp_difference.max().item()
+            metrics["sampling/importance_sampling_ratio/min"] = ratio.min().item()
+            metrics["sampling/importance_sampling_ratio/mean"] = ratio.mean().item()
+            metrics["sampling/importance_sampling_ratio/max"] = ratio.max().item()
         for k, fn in enumerate(reward_fns):
             column = scores[:, k][~scores[:, k].isnan()]
             metrics[f"rewards/{fn.__name__}/mean"] = column.mean().item() if column.numel() else float("nan")
@@ -925,8 +998,10 @@ if __name__ == "__main__":
             def write_checkpoint(tmp):
                 model.save_pretrained(tmp, state_dict=model_state)
                 tokenizer.save_pretrained(tmp)
+                # a round generated in the background is not trained yet: a resume generates it again
                 torch.save({"optimizer": optimizer_state, "scheduler": scheduler.state_dict(), "global_step": global_step,
-                            "prompts_consumed": prompts_consumed, "torch_rng": [r[0] for r in rng_states],
+                            "prompts_consumed": prompts_consumed - (args.prompts_per_step if next_round else 0),
+                            "torch_rng": [r[0] for r in rng_states],
                             "cuda_rng": [r[1] for r in rng_states] if device.type == "cuda" else None},
                            os.path.join(tmp, "trainer_state.pt"))
             if is_main:

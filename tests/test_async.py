@@ -19,7 +19,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import vllm_utils
-from grpo_cli import ROOT, SMALL, read_metrics, write_jsonl
+from grpo_cli import ROOT, SMALL, read_metrics, run_script, write_jsonl
 
 PROMPTS = ["Once upon a time, there was a little girl named Lily.", "One day, a boy named Tim went to the park.",
            "The cat sat on the mat and", "Sue had a red ball. She", "Tom and his mom went to the store to buy"]
@@ -39,9 +39,10 @@ class StandInServer:
     def generate(self, engine, prompt_ids):
         import grpo
 
-        with self.lock:
+        with self.lock:  # requests in the order they arrive
             self.in_flight += 1
-            version = self.version
+            request = {"version": self.version, "prompts": prompt_ids}
+            self.requests.append(request)
         time.sleep(self.delay)  # long enough that training runs meanwhile
         eos = self.model.generation_config.eos_token_id
         completions, _ = grpo.hf_generate(self.model, prompt_ids, self.args, [eos], 0)
@@ -54,7 +55,7 @@ class StandInServer:
                 logprobs.append(token_logprobs.gather(-1, torch.tensor(completion)[:, None]).squeeze(-1).tolist())
         with self.lock:
             self.in_flight -= 1
-            self.requests.append({"version": version, "end_version": self.version, "prompts": prompt_ids})
+            request["end_version"] = self.version
         return completions, logprobs
 
     def sync_weights(self, engine, model):
@@ -82,52 +83,57 @@ def data(tmp_path):
 ARGS = [*SMALL, "--use-vllm", "--vllm-mode", "server", "--seed", 3, "--max-completion-length", 12]
 
 
+@pytest.mark.parametrize("script", ["grpo.py", "rloo.py", "online_dpo.py"])
 @pytest.mark.parametrize("async_generation", [False, True])
-def test_async_generation_trains_on_rounds_one_step_behind(tmp_path, monkeypatch, data, async_generation):
+def test_async_generation_trains_on_rounds_one_step_behind(tmp_path, monkeypatch, data, script, async_generation):
     server = StandInServer(monkeypatch)
     flag = "--async-generation" if async_generation else "--no-async-generation"
-    run_in_process("grpo.py", monkeypatch, *ARGS, "--dataset-name", data, "--output-dir", tmp_path / "run",
+    run_in_process(script, monkeypatch, *ARGS, "--dataset-name", data, "--output-dir", tmp_path / "run",
                    "--max-steps", 4, flag)
     metrics = read_metrics(tmp_path / "run")
     assert [m["step"] for m in metrics] == [1, 2, 3, 4]
     # one round per step, none started for a step that never comes, none still running, no update while serving
     assert len(server.requests) == 4 and server.in_flight == 0 and server.updates_while_serving == 0
     assert all(r["version"] == r["end_version"] for r in server.requests)  # each round from one weight version
-    # the first push (version 1) holds the initial weights; after step s the server holds version s + 1
+    # the first push (version 1) holds the initial weights; after step s the server holds version s + 1 (online DPO
+    # pushes only after a step that updated the weights: this data gives pairs at every step)
     versions = [r["version"] for r in server.requests]
     staleness = [m["sampling/staleness"] for m in metrics]
-    mismatch = [m["sampling/sampling_logp_difference/mean"] for m in metrics]
     if async_generation:  # round s+1 starts at step s, before step s's update: one step behind from step 2 on
         assert versions == [1, 1, 2, 3] and staleness == [0, 1, 1, 1]
-        # vLLM's log-probs are those of the weights before the last step: the importance ratio sees the staleness,
-        # and only a small one (log-probs attached to another row's tokens would differ by nats)
-        assert mismatch[0] < 1e-5 and all(1e-5 < d < 0.5 for d in mismatch[1:]), mismatch
     else:
         assert versions == [1, 2, 3, 4] and staleness == [0, 0, 0, 0]
-        assert all(d < 1e-5 for d in mismatch), mismatch  # same weights, same rows: the log-probs agree exactly
-    for phase in ("generation", "generation_wait", "scoring", "old_ref_logprobs", "forward_backward", "optimizer",
-                  "weight_sync"):
-        assert all(m[f"timing/{phase}"] >= 0 for m in metrics), phase
+    if script != "online_dpo.py":  # the importance-sampling correction sees vLLM's log-probs, on the right rows
+        mismatch = [m["sampling/sampling_logp_difference/mean"] for m in metrics]
+        if async_generation:  # those of the weights before the last step: a small difference (another row's tokens
+            assert mismatch[0] < 1e-5 and all(1e-5 < d < 0.5 for d in mismatch[1:]), mismatch  # would differ by nats)
+        else:
+            assert all(d < 1e-5 for d in mismatch), mismatch  # same weights, same rows: the log-probs agree exactly
+    for m in metrics:  # where a step goes (online DPO skips the update, and the push, on a step without pairs)
+        phases = ["generation", "generation_wait", "scoring"]
+        phases += ["forward_backward", "optimizer", "weight_sync"] if m.get("num_pairs", 1) else []
+        phases += [] if script == "online_dpo.py" else ["old_ref_logprobs"]
+        assert all(m[f"timing/{phase}"] >= 0 for phase in phases), (phases, m)
     assert metrics[-1]["timing/generation"] >= server.delay
 
 
-def test_async_resume_generates_the_round_in_flight_again(tmp_path, monkeypatch, data):
+@pytest.mark.parametrize("script", ["grpo.py", "rloo.py", "online_dpo.py"])
+def test_async_resume_generates_the_round_in_flight_again(tmp_path, monkeypatch, data, script):
     server = StandInServer(monkeypatch, delay=0.0)
     common = [*ARGS, "--dataset-name", data, "--async-generation", "--max-steps", 4, "--output-dir", tmp_path / "run"]
-    run_in_process("grpo.py", monkeypatch, *common, "--save-steps", 2)
+    run_in_process(script, monkeypatch, *common, "--save-steps", 2)
     full = [r["prompts"] for r in server.requests]
     # at the checkpoint of step 2, round 3 was generating in the background: it is not counted as consumed...
     state = torch.load(tmp_path / "run" / "checkpoint-2" / "trainer_state.pt", weights_only=False)
     assert state["prompts_consumed"] == 2 * 2  # two rounds of 2 prompts trained
     # ...so a resume generates it again, then round 4, and nothing more
     server.requests.clear()
-    run_in_process("grpo.py", monkeypatch, *common, "--resume-from-checkpoint", tmp_path / "run" / "checkpoint-2")
+    run_in_process(script, monkeypatch, *common, "--resume-from-checkpoint", tmp_path / "run" / "checkpoint-2")
     assert [r["prompts"] for r in server.requests] == full[2:]
     assert [json.loads(line)["step"] for line in open(tmp_path / "run" / "metrics.jsonl")] == [1, 2, 3, 4]
 
 
-def test_async_generation_needs_a_server(tmp_path, data):
-    from grpo_cli import run_grpo
-
-    result = run_grpo(*SMALL, "--dataset-name", data, "--output-dir", tmp_path / "x", "--async-generation")
+@pytest.mark.parametrize("script", ["grpo.py", "rloo.py", "online_dpo.py"])
+def test_async_generation_needs_a_server(tmp_path, data, script):
+    result = run_script(script, *SMALL, "--dataset-name", data, "--output-dir", tmp_path / "x", "--async-generation")
     assert result.returncode != 0 and "--async-generation needs --use-vllm --vllm-mode server" in result.stderr
