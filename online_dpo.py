@@ -807,7 +807,7 @@ if __name__ == "__main__":
     next_round = None  # --async-generation: the round generating in the background while this one trains
     while global_step < args.max_steps:
         round_start = time.perf_counter()
-        timing = defaultdict(float)
+        timing = defaultdict(float, {"timing/weight_sync": 0.0})
         # prompts of the rounds before this one (a round generating in the background is drawn but not trained yet)
         beta = beta_for_epoch(args.beta, (prompts_consumed - (args.prompts_per_step if next_round else 0)) // len(prompt_ids))
         # ALGO LOGIC: 1. sample prompts and generate G completions each. --async-generation: this step's round was

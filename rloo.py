@@ -799,7 +799,7 @@ if __name__ == "__main__":
 
     while global_step < args.max_steps:
         round_start = time.perf_counter()
-        metrics, timing = {}, defaultdict(float)
+        metrics, timing = {}, defaultdict(float, {"timing/weight_sync": 0.0})
         # ALGO LOGIC: 1. sample prompts and generate k completions each. --async-generation: this step's round was
         # generated during the last step, by the weights before it; the next round starts now, from the current
         # weights, and generates while we train
