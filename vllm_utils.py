@@ -1,19 +1,12 @@
-"""vLLM for online RL: generation and weight sync, for grpo.py / rloo.py / online_dpo.py and their forks
-(README.md, "Using vLLM", also for what each failure looks like and how to recover).
-
-* colocate: a `vllm.LLM` inside the training process, on the training GPU, loaded through vLLM's reload path. With
-  sleep mode it frees its memory while the trainer trains: level-2 sleep, then drop gradients -> wake weights ->
-  reload -> reset the prefix cache -> wake the KV cache -> generate -> sleep.
-* server: a stock `vllm serve` on other GPUs (`serve_command`), sent concurrent /v1/completions requests with token-id
-  prompts; after each optimizer step the trainer pauses it and broadcasts its weights over NCCL (vLLM's packed
-  protocol) while it receives them in /update_weights, then resumes it. Any vLLM in SUPPORTED_VLLM, on either side.
-
-Both return completion token ids and vLLM's log-prob of each sampled token ("processed_logprobs": after temperature).
-The entry points `start`, `generate`, `sleep` and `sync_weights` are built from small functions a fork can call
-directly. vLLM is imported only inside functions that need it.
-"""
+"""vLLM for online RL, shared by grpo.py / rloo.py / online_dpo.py and their forks (README.md, "Using vLLM": the two
+modes, the supported vLLM versions, each failure and its fix). colocate: a `vllm.LLM` in the training process, fed new
+weights through vLLM's reload path; server: a stock `vllm serve` on other GPUs, sent concurrent token-id
+/v1/completions requests and, after each optimizer step, the weights over NCCL while paused. Both return completion
+token ids and vLLM's log-prob of each sampled token (after temperature). The entry points `start`, `generate`, `sleep`
+and `sync_weights` are built from small functions a fork can call directly; vLLM is imported only where needed."""
 
 import concurrent.futures
+import contextlib
 import os
 import socket
 import subprocess
@@ -28,10 +21,11 @@ PACKED_NUM_BUFFERS = 2  # packed-broadcast chunks in flight on each side; both s
 # server-mode Args fields (README.md, "Options") and their defaults, for a fork whose Args predate them
 SERVER_OPTIONS = dict(vllm_group_port=None, vllm_generation_chunk_size=8, vllm_generation_timeout=1800.0)
 SERVER_OPTIONS.update(vllm_weight_sync_timeout=300.0, vllm_weight_sync_buffer_mb=1024)
+_restart = lambda model: f"Restart it as:\n  {serve_command(model)}"  # noqa: E731
 
 
 # ------------------------------------------------------------------------------------------------------------------
-# Weights: what is sent, in which order, in the message format of the server's vLLM
+# Weights (what is sent, in which order, in which message format) and colocate: vllm.LLM in this process
 
 
 def _checkpoint_name(name):
@@ -40,9 +34,8 @@ def _checkpoint_name(name):
 
 
 def named_weights(model, dtype=torch.bfloat16):
-    """(HF name, tensor) for every parameter, cast to `dtype` (vLLM casts anyway; bf16 halves the bytes sent); tied
-    embeddings appear once, as in the checkpoint. A generator on purpose: with FSDP2 each parameter is gathered (a
-    collective: every rank iterates, in the same order) only when reached and dropped once packed or loaded."""
+    """(HF name, tensor) per parameter, cast to `dtype` (bf16 halves the bytes sent), tied ones once. A generator: with
+    FSDP2 each is gathered (a collective: all ranks iterate alike) only when reached, and dropped once consumed."""
     for name, param in model.named_parameters():
         tensor = param.detach()
         if hasattr(tensor, "full_tensor"):  # FSDP2 DTensor: gather the full parameter
@@ -51,9 +44,8 @@ def named_weights(model, dtype=torch.bfloat16):
 
 
 def weight_metadata(model, dtype=torch.bfloat16):
-    """The `update_info` lists vLLM needs to receive `named_weights(model, dtype)`: the receiver allocates buffers from
-    these, so they must describe exactly the tensors streamed, in the same order. Read from the parameters without
-    gathering anything (an FSDP2 DTensor's shape is the full one)."""
+    """The lists vLLM allocates its receive buffers from: exactly the tensors `named_weights` streams, in its order.
+    Read from the parameters without gathering anything (an FSDP2 DTensor's shape is the full one)."""
     params = list(model.named_parameters())
     names, shapes = [_checkpoint_name(name) for name, _ in params], [list(param.shape) for _, param in params]
     return {"names": names, "dtype_names": [str(dtype).removeprefix("torch.")] * len(params), "shapes": shapes}
@@ -82,14 +74,9 @@ def weight_sync_messages(server_version, init_info, update_info, buffer_bytes=1 
     return init_info, {**update_info, **packed}
 
 
-# ------------------------------------------------------------------------------------------------------------------
-# Colocate: vllm.LLM in this process
-
-
 def free_port():
     """A TCP port that is free on this host now (the OS picks it)."""
-    with socket.socket() as s:
-        s.bind(("", 0))
+    with socket.create_server(("", 0)) as s:
         return s.getsockname()[1]
 
 
@@ -116,40 +103,33 @@ def colocate_engine(model_path, tensor_parallel_size=1, seed=0, **llm_args):
 
 
 def sampling_fields(args):
-    """Sampling settings shared by both modes, every one explicit (a server would otherwise fill gaps from the
-    model's generation_config.json)."""
+    """Both modes' sampling settings, all explicit (a server fills gaps from the model's generation_config.json)."""
     top_k = args.top_k if args.top_k > 0 else -1
     fields = {"temperature": args.temperature, "top_p": args.top_p, "top_k": top_k, "min_p": args.min_p}
     return {**fields, "repetition_penalty": args.repetition_penalty, "max_tokens": args.max_completion_length}
 
 
 def colocate_generate(llm, prompt_ids, n, fields):
-    """Sample n completions per prompt with an in-process engine: (completion ids, sampled-token log-probs), both
-    prompt-major lists (completion k belongs to prompt k // n)."""
+    """n completions per prompt from an in-process engine: (completion ids, sampled-token log-probs), prompt-major."""
     from vllm import SamplingParams
 
     params = SamplingParams(n=n, logprobs=0, **fields)
     outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], params, use_tqdm=False)
-    completion_ids, logprobs = [], []
-    for output in outputs:
-        for sample in output.outputs:
-            completion_ids.append(list(sample.token_ids))
-            logprobs.append([step[token].logprob for token, step in zip(sample.token_ids, sample.logprobs)])
-    return completion_ids, logprobs
+    samples = [sample for output in outputs for sample in output.outputs]
+    logprobs = [[step[token].logprob for token, step in zip(s.token_ids, s.logprobs)] for s in samples]
+    return [list(sample.token_ids) for sample in samples], logprobs
 
 
 def tensor_parallel_group(tensor_parallel_size):
-    """With torchrun and a colocated engine split over tensor_parallel_size GPUs, consecutive ranks form one engine
-    and must submit the same prompts: the process group of this rank's engine (None without tensor parallelism)."""
+    """The process group of this rank's tensor-parallel engine (consecutive ranks, same prompts), None without TP."""
     if tensor_parallel_size == 1 or not torch.distributed.is_initialized():
         return None
     return torch.distributed.new_subgroups(tensor_parallel_size)[0]  # every rank creates every group, in order
 
 
 def colocate_load_weights(llm, weights):
-    """Load (name, full tensor) pairs through the model runner's reload_weights: a layerwise reload that reruns each
-    layer's post-load processing (MLA's W_UV/W_UK_T, MoE repacking, fp8), which a plain load_weights skips. Results
-    land in the existing storage (CUDA graphs stay valid); each TP rank slices its own shard."""
+    """Load (name, full tensor) pairs through vLLM's layerwise reload: it reruns the post-load processing (MLA, MoE
+    repacking, fp8) a plain load_weights skips; same storage (CUDA graphs stay valid); each TP rank takes its shard."""
     llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True})
 
 
@@ -165,31 +145,25 @@ def serve_command(model, host="0.0.0.0", port=8000, gpus="1"):
     )
 
 
-def _restart(model):
-    return f"Restart it as:\n  {serve_command(model)}"
-
-
 def wait_for_server(base_url, timeout, model):
     """Poll GET /health until it answers 200; after `timeout` seconds raise with the command that starts it."""
-    deadline = time.monotonic() + timeout
+    deadline, port = time.monotonic() + timeout, base_url.rsplit(":", 1)[1]
     while True:
-        try:
+        with contextlib.suppress(requests.RequestException):
             if requests.get(f"{base_url}/health", timeout=5).status_code == 200:
                 return
-        except requests.RequestException:
-            pass
         if time.monotonic() > deadline:
             raise ConnectionError(
                 f"no vLLM server answered at {base_url}/health within {timeout:.0f} s (--vllm-server-timeout). "
-                f"Start one on GPUs the trainer does not use, e.g.\n  {serve_command(model, port=base_url.rsplit(':', 1)[1])}\n"
+                f"Start one on GPUs the trainer does not use, e.g.\n  {serve_command(model, port=port)}\n"
                 f"or point --vllm-server-host / --vllm-server-port at it."
             )
         time.sleep(2)
 
 
 def probe_server(base_url, model, timeout=10.0):
-    """Whether the engine is paused, from GET /is_paused: unlike /health (the API process alone), it needs the engine's
-    loop, which an engine blocked in an NCCL receive (its trainer died mid-broadcast) never runs again."""
+    """Whether the engine is paused: GET /is_paused, unlike /health, needs the engine's loop, which never runs again in
+    an engine blocked in an NCCL receive (its trainer died mid-broadcast)."""
     try:
         response = requests.get(f"{base_url}/is_paused", timeout=timeout)
     except requests.Timeout:
@@ -228,22 +202,22 @@ def check_same_model(server, model, model_path):
     is built on the meta device: it must have weight_metadata's names and shapes (dtypes may differ: vLLM casts)."""
     import transformers
 
-    served, remote = server["model_config"], server["model_config"].get("trust_remote_code", False)
-    name, revision = served.get("model", server["model_id"]), served.get("revision")
-    try:
-        config = transformers.AutoConfig.from_pretrained(name, revision=revision, trust_remote_code=remote)
-    except (OSError, ValueError, TypeError):
-        return print(f"vllm_utils: cannot read the config of the served {name} here to compare it with {model_path}")
-    config.update(served.get("hf_overrides") or {})
-    with torch.device("meta"):
-        shapes = {k: list(p.shape) for k, p in transformers.AutoModelForCausalLM.from_config(config).named_parameters()}
-    meta = weight_metadata(model)
-    sent = dict(zip(meta["names"], meta["shapes"]))
+    served = server["model_config"]
+    name, remote = served.get("model", server["model_id"]), {"trust_remote_code": bool(served.get("trust_remote_code"))}
+    try:  # the served model's HF parameters, built on the meta device (no memory)
+        config = transformers.AutoConfig.from_pretrained(name, revision=served.get("revision"), **remote)
+        config.update(served.get("hf_overrides") or {})
+        with torch.device("meta"):
+            params = transformers.AutoModelForCausalLM.from_config(config, **remote).named_parameters()
+            shapes = {key: list(param.shape) for key, param in params}
+    except (OSError, ValueError, TypeError, KeyError):
+        return print(f"vllm_utils: cannot build the served {name} here to compare it with the trainer's {model_path}")
+    sent = dict(zip(*(weight_metadata(model)[key] for key in ("names", "shapes"))))
     first = next((key for key in [*sent, *shapes] if sent.get(key) != shapes.get(key)), None)
     if first is not None:
+        got = f"{first} is {sent.get(first, 'not sent')} in the trainer, {shapes.get(first, 'absent')} on the server"
         raise RuntimeError(
-            f"the server serves {name}, not the trainer's {model_path}: {first} is {sent.get(first, 'not sent')} in the "
-            f"trainer, {shapes.get(first, 'absent')} on the server. Nothing was sent. {_restart(model_path)}"
+            f"the server serves {name}, not {model_path} ({got}); nothing was sent. {_restart(model_path)}"
         )
 
 
@@ -263,8 +237,7 @@ def check_gpu_not_shared(base_url):
             continue
         with open(f"/proc/{pid}/cmdline", "rb") as f:
             cmdline = f.read().replace(b"\0", b" ")
-        # a server's GPU process is its engine core, titled "VLLM::EngineCore..." (or "vllm serve ..." itself);
-        # a colocated engine inside another trainer is not a server and may share the GPU
+        # a server's GPU process is its engine core ("VLLM::EngineCore...") or `vllm serve`; a colocated engine is not
         if any(mark in cmdline for mark in (b"VLLM::", b"vllm serve", b"vllm.entrypoints")):
             raise RuntimeError(f"the vLLM server (pid {pid}) runs on the trainer's GPU {uuid}: use other GPUs for it")
 
@@ -278,10 +251,9 @@ def _post(base_url, path, timeout, **kwargs):
 
 
 def _run_beside(nccl_work, http_call, timeout):
-    """Run the trainer's NCCL side and the matching HTTP call (which blocks inside the server's side of the same
-    collective) side by side, each in a daemon thread; return the NCCL side's result. NCCL has no timeout, so the first
-    failure is raised at once and the other side is left behind rather than waited for. When both fail, the NCCL
-    side's error is raised (it is usually the cause: a taken --vllm-group-port, an out-of-memory while packing)."""
+    """Run the trainer's NCCL side and the HTTP call that blocks in the server's side of it, each in a daemon thread;
+    return the NCCL side's result. NCCL has no timeout: the first failure is raised at once, the other side left
+    behind; when both fail, the NCCL error (usually the cause: a taken port, an out-of-memory while packing)."""
     device = torch.cuda.current_device() if torch.cuda.is_available() else None
     outcome = {}  # side -> (ok, result or exception)
     failed = lambda side: outcome.get(side, (True,))[0] is False  # noqa: E731
@@ -316,9 +288,8 @@ def _run_beside(nccl_work, http_call, timeout):
 
 
 def server_init_weight_sync(base_url, port=None, address="127.0.0.1", version=None, buffer_bytes=1 << 30, timeout=300):
-    """Form the NCCL group trainer (rank 0) + every server worker, hosting the rendezvous at address:port (None: a
-    free port), which the server must reach. `version`: the server's vLLM (default: this one's); vLLM's trainer_init
-    and packed producer are the same on the wire from 0.26 to 0.33."""
+    """Form the NCCL group trainer (rank 0) + server workers, hosting the rendezvous at address:port (None: a free one).
+    `version`: the server's vLLM; vLLM's trainer_init and packed producer are the same on the wire from 0.26 to 0.33."""
     from vllm.distributed.weight_transfer.nccl_common import trainer_init
 
     world_size = requests.get(f"{base_url}/get_world_size", timeout=30).json()["world_size"] + 1
@@ -328,73 +299,61 @@ def server_init_weight_sync(base_url, port=None, address="127.0.0.1", version=No
     return _run_beside(lambda: trainer_init(info), init, timeout)
 
 
-def broadcast_weights(model, group, buffer_bytes=1 << 30):
-    """The trainer's side of /update_weights: named_weights(model) through vLLM's packed broadcast."""
-    from vllm.distributed.weight_transfer.packed_tensor import packed_nccl_broadcast_producer
-
-    packed_nccl_broadcast_producer(named_weights(model), group, 0, lambda kv: kv[1], buffer_bytes, PACKED_NUM_BUFFERS)
-    torch.cuda.synchronize()  # 0.26's producer does not drain its streams
-
-
 def restore_after_failed_update(base_url, model, timeout=30.0):
-    """Best effort after a failed update, returning what it did: /finish_weight_update gives every layer that received
-    nothing its previous weights back. A raising /update_weights has ended the update already (0.26 to 0.33
-    v1/worker/gpu_worker.py), its layers still on the meta device: a new start keeps them, the finish restores."""
-    for paths in (["/finish_weight_update"], ["/start_weight_update", "/finish_weight_update"]):
+    """Best effort after a failed update: finishing it gives layers that got nothing their weights back. A raising
+    /update_weights ends it itself (0.26-0.33 v1/worker/gpu_worker.py): start again (layers stay waiting), finish."""
+    try:
         try:
-            for path in paths:
+            _post(base_url, "/finish_weight_update", timeout, json={})
+        except RuntimeError:  # "without a matching start_weight_update"
+            for path in ("/start_weight_update", "/finish_weight_update"):
                 _post(base_url, path, timeout, json={})
-            return "was restored: layers that received nothing keep their previous weights (the next sync sends all)."
-        except (RuntimeError, requests.RequestException) as error:
-            failure = error
-            if isinstance(error, requests.Timeout):  # the engine is stuck in the NCCL receive: nothing gets through
-                break
-    return f"could not be restored ({failure}): it may serve garbage. {_restart(model)}"
+    except (RuntimeError, requests.RequestException) as error:  # a timeout: the engine is stuck in the NCCL receive
+        return f"could not be restored ({error}): it may serve garbage. {_restart(model)}"
+    return "was restored: layers that received nothing keep their previous weights (the next sync sends all)."
 
 
 def server_sync_weights(base_url, group, model, version=None, buffer_bytes=1 << 30, timeout=300.0, name="MODEL"):
-    """Send the weights: probe -> /pause (mode wait: running requests end on the old weights, abort would cut them) ->
-    /start_weight_update -> packed broadcast of named_weights beside /update_weights (other torchrun ranks iterate
-    named_weights meanwhile) -> finish -> reset the prefix cache (old KV) -> /resume. A failure restores the server as
-    far as it can and resumes it. `version`: the server's vLLM (default: this one's); `name`: the model, for errors."""
+    """Probe -> /pause (wait: running requests end on the old weights) -> /start_weight_update -> named_weights' packed
+    broadcast beside /update_weights (other torchrun ranks iterate them too) -> finish -> reset the prefix cache ->
+    /resume; a failure restores what it can and resumes. `version`: the server's vLLM; `name`: the model."""
+    from vllm.distributed.weight_transfer.packed_tensor import packed_nccl_broadcast_producer as send
+
     update_info = weight_sync_messages(version, {}, weight_metadata(model), buffer_bytes)[1]
     update = lambda: _post(base_url, "/update_weights", timeout, json={"update_info": update_info})  # noqa: E731
+
+    def broadcast():  # the trainer's side of /update_weights
+        send(named_weights(model), group, 0, lambda item: item[1], buffer_bytes, PACKED_NUM_BUFFERS)
+
     probe_server(base_url, name)  # a wedged engine is reported now, not after `timeout` s
     _post(base_url, "/pause", timeout, params={"mode": "wait"})
     try:
         try:
             _post(base_url, "/start_weight_update", 60, json={})
-        except RuntimeError as error:
-            if "already active" in str(error):  # 0.26 to 0.33 v1/worker/gpu_worker.py refuses a second start
-                died = f"a previous trainer died inside a weight update of {base_url} (its layers wait for weights)"
-                raise RuntimeError(f"{died}. {_restart(name)}") from error
-            raise
+        except RuntimeError as error:  # "already active" (0.26 to 0.33 v1/worker/gpu_worker.py): a trainer died in one
+            dead = "a previous trainer died inside a weight update: " if "already active" in str(error) else ""
+            raise RuntimeError(f"{dead}{error}\n{_restart(name)}") from error
         try:
             if torch.cuda.is_available():  # the optimizer step ran on this stream; the producer packs on its own
                 torch.cuda.current_stream().synchronize()
-            _run_beside(lambda: broadcast_weights(model, group, buffer_bytes), update, timeout)
+            _run_beside(broadcast, update, timeout)
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()  # 0.26's producer does not drain its streams
             _post(base_url, "/finish_weight_update", 60, json={})
         except BaseException as error:
             restored = restore_after_failed_update(base_url, name)
             raise RuntimeError(f"the weight update failed: {error}\nThe server {restored}") from error
-        for _ in range(50):  # False while blocks are still held by running requests
-            if _post(base_url, "/reset_prefix_cache", 60).get("success", True):
-                break
-            time.sleep(0.1)
-        else:
+        if not _post(base_url, "/reset_prefix_cache", 60).get("success", True):  # paused: no request holds blocks
             raise RuntimeError("the server's prefix cache could not be reset after a weight update")
     except BaseException:
-        try:  # best effort: the error in flight is the one to report
+        with contextlib.suppress(RuntimeError, requests.RequestException):  # the error in flight is the one to report
             _post(base_url, "/resume", 30)
-        except (RuntimeError, requests.RequestException):
-            pass
         raise
     _post(base_url, "/resume", 60)
 
 
 def completions_request(model_id, prompt_ids, n, fields):
-    """Body of POST /v1/completions: one token-id prompt per entry (each sampled n times), every sampling field
-    explicit, the sampled token's log-prob, and token ids instead of text."""
+    """Body of POST /v1/completions: token-id prompts, each sampled n times, the sampled tokens' ids and log-probs."""
     ids = {"return_token_ids": True, "return_tokens_as_token_ids": True, "skip_special_tokens": False}
     return {"model": model_id, "prompt": prompt_ids, "n": n, **fields, "logprobs": 0, **ids}
 
@@ -402,10 +361,9 @@ def completions_request(model_id, prompt_ids, n, fields):
 def parse_completions(response, num_prompts, n):
     """Completion ids and per-token log-probs from a /v1/completions response. Choices come prompt-major (choice k
     belongs to prompt k // n); a stop on EOS leaves the EOS as the last token; a missing log-prob is None."""
-    choices = response["choices"]
+    choices = sorted(response["choices"], key=lambda choice: choice["index"])
     if len(choices) != num_prompts * n:
         raise RuntimeError(f"the server returned {len(choices)} completions for {num_prompts} prompts x {n}")
-    choices = sorted(choices, key=lambda choice: choice["index"])
     completion_ids = [list(choice["token_ids"]) for choice in choices]
     logprobs = [list(choice["logprobs"]["token_logprobs"]) for choice in choices]
     for ids, lps in zip(completion_ids, logprobs):
@@ -420,9 +378,8 @@ def server_generate(base_url, model_id, prompt_ids, n, fields, chunk_size=8, tim
 
     def complete(chunk):
         body, deadline = completions_request(model_id, chunk, n, fields), time.monotonic() + timeout
-        while True:  # vLLM 0.33 answers 503 while paused for a weight update (0.26 queues the request instead)
-            response = requests.post(f"{base_url}/v1/completions", json=body, timeout=timeout)
-            if response.status_code != 503 or time.monotonic() > deadline:
+        while (response := requests.post(f"{base_url}/v1/completions", json=body, timeout=timeout)).status_code == 503:
+            if time.monotonic() > deadline:  # vLLM 0.33 answers 503 while paused for an update (0.26 queues requests)
                 break
             time.sleep(1)
         if response.status_code != 200:
@@ -448,20 +405,13 @@ def start(args, model_path, max_prompt_length):
     engine = {"mode": args.vllm_mode, "fields": sampling_fields(args), "n": args.num_generations, "model": model_path}
     t0, max_len = time.perf_counter(), max_prompt_length + args.max_completion_length
     if args.vllm_mode == "colocate":
-        sizes = {
-            "max_model_len": args.vllm_max_model_len or max_len,
-            "max_num_seqs": args.prompts_per_step * engine["n"],
-        }
-        memory = {
-            "gpu_memory_utilization": args.vllm_gpu_memory_utilization,
-            "dtype": "bfloat16" if args.bf16 else "auto",
-        }
-        tp, sleep_mode = args.vllm_tensor_parallel_size, args.vllm_enable_sleep_mode
-        engine["llm"] = colocate_engine(model_path, tp, args.seed, enable_sleep_mode=sleep_mode, **sizes, **memory)
+        dtype, seqs = ("bfloat16" if args.bf16 else "auto"), args.prompts_per_step * engine["n"]
+        llm_args = dict(max_model_len=args.vllm_max_model_len or max_len, enable_sleep_mode=args.vllm_enable_sleep_mode)
+        llm_args.update(gpu_memory_utilization=args.vllm_gpu_memory_utilization, dtype=dtype, max_num_seqs=seqs)
+        engine["llm"] = colocate_engine(model_path, args.vllm_tensor_parallel_size, args.seed, **llm_args)
         engine["sleep"] = args.vllm_enable_sleep_mode  # starts awake with the checkpoint's weights (model_path)
         engine["tp_group"] = tensor_parallel_group(args.vllm_tensor_parallel_size)
-        engine["startup_s"] = time.perf_counter() - t0
-        return engine
+        return engine | {"startup_s": time.perf_counter() - t0}
     engine["base_url"] = base_url = f"http://{args.vllm_server_host}:{args.vllm_server_port}"
     wait_for_server(base_url, args.vllm_server_timeout, model_path)
     engine["server"] = server = check_server(base_url, model_path)
@@ -478,8 +428,7 @@ def start(args, model_path, max_prompt_length):
         from vllm.utils.network_utils import get_ip
 
         engine["master_address"] = "127.0.0.1" if args.vllm_server_host in ("127.0.0.1", "localhost") else get_ip()
-    engine["startup_s"] = time.perf_counter() - t0
-    return engine
+    return engine | {"startup_s": time.perf_counter() - t0}
 
 
 def generate(engine, prompt_ids, args=None):
@@ -531,7 +480,9 @@ def sync_weights(engine, model):
             if engine.get("group") is None:
                 where = engine["vllm_group_port"], engine["master_address"]
                 engine["group"] = server_init_weight_sync(engine["base_url"], *where, **sync)
-            server_sync_weights(engine["base_url"], engine["group"], model, name=engine["model"], **sync)
+            group = engine.pop("group")  # a failed update leaves it unusable: a retry forms a new one
+            server_sync_weights(engine["base_url"], group, model, name=engine["model"], **sync)
+            engine["group"] = group
         else:  # take part in each parameter's FSDP2 gather, in rank 0's order, and drop the result
             for _ in named_weights(model):
                 pass
