@@ -762,3 +762,31 @@ def test_every_script_has_the_server_options_with_the_same_defaults_and_docs(scr
     for name, (_, doc) in fields.items():
         assert doc == grpo_docs[name]
         assert f"| `--{name.replace('_', '-')}` |" in readme
+
+
+def test_a_failed_sync_forms_a_new_nccl_group_on_the_next_one(monkeypatch):
+    """A failed update can leave a broadcast pending in the group (NCCL has no timeout): a caller that retries must not
+    reuse it, or the server would receive the stale broadcast."""
+    joined, outcomes = [], [RuntimeError("the weight update failed"), None]
+    monkeypatch.setattr(
+        vllm_utils, "server_init_weight_sync", lambda *a, **k: joined.append(a) or f"group{len(joined)}"
+    )
+
+    def sync(url, group, model, **options):
+        if outcome := outcomes.pop(0):
+            raise outcome
+
+    monkeypatch.setattr(vllm_utils, "server_sync_weights", sync)
+    engine = {
+        "mode": "server",
+        "base_url": "http://s",
+        "model_checked": True,
+        "model": "m",
+        "master_address": "h",
+        "server": {"version": "0.26.0"},
+        **vllm_utils.SERVER_OPTIONS,
+    }
+    with pytest.raises(RuntimeError, match="the weight update failed"):
+        vllm_utils.sync_weights(engine, _tiny_llama())
+    vllm_utils.sync_weights(engine, _tiny_llama())
+    assert len(joined) == 2 and engine["group"] == "group2"
