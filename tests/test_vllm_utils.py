@@ -483,7 +483,8 @@ def test_the_installed_vllm_026_parses_the_messages_sent_to_a_026_server():
 # Fields of the message dataclasses in each vLLM wheel (pip download --no-deps vllm==X, read with unzip):
 #   init:   vllm/distributed/weight_transfer/nccl_common.py, class NCCLWeightTransferInitInfo
 #   update: vllm/distributed/weight_transfer/nccl_engine.py, class NCCLWeightTransferUpdateInfo
-# as (fields without a default, fields with one). 0.29-0.32 have 0.28's update and 0.33's init fields.
+# as (fields without a default, fields with one). 0.29 to 0.32 have 0.28's update fields, and 0.28's (0.29) or
+# 0.33's (0.30 to 0.32) init fields.
 WHEEL_FIELDS = {
     "0.27.1": {
         "init": ({"master_address", "master_port", "rank_offset", "world_size"}, set()),
