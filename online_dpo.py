@@ -122,8 +122,16 @@ class Args:
     """server: port of `vllm serve`"""
     vllm_server_timeout: float = 240.0
     """server: seconds to wait for the server to answer /health"""
-    vllm_group_port: int = 51216
-    """server: TCP port the trainer opens for the NCCL weight-sync rendezvous"""
+    vllm_group_port: int | None = None
+    """server: TCP port the trainer opens for the NCCL weight-sync rendezvous (None: a free port, chosen per run)"""
+    vllm_generation_chunk_size: int = 8
+    """server: prompts per /v1/completions request; a round's requests are sent at once and vLLM batches them"""
+    vllm_generation_timeout: float = 1800.0
+    """server: seconds one /v1/completions request may take"""
+    vllm_weight_sync_timeout: float = 300.0
+    """server: seconds the NCCL group setup, and each weight update, may take"""
+    vllm_weight_sync_buffer_mb: int = 1024
+    """server: size of each packed NCCL broadcast chunk (two in flight on each side: lower it if memory is short)"""
     async_generation: bool = False
     """server: generate the next round while training on this one (a step costs about max(generation, training)
     instead of their sum). Each round is sampled by the weights one step behind the ones it trains: the DPO loss
