@@ -8,7 +8,6 @@ they belong to (the trainer's log-probs match them exactly when no update came i
 stopped with nothing in flight.
 """
 
-import json
 import runpy
 import sys
 import threading
@@ -130,7 +129,7 @@ def test_async_resume_generates_the_round_in_flight_again(tmp_path, monkeypatch,
     server.requests.clear()
     run_in_process(script, monkeypatch, *common, "--resume-from-checkpoint", tmp_path / "run" / "checkpoint-2")
     assert [r["prompts"] for r in server.requests] == full[2:]
-    assert [json.loads(line)["step"] for line in open(tmp_path / "run" / "metrics.jsonl")] == [1, 2, 3, 4]
+    assert [m["step"] for m in read_metrics(tmp_path / "run")] == [1, 2, 3, 4]
 
 
 @pytest.mark.parametrize("script", ["grpo.py", "rloo.py", "online_dpo.py"])
