@@ -6,7 +6,6 @@ import os
 import runpy
 import sys
 
-import torch
 from torch.profiler import ProfilerActivity, profile
 
 out, script = sys.argv[1], sys.argv[2]
