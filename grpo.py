@@ -325,6 +325,13 @@ def group_advantages(rewards, num_generations, scale_rewards="group", eps=1e-4):
     return torch.nan_to_num(advantages, nan=0.0).view(-1)
 
 
+def has_signal(group_rewards):
+    """DAPO dynamic sampling's filter (arXiv 2503.14476, eq. 11): a group trains the policy only if its scorable
+    completions' rewards differ. NaN (unscorable) rewards get advantage 0, so [1, 1, NaN, 1] has no signal."""
+    scored = group_rewards[~group_rewards.isnan()]
+    return scored.unique().numel() > 1
+
+
 # ------------------------------------------------------------------------------------------------------------------
 # Log-probabilities and losses
 
@@ -692,6 +699,9 @@ if __name__ == "__main__":
     epsilon_high = args.epsilon_high if args.epsilon_high is not None else args.epsilon
     if args.num_generations < 2:
         raise ValueError("--num-generations must be at least 2: advantages compare completions of the same prompt")
+    if args.importance_sampling_level == "sequence" and args.loss_type != "grpo":
+        print(f"warning: --importance-sampling-level sequence (GSPO) with --loss-type {args.loss_type} weights each "
+              f"completion's sequence loss by its length; GSPO's objective (arXiv 2507.18071) is --loss-type grpo")
     if args.async_generation and not (args.use_vllm and args.vllm_mode == "server"):
         raise ValueError("--async-generation needs --use-vllm --vllm-mode server: a colocated engine or `generate` "
                          "share the trainer's GPU, so generation cannot overlap training")
@@ -738,13 +748,13 @@ if __name__ == "__main__":
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     ref_model = None
-    if args.beta > 0:
-        ref_model = AutoModelForCausalLM.from_pretrained(args.model_name_or_path, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32).to(device).eval()
+    if args.beta > 0:  # the policy's dtype and compute (mixed precision included): the KL at step 1 is exactly 0
+        ref_model = AutoModelForCausalLM.from_pretrained(args.model_name_or_path, dtype=getattr(torch, args.param_dtype)).to(device).eval()
         ref_model.requires_grad_(False)
     if world_size > 1:  # FSDP2: every rank keeps 1/world_size of the weights, gradients and AdamW states
         shard_model(model, mixed_precision=args.bf16 and device.type == "cuda")
         if ref_model is not None:
-            shard_model(ref_model, mixed_precision=False)
+            shard_model(ref_model, mixed_precision=args.bf16 and device.type == "cuda")
     # a forward that transforms its logits in a way the trainer does not model fails now, not after training on them
     check_logprobs(model, tokenizer("The quick brown fox jumps over the lazy dog, and then it ran away.")["input_ids"],
                    device, world_size)
@@ -876,8 +886,8 @@ if __name__ == "__main__":
             total = (scores * reward_weights).nansum(-1).masked_fill(scores.isnan().all(-1), float("nan"))
             for g, row in enumerate(rows):
                 group = slice(g * args.num_generations, (g + 1) * args.num_generations)
-                if args.dynamic_sampling and (total[group].nan_to_num(-1e9).unique().numel() == 1):
-                    continue  # every completion of this prompt got the same reward: no signal
+                if args.dynamic_sampling and not has_signal(total[group]):
+                    continue  # every scorable completion of this prompt got the same reward: no signal
                 vllm_logprobs = None if sampling_logprobs is None else sampling_logprobs[group]
                 kept.append((row, completion_ids[group], total[group].clone(), vllm_logprobs))  # a view would pickle all of `total`
             timing["timing/scoring"] += time.perf_counter() - t0

@@ -310,6 +310,15 @@ def rloo_advantages(rewards, k):
     return advantages.view(-1)
 
 
+def normalize_advantages(advantages, scored, world_size=1, device="cpu"):
+    """--normalize-advantages: (A - mean) / (std + 1e-4) over the scored completions of every rank. An unscorable one
+    (NaN reward) keeps advantage 0 and stays out of the statistics (as in TRL). advantages, scored: (N,)."""
+    everyone = gather_rows(torch.where(scored, advantages, torch.nan).to(device), world_size).cpu()
+    everyone = everyone[~everyone.isnan()]
+    std = everyone.std() if everyone.numel() > 1 else torch.tensor(0.0)
+    return torch.where(scored, (advantages - everyone.mean()) / (std + 1e-4), torch.zeros_like(advantages))
+
+
 def kl_penalised_rewards(rewards, old_logprobs, ref_logprobs, completion_mask, beta):
     """R - beta * KL with the sequence KL estimated by k1 = sum_t (log pi_old - log pi_ref) over the sampled tokens
     (arXiv 2402.14740, eq. 1): the penalty is part of the reward, so the baseline also subtracts it. Returns the
@@ -700,14 +709,13 @@ if __name__ == "__main__":
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     ref_model = None
-    if args.beta > 0:  # the reference is the starting model, also when resuming
-        ref_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-        ref_model = AutoModelForCausalLM.from_pretrained(args.model_name_or_path, dtype=ref_dtype).to(device).eval()
+    if args.beta > 0:  # the starting model, also when resuming, in the policy's dtype and compute: KL 0 at step 1
+        ref_model = AutoModelForCausalLM.from_pretrained(args.model_name_or_path, dtype=getattr(torch, args.param_dtype)).to(device).eval()
         ref_model.requires_grad_(False)
     if world_size > 1:  # FSDP2: every rank keeps 1/world_size of the weights, gradients and AdamW states
         shard_model(model, mixed_precision=args.bf16 and device.type == "cuda")
         if ref_model is not None:
-            shard_model(ref_model, mixed_precision=False)
+            shard_model(ref_model, mixed_precision=args.bf16 and device.type == "cuda")
     # a forward that transforms its logits in a way the trainer does not model fails now, not after training on them
     check_logprobs(model, tokenizer("The quick brown fox jumps over the lazy dog, and then it ran away.")["input_ids"],
                    device, world_size)
@@ -869,9 +877,8 @@ if __name__ == "__main__":
             if args.kl_in_reward:
                 rewards_total, _ = kl_penalised_rewards(rewards_total, old_logprobs, ref_logprobs, completion_mask_all, args.beta)
         advantages = rloo_advantages(rewards_total, G)  # groups are whole on each rank
-        if args.normalize_advantages:  # over every rank's completions
-            everyone = gather_rows(advantages.to(device), world_size).cpu()
-            advantages = (advantages - everyone.mean()) / (everyone.std() + 1e-4)
+        if args.normalize_advantages:  # over every rank's scorable completions
+            advantages = normalize_advantages(advantages, ~rewards_total.isnan(), world_size, device)
         sampling_lp = None  # vLLM's log-probs of the sampled tokens, NaN where it gave none
         if use_vllm_is:
             sampling_lp = torch.zeros(N, C)
