@@ -6,8 +6,8 @@ their group's mean (DeepSeekMath, arXiv 2402.03300); Dr. GRPO, DAPO, GSPO and tw
 and README.md). The options are grouped as in README.md's table; a run writes its model, checkpoints and
 metrics.jsonl to --output-dir, which it keeps to itself.
 
-Example, on the CPU (QUICKSTART_TIME, no download): the bundled 260K-parameter TinyStories model is rewarded for the
-word "play" and, within a few steps, writes little else ("play play to play ..."):
+Example, on the CPU (about 35 seconds on 2 CPU cores, no download): the bundled 260K-parameter TinyStories model is
+rewarded for the word "play" and, within a few steps, writes little else ("play play to play ..."):
   OMP_NUM_THREADS=1 python grpo.py --model-name-or-path tests/assets/stories260K \\
       --dataset-name tests/assets/stories_prompts.jsonl --prompt-column prompt --answer-column "" \\
       --reward-funcs keyword_reward --no-use-chat-template --learning-rate 3e-3 --max-completion-length 24 \\

@@ -7,8 +7,8 @@ pair the best with the worst, and take one optimizer step on the DPO loss agains
 The options are grouped as in README.md's table (grpo.py); a run writes its model, checkpoints and metrics.jsonl to
 --output-dir, which it keeps to itself.
 
-Example, on the CPU (QUICKSTART_TIME, no download): the bundled 260K-parameter TinyStories model, rewarded for the
-word "play", puts it into almost every story:
+Example, on the CPU (about 15 seconds on 2 CPU cores, no download): the bundled 260K-parameter TinyStories model,
+rewarded for the word "play", puts it into almost every story:
   OMP_NUM_THREADS=1 python online_dpo.py --model-name-or-path tests/assets/stories260K \\
       --dataset-name tests/assets/stories_prompts.jsonl --prompt-column prompt --answer-column "" \\
       --reward-funcs keyword_reward --no-use-chat-template --no-bf16 --num-generations 4 --prompts-per-step 8 \\
