@@ -899,6 +899,9 @@ def claim_output_dir(args, script):
                                                     f"--resume-from-checkpoint to continue that run)" if others else ""))
             checkpoint = checkpoint[0]
         resumed = (read_json(os.path.join(checkpoint, "run.json")) or {}) if checkpoint else {}
+        if resumed.get("script", script) != script:
+            raise SystemExit(f"error: --resume-from-checkpoint {checkpoint} is a checkpoint of {resumed['script']}: "
+                             f"continue that run with {resumed['script']}, not {script}")
         if files and not (checkpoint and resumed.get("run_id") == owner.get("run_id")):
             if not args.overwrite_output_dir:
                 listed = ", ".join(files[:5]) + (f" and {len(files) - 5} more" if len(files) > 5 else "")

@@ -172,6 +172,10 @@ def test_reused_output_dir_is_refused(monkeypatch, earlier_run, stories_jsonl, s
                                  "--max-steps", 2)
     assert "holds another run's files" in message and "grpo.py run started" in message, message
     assert "--resume-from-checkpoint" in message and "--overwrite-output-dir" in message
+    if script != "grpo.py":  # and resuming it with another script is refused too
+        message = run_without_models(monkeypatch, script, *SMALL, "--dataset-name", stories_jsonl, "--output-dir",
+                                     earlier_run, "--max-steps", 8, "--resume-from-checkpoint", "latest")
+        assert "checkpoint-5 is a checkpoint of grpo.py: continue that run with grpo.py" in message, message
     assert snapshot(earlier_run) == before  # the earlier run is untouched
 
 
