@@ -123,10 +123,10 @@ def test_help_is_grouped_like_the_readme(monkeypatch, capsys, script):
         runpy.run_path(str(ROOT / script), run_name="__main__")
     assert exited.value.code == 0
     text = capsys.readouterr().out
-    groups = re.findall(r"^\W*(\S+) options\b", text, re.M)
+    groups = re.findall(r"^\W*(\S+) options\b", text, re.MULTILINE)
     readme = (ROOT / "README.md").read_text()
     table = readme[readme.index("### Options"):readme.index("## rloo.py")]
-    readme_groups = [g.lower().replace(" ", "-") for g in re.findall(r"^\| \*\*(.+?)\*\* \|", table, re.M)]
+    readme_groups = [g.lower().replace(" ", "-") for g in re.findall(r"^\| \*\*(.+?)\*\* \|", table, re.MULTILINE)]
     assert [g for g in readme_groups if g in groups] == groups  # the same order
     assert len(groups) >= 8 and set(groups) <= set(readme_groups), groups
     assert "Example" in text and f"python {script} --model-name-or-path tests/assets/stories260K" in text
