@@ -263,3 +263,26 @@ def test_sigterm_leaves_a_resumable_checkpoint(monkeypatch, tmp_path, stories_js
         run_id = json.loads((out / "run.json").read_text())["run_id"]
         runs = sorted(p.name for p in (tmp_path / "wandb").glob("offline-run-*"))
         assert len(runs) == 2 and all(name.endswith(f"-{run_id}") for name in runs), (runs, run_id)
+
+
+def test_sigterm_under_torchrun_stops_both_ranks_at_one_checkpoint(tmp_path, stories_jsonl):
+    # torchrun forwards SIGTERM to every worker; the ranks agree on the step (a collective), write one checkpoint, stop
+    out = tmp_path / "run"
+    common = [*SMALL, "--dataset-name", stories_jsonl, "--output-dir", out, "--prompts-per-step", 4]
+    env = dict(os.environ, WANDB_MODE="offline", OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "grpo.py"]
+    run = subprocess.Popen([*torchrun, *map(str, common), "--max-steps", "100000"], cwd=ROOT, env=env,
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for_steps(run, out, 2)
+        run.send_signal(signal.SIGTERM)
+        stdout, stderr = run.communicate(timeout=120)
+    finally:
+        run.kill()
+    steps = [m["step"] for m in read_metrics(out)]
+    assert f"SIGTERM: wrote checkpoint-{steps[-1]} and stopped" in stdout, stderr[-3000:]
+    assert sorted(d for d in os.listdir(out) if d.startswith("checkpoint")) == [f"checkpoint-{steps[-1]}"]
+    resumed = subprocess.run([*torchrun, *map(str, common), "--max-steps", str(steps[-1] + 1), "--resume-from-checkpoint",
+                              "latest"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"at step {steps[-1]}" in resumed.stdout and [m["step"] for m in read_metrics(out)] == list(range(1, steps[-1] + 2))
