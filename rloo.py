@@ -847,7 +847,7 @@ def remove_dead_temporaries(output_dir):
     and checkpoint-N.old-PID (a complete checkpoint moved aside for its replacement: put back if that never arrived).
     Only those of processes that no longer run."""
     for name in sorted(os.listdir(output_dir)):
-        match = re.fullmatch(r"(.+)\.(tmp|old)-(\d+)|\.final-tmp-(\d+)", name)
+        match = re.fullmatch(r"(checkpoint-\d+|run\.json)\.(tmp|old)-(\d+)|\.final-tmp-(\d+)", name)
         if not match or pid_alive(int(match[3] or match[4])):
             continue
         path = os.path.join(output_dir, name)
