@@ -2,10 +2,10 @@
 """Online Direct Preference Optimization for language models, with vLLM or Hugging Face `generate` for sampling.
 
 Every step: sample G completions per prompt from the current policy, score them (reward functions or a reward model),
-pair the best with the worst, and take one optimizer step on the DPO loss against a frozen copy of the initial model
-(online AI feedback: Guo et al. 2024, arXiv 2402.04792; DPO: arXiv 2305.18290 eq. 7; IPO: arXiv 2310.12036 eq. 17).
-The options are grouped as in README.md's table (grpo.py); a run writes its model, checkpoints and metrics.jsonl to
---output-dir, which it keeps to itself.
+pair the best with the worst, and take one optimizer step on the DPO loss against a frozen copy of the initial
+model (online AI feedback: Guo et al. 2024, arXiv 2402.04792; DPO: arXiv 2305.18290 eq. 7; IPO: arXiv 2310.12036
+eq. 17). The options are grouped as in README.md's table (grpo.py); a run writes its model, checkpoints and
+metrics.jsonl to its --output-dir, which it keeps to itself.
 
 Example, on the CPU (about 15 seconds on 2 CPU cores, no download): the bundled 260K-parameter TinyStories model,
 rewarded for the word "play", puts it into almost every story:
