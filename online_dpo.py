@@ -933,7 +933,7 @@ def claim_output_dir(args, script):
             run = {"run_id": resumed["run_id"], "run_name": resumed["run_name"]}  # the same run continues
         else:
             run = {"run_id": uuid.uuid4().hex[:12], "run_name": f"{args.exp_name}__{args.seed}__{int(time.time())}"}
-            atexit.register(forget_unstarted_run, out, run["run_id"])
+            atexit.register(forget_unstarted_run, out, run["run_id"], created)
         if run["run_id"] != owner.get("run_id"):
             write_json(os.path.join(out, "run.json"),
                        {**run, "script": script, "started": time.strftime("%Y-%m-%d %H:%M:%S"), "args": asdict(args)})
@@ -946,14 +946,15 @@ def claim_output_dir(args, script):
         raise
 
 
-def forget_unstarted_run(output_dir, run_id):
+def forget_unstarted_run(output_dir, run_id, created):
     """At exit: if this run wrote nothing but run.json (it failed while starting), take that back, and the directory
-    too if nothing else is in it."""
+    too if this run created it."""
     try:
         if set(os.listdir(output_dir)) <= {".lock", "run.json"} and read_json(os.path.join(output_dir, "run.json"))["run_id"] == run_id:
             os.remove(os.path.join(output_dir, "run.json"))
             os.remove(os.path.join(output_dir, ".lock"))
-            os.rmdir(output_dir)
+            if created:
+                os.rmdir(output_dir)
     except (OSError, TypeError, KeyError):
         pass
 

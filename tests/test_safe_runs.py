@@ -112,6 +112,15 @@ def test_bad_input_is_rejected_before_any_model_loads(monkeypatch, tmp_path, sto
     assert not out.exists()  # nothing written, not even an empty output directory
 
 
+def test_a_run_that_fails_while_starting_leaves_no_directory(tmp_path, stories_jsonl):
+    broken = tmp_path / "broken-model"  # passes the start-up checks (it has a config.json), fails to load
+    broken.mkdir()
+    (broken / "config.json").write_text("{}")
+    result = run_script("grpo.py", *SMALL, "--dataset-name", stories_jsonl, "--output-dir", tmp_path / "run",
+                        "--max-steps", 1, "--model-name-or-path", broken)
+    assert result.returncode != 0 and not (tmp_path / "run").exists(), result.stderr[-2000:]
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # --help: grouped as README.md's option table, a description and an example, each default once
 
