@@ -884,6 +884,8 @@ def claim_output_dir(args, script):
             raise SystemExit(f"error: --output-dir {out} is in use by a run that is still going ({holder}): two runs in "
                              f"one directory overwrite each other's checkpoints and metrics. Wait for it to end, or pass "
                              f"another --output-dir.") from None
+        except OSError as error:  # a file system without flock (some network mounts): run, but say so
+            print(f"warning: cannot lock {out}/.lock ({error}): nothing keeps a second run out of this directory")
         os.ftruncate(lock, 0)
         os.pwrite(lock, f"{script}, pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}".encode(), 0)
         remove_dead_temporaries(out)
