@@ -916,7 +916,7 @@ def claim_output_dir(args, script):
       checkpoints stay, never resumed or deleted by this run).
     * A checkpoint at or past --max-steps is refused: there would be nothing to train."""
     out, locked = args.output_dir, False
-    created = not os.path.isdir(out)
+    created, lock_created = not os.path.isdir(out), not os.path.exists(os.path.join(out, ".lock"))
     os.makedirs(out, exist_ok=True)
     lock = os.open(os.path.join(out, ".lock"), os.O_RDWR | os.O_CREAT, 0o644)
     try:
@@ -952,9 +952,10 @@ def claim_output_dir(args, script):
             if not args.overwrite_output_dir:
                 listed = ", ".join(files[:5]) + (f" and {len(files) - 5} more" if len(files) > 5 else "")
                 raise SystemExit(
-                    f"error: --output-dir {out} holds another run's files ({listed}"
-                    + (f"; a {owner['script']} run started {owner['started']}" if owner.get("script") else "") + "). "
-                    "A new run there would replace its model and mix its metrics and checkpoints with this one's. To "
+                    f"error: --output-dir {out} holds "
+                    + (f"another run's files ({listed}; a {owner['script']} run started {owner['started']}). "
+                       if owner.get("script") else f"files that are not this run's ({listed}). ")
+                    + "A new run there would replace its model and mix its metrics and checkpoints with this one's. To "
                     "continue that run, pass --resume-from-checkpoint latest (or a checkpoint's path); to start a new "
                     "run there anyway, pass --overwrite-output-dir (its metrics.jsonl and final model are replaced, "
                     "its checkpoints are kept and never resumed or deleted by the new run); or pass another --output-dir.")
@@ -981,9 +982,10 @@ def claim_output_dir(args, script):
                        {**run, "script": script, "started": time.strftime("%Y-%m-%d %H:%M:%S"), "args": asdict(args)})
         return run, checkpoint
     except BaseException:
-        if locked and created and os.listdir(out) == [".lock"]:  # refused before writing anything: leave no trace
+        if locked and lock_created:  # refused before writing anything: leave the directory as it was
             os.remove(os.path.join(out, ".lock"))
-            os.rmdir(out)
+            if created and not os.listdir(out):
+                os.rmdir(out)
         os.close(lock)  # the lock goes with it
         raise
 

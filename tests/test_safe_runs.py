@@ -188,6 +188,16 @@ def test_reused_output_dir_is_refused(monkeypatch, earlier_run, stories_jsonl, s
     assert snapshot(earlier_run) == before  # the earlier run is untouched
 
 
+def test_a_directory_of_other_files_is_refused_and_left_as_it_was(monkeypatch, tmp_path, stories_jsonl):
+    out = tmp_path / "notes"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    message = run_without_models(monkeypatch, "grpo.py", *SMALL, "--dataset-name", stories_jsonl, "--output-dir", out,
+                                 "--max-steps", 1)
+    assert "holds files that are not this run's (notes.txt)" in message and "--overwrite-output-dir" in message
+    assert os.listdir(out) == ["notes.txt"]  # not even a .lock left behind
+
+
 def test_old_checkpoints_are_neither_deleted_nor_resumed(monkeypatch, tmp_path, earlier_run, stories_jsonl):
     out = tmp_path / "run"
     shutil.copytree(earlier_run, out)
