@@ -7,6 +7,7 @@ and `sync_weights` are built from small functions a fork can call directly; vLLM
 
 import concurrent.futures
 import contextlib
+import importlib.util
 import os
 import socket
 import subprocess
@@ -216,9 +217,7 @@ def check_same_model(server, model, model_path):
     first = next((key for key in [*sent, *shapes] if sent.get(key) != shapes.get(key)), None)
     if first is not None:
         got = f"{first} is {sent.get(first, 'not sent')} in the trainer, {shapes.get(first, 'absent')} on the server"
-        raise RuntimeError(
-            f"the server serves {name}, not {model_path} ({got}); nothing was sent. {_restart(model_path)}"
-        )
+        raise RuntimeError(f"the server serves {name}, not {model_path} ({got}); nothing sent. {_restart(model_path)}")
 
 
 def check_gpu_not_shared(base_url):
@@ -266,8 +265,7 @@ def _run_beside(nccl_work, http_call, timeout):
         except BaseException as error:  # noqa: BLE001
             outcome[side] = (False, error)
 
-    nccl = threading.Thread(target=run, args=("nccl", nccl_work), daemon=True)
-    nccl.start()
+    (nccl := threading.Thread(target=run, args=("nccl", nccl_work), daemon=True)).start()
     threading.Thread(target=run, args=("http", http_call), daemon=True).start()
     http_done = None
     while True:  # the HTTP side ends by itself (requests' timeout); the NCCL side gets `timeout` s after it
@@ -366,9 +364,8 @@ def parse_completions(response, num_prompts, n):
         raise RuntimeError(f"the server returned {len(choices)} completions for {num_prompts} prompts x {n}")
     completion_ids = [list(choice["token_ids"]) for choice in choices]
     logprobs = [list(choice["logprobs"]["token_logprobs"]) for choice in choices]
-    for ids, lps in zip(completion_ids, logprobs):
-        if len(ids) != len(lps):
-            raise RuntimeError(f"the server returned {len(lps)} log-probs for {len(ids)} tokens")
+    if bad := next(((len(i), len(lp)) for i, lp in zip(completion_ids, logprobs) if len(i) != len(lp)), None):
+        raise RuntimeError(f"the server returned {bad[1]} log-probs for {bad[0]} tokens")
     return completion_ids, logprobs
 
 
@@ -378,9 +375,8 @@ def server_generate(base_url, model_id, prompt_ids, n, fields, chunk_size=8, tim
 
     def complete(chunk):
         body, deadline = completions_request(model_id, chunk, n, fields), time.monotonic() + timeout
-        while (response := requests.post(f"{base_url}/v1/completions", json=body, timeout=timeout)).status_code == 503:
-            if time.monotonic() > deadline:  # vLLM 0.33 answers 503 while paused for an update (0.26 queues requests)
-                break
+        post = lambda: requests.post(f"{base_url}/v1/completions", json=body, timeout=timeout)  # noqa: E731
+        while (response := post()).status_code == 503 and time.monotonic() < deadline:  # 0.33: 503 while paused
             time.sleep(1)
         if response.status_code != 200:
             raise RuntimeError(f"/v1/completions failed with {response.status_code}: {response.text[:500]}")
@@ -396,14 +392,19 @@ def server_generate(base_url, model_id, prompt_ids, n, fields, chunk_size=8, tim
 # The calls the training scripts make
 
 
+def setup_problems():
+    """Why vLLM cannot run in this process ([] if it can), each with its fix: the scripts ask before any model loads."""
+    if not torch.cuda.is_available():
+        return ["--use-vllm needs a CUDA GPU and none is visible: drop --use-vllm to sample with Hugging Face generate"]
+    return [] if importlib.util.find_spec("vllm") else ["--use-vllm needs vllm: pip install -r requirements.txt"]
+
+
 def start(args, model_path, max_prompt_length):
     """Build the generator `args.vllm_mode` asks for; returns a dict handed back to generate / sync_weights. Server
     mode joins the NCCL group at the first sync_weights, once the model has been compared with the served one."""
-    if not torch.cuda.is_available():
-        raise RuntimeError("--use-vllm needs a CUDA GPU; on the CPU use --no-use-vllm (Hugging Face generate)")
     vllm_version(None, who="this trainer")
     engine = {"mode": args.vllm_mode, "fields": sampling_fields(args), "n": args.num_generations, "model": model_path}
-    t0, max_len = time.perf_counter(), max_prompt_length + args.max_completion_length
+    max_len = max_prompt_length + args.max_completion_length
     if args.vllm_mode == "colocate":
         dtype, seqs = ("bfloat16" if args.bf16 else "auto"), args.prompts_per_step * engine["n"]
         llm_args = dict(max_model_len=args.vllm_max_model_len or max_len, enable_sleep_mode=args.vllm_enable_sleep_mode)
@@ -411,7 +412,7 @@ def start(args, model_path, max_prompt_length):
         engine["llm"] = colocate_engine(model_path, args.vllm_tensor_parallel_size, args.seed, **llm_args)
         engine["sleep"] = args.vllm_enable_sleep_mode  # starts awake with the checkpoint's weights (model_path)
         engine["tp_group"] = tensor_parallel_group(args.vllm_tensor_parallel_size)
-        return engine | {"startup_s": time.perf_counter() - t0}
+        return engine
     engine["base_url"] = base_url = f"http://{args.vllm_server_host}:{args.vllm_server_port}"
     wait_for_server(base_url, args.vllm_server_timeout, model_path)
     engine["server"] = server = check_server(base_url, model_path)
@@ -428,10 +429,10 @@ def start(args, model_path, max_prompt_length):
         from vllm.utils.network_utils import get_ip
 
         engine["master_address"] = "127.0.0.1" if args.vllm_server_host in ("127.0.0.1", "localhost") else get_ip()
-    return engine | {"startup_s": time.perf_counter() - t0}
+    return engine
 
 
-def generate(engine, prompt_ids, args=None):
+def generate(engine, prompt_ids):
     """(completion ids, vLLM log-probs), prompt-major, num_generations per prompt."""
     n, fields = engine["n"], engine["fields"]
     if engine["mode"] == "server":

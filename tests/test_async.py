@@ -30,6 +30,7 @@ class StandInServer:
         self.requests, self.lock = [], threading.Lock()
         for name in ("start", "generate", "sync_weights", "sleep"):
             monkeypatch.setattr(vllm_utils, name, getattr(self, name))
+        monkeypatch.setattr(vllm_utils, "setup_problems", lambda: [])  # no GPU or vLLM needed to stand in
 
     def start(self, args, model_path, max_prompt_length):
         self.args, self.model = args, AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
