@@ -942,7 +942,8 @@ def remove_dead_temporaries(output_dir):
 
 
 def claim_output_dir(args, script):
-    """Make --output-dir this run's (rank 0, before any model loads); returns (run, checkpoint to resume or None).
+    """Make --output-dir this run's (rank 0, before any model loads); returns (run, checkpoint to resume or None, the
+    lock's file descriptor).
 
     run = {"run_id", "run_name"}: the identity written into output_dir/run.json and into every checkpoint, so that
     `latest`, --save-total-limit and a resumed wandb run concern this run only.
@@ -1018,7 +1019,7 @@ def claim_output_dir(args, script):
         if run["run_id"] != owner.get("run_id"):
             write_json(os.path.join(out, "run.json"),
                        {**run, "script": script, "started": time.strftime("%Y-%m-%d %H:%M:%S"), "args": asdict(args)})
-        return run, checkpoint
+        return run, checkpoint, lock
     except BaseException:
         if locked and lock_created:  # refused before writing anything: leave the directory as it was
             os.remove(os.path.join(out, ".lock"))
@@ -1082,7 +1083,7 @@ if __name__ == "__main__":
               "distribution that the trainer does not model: the importance ratio is biased below 1, and at the sequence "
               "level (product over tokens) it shrinks the updates of long completions. Prefer token_truncate, or neutral values.")
     # the output directory is this run's alone (a lock); another run's files are refused; only this run's checkpoints
-    run, checkpoint_dir = claim_output_dir(args, "grpo.py") if is_main else (None, None)
+    run, checkpoint_dir, output_lock = claim_output_dir(args, "grpo.py") if is_main else (None, None, None)
     if world_size > 1:  # rank 0 decided which checkpoint to resume
         shared = [checkpoint_dir]
         dist.broadcast_object_list(shared, src=0)
@@ -1469,5 +1470,7 @@ if __name__ == "__main__":
         metrics_file.close()
         if args.track:
             wandb.finish()
+    if output_lock is not None:
+        os.close(output_lock)  # the run is over: the directory is free for the next one
     if world_size > 1:
         dist.destroy_process_group()
