@@ -407,7 +407,9 @@ def final_logits(logits, config):
 def _token_logprobs(hidden, targets, lm_head, config, temperature):
     # hidden: (n, H) -> logits (n, V) in float32 for this chunk only; the model's transform first, in the LM head's
     # dtype as its forward applies it, then the temperature
-    logits = final_logits(lm_head(hidden), config).float() / temperature
+    logits = final_logits(lm_head(hidden), config).float()
+    if temperature != 1:  # dividing by 1 would still be a pass over a vocabulary-wide tensor, and one in the backward
+        logits = logits / temperature
     return logits.log_softmax(-1).gather(-1, targets[:, None]).squeeze(-1)
 
 

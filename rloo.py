@@ -370,7 +370,10 @@ def final_logits(logits, config):
 def _token_logprobs(hidden, targets, lm_head, config, temperature, with_entropy=False):
     # hidden: (n, H) -> logits (n, V) in float32 for this chunk only; the model's transform first, in the LM head's
     # dtype as its forward applies it, then the temperature. The entropy (a metric) comes from the same pass
-    all_logprobs = (final_logits(lm_head(hidden), config).float() / temperature).log_softmax(-1)
+    logits = final_logits(lm_head(hidden), config).float()
+    if temperature != 1:  # dividing by 1 would still be a pass over a vocabulary-wide tensor, and one in the backward
+        logits = logits / temperature
+    all_logprobs = logits.log_softmax(-1)
     logprobs = all_logprobs.gather(-1, targets[:, None]).squeeze(-1)
     if not with_entropy:
         return logprobs
