@@ -56,6 +56,7 @@ class StandInServer:
         with self.lock:
             self.in_flight -= 1
             request["end_version"] = self.version
+            request["completions"] = completions
         return completions, logprobs
 
     def sync_weights(self, engine, model):
