@@ -2,6 +2,7 @@
 scripts themselves on the CPU: the numbers against the same metrics computed by hand, when it runs, which weights and
 which generator it uses (the stand-in server of test_async.py), and 2 ranks against 1."""
 
+import json
 import re
 
 import pytest
@@ -63,11 +64,14 @@ def test_max_steps_0_evaluates_like_greedy_generate_by_hand_and_exits(tmp_path, 
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
-def test_eval_runs_at_step_0_every_n_steps_and_at_the_end_and_completions_are_logged(tmp_path, eval_data, script):
+def test_eval_runs_at_step_0_every_n_steps_and_at_the_end_and_completions_are_logged(monkeypatch, tmp_path, eval_data,
+                                                                                     script):
     out = tmp_path / "run"
+    track = ["--track"] if script == "grpo.py" else []  # wandb offline: the completions table too
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
     result = check(run_script(script, *SMALL, "--dataset-name", ASSETS / "stories_prompts.jsonl", "--eval-dataset",
                               eval_data, "--eval-max-samples", 3, "--eval-num-generations", 2, "--eval-steps", 2,
-                              "--max-steps", 5, "--log-completions", 3, "--output-dir", out))
+                              "--max-steps", 5, "--log-completions", 3, "--output-dir", out, *track))
     metrics = read_metrics(out)
     assert [m["step"] for m in metrics] == [0, 1, 2, 3, 4, 5]
     assert [m["step"] for m in metrics if "eval/pass@1" in m] == [0, 2, 4, 5]
@@ -79,6 +83,11 @@ def test_eval_runs_at_step_0_every_n_steps_and_at_the_end_and_completions_are_lo
     assert len(rows) == 3 * 5, result.stdout[-3000:]
     assert all(float(reward) in (0.0, 1.0) for reward, _, _ in rows)
     assert (out / "config.json").exists()  # trained: the final model is saved as usual
+    if track:  # one "completions" table per logging step, 3 rows of (step, prompt, completion, reward)
+        tables = sorted((tmp_path / "wandb").glob("offline-run-*/files/media/table/completions_*.table.json"))
+        assert len(tables) == 5
+        table = json.loads(tables[0].read_text())
+        assert table["columns"] == ["step", "prompt", "completion", "reward"] and len(table["data"]) == 3
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
@@ -184,3 +193,16 @@ def test_a_test_split_of_a_hub_dataset_is_the_default_eval_set():
     assert grpo.eval_source(local) == ("data/eval.jsonl", None, "test")
     other = grpo.Args(eval_dataset="a/b", eval_dataset_config="x", eval_dataset_split="validation")
     assert grpo.eval_source(other) == ("a/b", "x", "validation")
+
+
+def test_evaluation_leaves_training_as_it_was(tmp_path, eval_data):
+    # evaluation samples from a forked RNG and changes no weights: the same run with and without it trains alike
+    common = [*SMALL, "--dataset-name", ASSETS / "stories_prompts.jsonl", "--max-steps", 3]
+    check(run_script("grpo.py", *common, "--output-dir", tmp_path / "plain"))
+    check(run_script("grpo.py", *common, "--output-dir", tmp_path / "evaluated", "--eval-dataset", eval_data,
+                     "--eval-steps", 1, "--eval-num-generations", 2))
+    plain, evaluated = read_metrics(tmp_path / "plain"), read_metrics(tmp_path / "evaluated")[1:]
+    assert [m["step"] for m in evaluated] == [1, 2, 3] and all("eval/pass@2" in m for m in evaluated)
+    for a, b in zip(plain, evaluated):
+        assert (a["reward"], a["loss"], a["grad_norm"]) == (b["reward"], b["loss"], b["grad_norm"])
+    assert any(m["grad_norm"] > 0 for m in plain)  # it trained
