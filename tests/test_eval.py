@@ -103,6 +103,7 @@ def test_eval_goes_through_the_server_after_the_weight_push_with_async_generatio
     assert server.in_flight == 0 and server.updates_while_serving == 0
     train_metrics = [m for m in metrics if m["step"] > 0]
     pushed = [m.get("num_pairs", 1) > 0 for m in train_metrics]  # online DPO pushes only after a step with a pair
+    tokenizer = AutoTokenizer.from_pretrained(STORIES)
     evals = []  # the requests of each evaluation: greedy ones (temperature 0) first, then the sampled ones
     for request in server.requests:
         if request["temperature"] is None:  # a training round
@@ -118,10 +119,10 @@ def test_eval_goes_through_the_server_after_the_weight_push_with_async_generatio
         sampled = [c for r in requests if r["temperature"] > 0 for c in r["completions"]]
         assert all(r["n"] == 3 for r in requests if r["temperature"] > 0) and len(greedy) == 5 and len(sampled) == 15
         assert {r["temperature"] for r in requests} == {0.0, server.args.temperature}  # greedy, and the training one
-        tokenizer = AutoTokenizer.from_pretrained(STORIES)
-        solved = lambda ids, row: keyword_solved(tokenizer.decode(ids, skip_special_tokens=True), row["keyword"])  # noqa
-        greedy_solved = [solved(ids, row) for ids, row in zip(greedy, EVAL_ROWS)]
-        sampled_solved = [[solved(ids, row) for ids in sampled[3 * i : 3 * i + 3]] for i, row in enumerate(EVAL_ROWS)]
+        texts = [tokenizer.decode(ids, skip_special_tokens=True) for ids in greedy + sampled]
+        greedy_solved = [keyword_solved(text, row["keyword"]) for text, row in zip(texts[:5], EVAL_ROWS)]
+        sampled_solved = [[keyword_solved(text, row["keyword"]) for text in texts[5 + 3 * i : 8 + 3 * i]]
+                          for i, row in enumerate(EVAL_ROWS)]
         (line,) = [m for m in metrics if m["step"] == step and "eval/pass@1" in m]
         assert line["eval/pass@1"] == pytest.approx(sum(greedy_solved) / 5)
         assert line["eval/mean@3"] == pytest.approx(sum(map(sum, sampled_solved)) / 15)
@@ -165,7 +166,8 @@ def test_eval_metrics_by_hand():
 @pytest.mark.parametrize("script, extra, expected", [
     ("grpo.py", ["--eval-steps", 2], ["--eval-steps needs an eval dataset", "--eval-dataset"]),
     ("grpo.py", ["--max-steps", 0], ["--max-steps 0", "--eval-dataset"]),
-    ("grpo.py", ["--eval-dataset", "tests/assets/nope.jsonl", "--eval-steps", 1], ["--eval-dataset tests/assets/nope.jsonl does not exist"]),
+    ("grpo.py", ["--eval-dataset", "tests/assets/nope.jsonl", "--eval-steps", 1],
+     ["--eval-dataset tests/assets/nope.jsonl does not exist"]),
     ("grpo.py", ["--eval-dataset", "EVAL"], ["--eval-dataset is evaluated with --eval-steps"]),
     ("grpo.py", ["--eval-dataset", "EVAL", "--eval-steps", 3, "--steps-per-generation", 2],
      ["--eval-steps 3 must be a multiple"]),
