@@ -909,11 +909,11 @@ def is_local_data(name):
 def eval_source(args):
     """(name, config, split) of the eval dataset: --eval-dataset, else the training dataset's --eval-dataset-split if it
     is a hub dataset (a local file has no splits); None if there is none."""
-    if args.eval_dataset:
-        return args.eval_dataset, args.eval_dataset_config, args.eval_dataset_split
-    if is_local_data(args.dataset_name):
+    if not args.eval_dataset and is_local_data(args.dataset_name):
         return None
-    return args.dataset_name, args.eval_dataset_config or args.dataset_config, args.eval_dataset_split
+    name = args.eval_dataset or args.dataset_name
+    config = args.eval_dataset_config or (args.dataset_config if name == args.dataset_name else None)
+    return name, config, args.eval_dataset_split
 
 
 def read_dataset(args, evaluation=False):

@@ -195,6 +195,8 @@ def test_a_test_split_of_a_hub_dataset_is_the_default_eval_set():
     assert grpo.eval_source(local) == ("data/eval.jsonl", None, "test")
     other = grpo.Args(eval_dataset="a/b", eval_dataset_config="x", eval_dataset_split="validation")
     assert grpo.eval_source(other) == ("a/b", "x", "validation")
+    named = grpo.Args(dataset_name="openai/gsm8k", dataset_config="main", eval_dataset="openai/gsm8k")
+    assert grpo.eval_source(named) == ("openai/gsm8k", "main", "test")  # the training dataset's config
 
 
 def test_evaluation_leaves_training_as_it_was(tmp_path, eval_data):
