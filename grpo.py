@@ -218,13 +218,16 @@ class Args:
     max_grad_norm: float = 1.0
     """gradient clipping norm (0 or less = no clipping; the norm is still logged)"""
     max_steps: int = 200
-    """total optimizer steps"""
+    """total optimizer steps (0: only evaluate the model, see --eval-steps, and exit)"""
     micro_batch_tokens: int = 16384
     """token budget (rows x padded length) of one forward/backward micro-batch; gradients accumulate over them"""
 
     # Logging and checkpoints
     logging_steps: int = 1
     """print a metrics line every this many optimizer steps"""
+    log_completions: int = 0
+    """every logging step, print this many of the step's (prompt, completion, reward) rows and, with --track, log them
+    to wandb as a table (0 = off)"""
     save_steps: int = 0
     """write a resumable checkpoint every this many optimizer steps (0 = only the final model)"""
     save_total_limit: int | None = 2
@@ -234,6 +237,22 @@ class Args:
     overwrite_output_dir: bool = False
     """start a new run in an output_dir that holds another run's files (its metrics.jsonl and final model are replaced;
     its checkpoints are kept, and never resumed or deleted by this run)"""
+
+    # Evaluation (README.md, "Evaluation")
+    eval_steps: int = 0
+    """evaluate at step 0, every this many optimizer steps and after the last step (0 = no evaluation in training)"""
+    eval_dataset: str | None = None
+    """hub dataset name, or a local .json / .jsonl / .parquet file, read with the training column flags (None = the
+    training dataset's --eval-dataset-split, when it is a hub dataset)"""
+    eval_dataset_config: str | None = None
+    """configuration of --eval-dataset (None = --dataset-config when evaluating on the training dataset)"""
+    eval_dataset_split: str = "test"
+    """split to evaluate on (hub datasets only)"""
+    eval_max_samples: int | None = None
+    """evaluate on the first this many prompts (None = all)"""
+    eval_num_generations: int = 1
+    """k: besides the greedy completion of each prompt (pass@1), sample k at --temperature for mean@k and pass@k (1 =
+    greedy only). A completion solves its prompt when its weighted total reward is > 0"""
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -603,21 +622,24 @@ def global_sum(value, world_size, device, op="sum"):
 
 
 @torch.no_grad()
-def hf_generate(model, prompt_ids, args, eos_ids, pad_id):
-    """Sample num_generations completions per prompt; returns completion token ids (prompt-major), each cut after
-    its first EOS (the EOS is kept as the last token)."""
+def hf_generate(model, prompt_ids, args, eos_ids, pad_id, n=None, temperature=None):
+    """Sample n completions per prompt (None: num_generations) at `temperature` (None: the training one; 0: greedy,
+    for evaluation); returns completion token ids (prompt-major), each cut after its first EOS (the EOS is kept as the
+    last token)."""
     from transformers import GenerationConfig
 
-    repeated = [p for p in prompt_ids for _ in range(args.num_generations)]
+    n, temperature = n or args.num_generations, args.temperature if temperature is None else temperature
+    repeated = [p for p in prompt_ids for _ in range(n)]
     P = max(len(p) for p in repeated)
     input_ids = torch.full((len(repeated), P), pad_id, dtype=torch.long)
     attention_mask = torch.zeros_like(input_ids)
     for i, p in enumerate(repeated):
         input_ids[i, P - len(p) :] = torch.tensor(p)
         attention_mask[i, P - len(p) :] = 1
+    sampling = dict(do_sample=True, temperature=temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p)
     config = GenerationConfig(
-        do_sample=True, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-        min_p=args.min_p, repetition_penalty=args.repetition_penalty, max_new_tokens=args.max_completion_length,
+        **(sampling if temperature > 0 else dict(do_sample=False)),
+        repetition_penalty=args.repetition_penalty, max_new_tokens=args.max_completion_length,
         eos_token_id=eos_ids, pad_token_id=pad_id, use_cache=True,
     )
     model.eval()
@@ -651,6 +673,53 @@ def future_of(fn, *args, background=True):
 
     threading.Thread(target=run, daemon=True).start() if background else run()
     return future
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Evaluation and sample completions (README.md, "Evaluation")
+
+
+def rank_share(num_prompts, rank, world_size):
+    """This rank's contiguous share of range(num_prompts), padded with prompt 0 to ceil(num_prompts / world_size) rows
+    so that every rank makes the same generate calls (FSDP2's unshard and a tensor-parallel engine's gather are
+    collectives). Returns (rows, how many of them are real); the ranks' real rows, in rank order, are all prompts."""
+    per_rank = -(-num_prompts // world_size)
+    rows = list(range(num_prompts))[rank * per_rank : (rank + 1) * per_rank]
+    return rows + [0] * (per_rank - len(rows)), len(rows)
+
+
+def eval_metrics(greedy, sampled, reward_weights, names):
+    """eval/... metrics from the reward functions' scores of each prompt's greedy completion, greedy (P, num_funcs),
+    and of its k samples at the training temperature, sampled (P, k, num_funcs) or None. NaN (unscorable) counts as 0
+    in the weighted total, as in training. A completion solves its prompt when its total reward is > 0, so
+      pass@1 = share of prompts whose greedy completion solves them,
+      mean@k = mean total reward of the samples,
+      pass@k = share of prompts that one of their k samples solves (exactly k samples: no unbiased estimator needed)."""
+    total = (greedy * reward_weights).nansum(-1)  # (P,)
+    metrics = {"eval/reward": total.mean().item(), "eval/pass@1": (total > 0).float().mean().item()}
+    metrics.update({f"eval/rewards/{name}/mean": greedy[:, j].nanmean().item() for j, name in enumerate(names)})
+    if sampled is not None:
+        k, total = sampled.shape[1], (sampled * reward_weights).nansum(-1)  # (P, k)
+        metrics[f"eval/mean@{k}"] = total.mean().item()
+        metrics[f"eval/pass@{k}"] = (total > 0).any(-1).float().mean().item()
+        for j, name in enumerate(names):
+            metrics[f"eval/rewards/{name}/mean@{k}"] = sampled[..., j].nanmean().item()
+    return metrics
+
+
+def log_completions(tokenizer, prompt_ids, completion_ids, rewards, count, step, track):
+    """--log-completions: print `count` (prompt, completion, reward) rows of the step, one short line each, and with
+    --track log them to wandb as a table (TRL's "completions" table)."""
+    decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
+    rows = [[step, decode(p), decode(c), r] for p, c, r in zip(prompt_ids[:count], completion_ids, rewards.tolist())]
+    for _, prompt, completion, reward in rows:
+        short = lambda text: textwrap.shorten(text, 70, placeholder=" ...") or repr(text)  # noqa: E731
+        tqdm.write(f"  reward {reward:.3g} | {short(prompt)} => {short(completion)}")
+    if track:
+        import wandb
+
+        table = wandb.Table(columns=["step", "prompt", "completion", "reward"], data=rows)
+        wandb.log({"completions": table}, step=step)
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -767,11 +836,15 @@ def check_args(args, world_size=1):
         ("adam_beta1", lambda v: 0 <= v < 1, "in [0, 1)"),
         ("adam_beta2", lambda v: 0 <= v < 1, "in [0, 1)"),
         ("warmup_steps", lambda v: v >= 0, ">= 0"),
-        ("max_steps", lambda v: v >= 1, "at least 1"),
+        ("max_steps", lambda v: v >= 0, ">= 0 (0 = evaluate the model and exit)"),
         ("micro_batch_tokens", lambda v: v >= 1, "at least 1"),
         ("logging_steps", lambda v: v >= 1, "at least 1"),
         ("save_steps", lambda v: v >= 0, ">= 0 (0 = only the final model)"),
         ("save_total_limit", lambda v: v >= 0, ">= 0"),
+        ("log_completions", lambda v: v >= 0, ">= 0 (0 = off)"),
+        ("eval_steps", lambda v: v >= 0, ">= 0 (0 = no evaluation during training)"),
+        ("eval_max_samples", lambda v: v >= 1, "at least 1"),
+        ("eval_num_generations", lambda v: v >= 1, "at least 1"),
     ]
     for name, valid, must in rules:
         value = getattr(args, name)
@@ -784,6 +857,9 @@ def check_args(args, world_size=1):
     if steps_per_round > 0 and args.save_steps % steps_per_round:
         problems.append(f"--save-steps {args.save_steps} must be a multiple of the optimizer steps per generation round "
                         f"(--steps-per-generation x --num-iterations = {steps_per_round}): checkpoints are written between rounds")
+    if steps_per_round > 0 and args.eval_steps % steps_per_round:
+        problems.append(f"--eval-steps {args.eval_steps} must be a multiple of the optimizer steps per generation "
+                        f"round ({steps_per_round}): evaluation runs between rounds, after the weight push")
     if args.reward_weights is not None and len(args.reward_weights) != len(args.reward_funcs):
         problems.append(f"--reward-weights has {len(args.reward_weights)} values for {len(args.reward_funcs)} --reward-funcs")
     if args.use_vllm:
@@ -802,9 +878,17 @@ def check_args(args, world_size=1):
             problems.append(f"--{name.replace('_', '-')} {path}: that directory has no {marker}, so it is not a {kind}")
         elif not os.path.isdir(path) and (kind == "checkpoint" or looks_local(path)):
             problems.append(f"--{name.replace('_', '-')} {path}: no such directory")
-    local_data = args.dataset_name.endswith((".json", ".jsonl", ".parquet")) or looks_local(args.dataset_name)
-    if local_data and not os.path.exists(args.dataset_name):
-        problems.append(f"--dataset-name {args.dataset_name} does not exist (no such file or directory)")
+    for flag, name in (("--dataset-name", args.dataset_name), ("--eval-dataset", args.eval_dataset)):
+        if name is not None and is_local_data(name) and not os.path.exists(name):
+            problems.append(f"{flag} {name} does not exist (no such file or directory)")
+    evaluating = args.eval_steps > 0 or args.max_steps == 0
+    if evaluating and eval_source(args) is None:
+        problems.append(f"{'--eval-steps' if args.eval_steps else '--max-steps 0 (evaluate and exit)'} needs an "
+                        f"eval dataset: --dataset-name {args.dataset_name} is a local file, with no test split; pass "
+                        f"--eval-dataset")
+    if args.eval_dataset and not evaluating:
+        problems.append("--eval-dataset is evaluated with --eval-steps N (during training) or --max-steps 0 (once): "
+                        "pass one")
     if os.path.exists(args.output_dir) and not os.path.isdir(args.output_dir):
         problems.append(f"--output-dir {args.output_dir} is a file, not a directory")
     if problems:
@@ -820,11 +904,27 @@ def reward_functions(names):
     return [getattr(rewards, name) for name in names]
 
 
-def read_dataset(args):
-    """Read the dataset once, before any model loads: {column: list of values}. Local .jsonl / .json files are parsed
-    here, so that a malformed record is reported with its file and line; .parquet files and hub datasets through
-    `datasets`."""
-    name = args.dataset_name
+def is_local_data(name):
+    """A dataset name that is a local file (or directory), not a hub dataset."""
+    return name.endswith((".json", ".jsonl", ".parquet")) or looks_local(name)
+
+
+def eval_source(args):
+    """(name, config, split) of the eval dataset: --eval-dataset, else the training dataset's --eval-dataset-split if it
+    is a hub dataset (a local file has no splits); None if there is none."""
+    if not args.eval_dataset and is_local_data(args.dataset_name):
+        return None
+    name = args.eval_dataset or args.dataset_name
+    config = args.eval_dataset_config or (args.dataset_config if name == args.dataset_name else None)
+    return name, config, args.eval_dataset_split
+
+
+def read_dataset(args, evaluation=False):
+    """Read the dataset (with `evaluation`, the eval dataset of eval_source) once, before any model loads: {column: list
+    of values}. Local .jsonl / .json files are parsed here, so that a malformed record is reported with its file and
+    line; .parquet files and hub datasets through `datasets`."""
+    flag, (name, config, split) = ("--eval-dataset", eval_source(args)) if evaluation else (
+        "--dataset-name", (args.dataset_name, args.dataset_config, args.dataset_split))
     if name.endswith((".json", ".jsonl")):
         with open(name, encoding="utf-8") as f:
             text = f.read()
@@ -842,11 +942,11 @@ def read_dataset(args):
                 try:
                     records.append((number, json.loads(line)))
                 except json.JSONDecodeError as error:
-                    raise SystemExit(f"error: --dataset-name {name}, line {number}: not valid JSON ({error.msg}, column "
+                    raise SystemExit(f"error: {flag} {name}, line {number}: not valid JSON ({error.msg}, column "
                                      f"{error.colno}): {line[:120]}") from None
         for number, record in records:
             if not isinstance(record, dict):
-                raise SystemExit(f"error: --dataset-name {name}, {where} {number}: a JSON object per record is expected, "
+                raise SystemExit(f"error: {flag} {name}, {where} {number}: a JSON object per record is expected, "
                                  f"got {type(record).__name__}")
         dataset = {}
         for _, record in records:
@@ -859,16 +959,19 @@ def read_dataset(args):
         if name.endswith(".parquet"):
             dataset = load_dataset("parquet", data_files=name, split="train").to_dict()
         else:
-            dataset = load_dataset(name, args.dataset_config, split=args.dataset_split).to_dict()
+            try:
+                dataset = load_dataset(name, config, split=split).to_dict()
+            except ValueError as error:  # e.g. no such split
+                raise SystemExit(f"error: {flag} {name}, split {split}: {error}") from None
     if not dataset or not next(iter(dataset.values())):
-        raise SystemExit(f"error: --dataset-name {name} holds no records")
+        raise SystemExit(f"error: {flag} {name} holds no records")
     return dataset
 
 
-def check_dataset(args, dataset, reward_fns):
-    """The columns that the flags name exist, and each reward function finds every argument it requires (its
-    signature against the dataset's columns and what the trainer passes)."""
-    name, columns = args.dataset_name, list(dataset)
+def check_dataset(args, dataset, reward_fns, flag="--dataset-name", name=None):
+    """The columns that the flags name exist in the dataset of `flag` (training or eval), and each reward function
+    finds every argument it requires (its signature against the dataset's columns and what the trainer passes)."""
+    name, columns = name or args.dataset_name, list(dataset)
     for option, column in (("--prompt-column", args.prompt_column), ("--answer-column", args.answer_column)):
         if (column or option == "--prompt-column") and column not in columns:
             raise SystemExit(
@@ -887,7 +990,7 @@ def check_dataset(args, dataset, reward_fns):
                                  f"'{args.answer_column}' gives none: pass --answer-column with the column of {name} that "
                                  f"holds it (its columns: {columns})")
             raise SystemExit(f"error: reward function '{fn.__name__}' (--reward-funcs) needs a column '{missing}', which "
-                             f"--dataset-name {name} does not have (its columns: {columns})")
+                             f"{flag} {name} does not have (its columns: {columns})")
 
 
 def read_json(path):
@@ -1069,6 +1172,11 @@ if __name__ == "__main__":
     reward_fns = reward_functions(args.reward_funcs)
     dataset = read_dataset(args)
     check_dataset(args, dataset, reward_fns)
+    eval_dataset = None  # --eval-steps / --max-steps 0: the eval prompts, read and checked like the training ones
+    if args.eval_steps or args.max_steps == 0:
+        eval_dataset = read_dataset(args, evaluation=True)
+        eval_dataset = {column: values[: args.eval_max_samples] for column, values in eval_dataset.items()}
+        check_dataset(args, eval_dataset, reward_fns, "--eval-dataset", eval_source(args)[0])
     epsilon_high = args.epsilon_high if args.epsilon_high is not None else args.epsilon
     if args.importance_sampling_level == "sequence" and args.loss_type != "grpo":
         print(f"warning: --importance-sampling-level sequence (GSPO) with --loss-type {args.loss_type} weights each "
@@ -1128,6 +1236,9 @@ if __name__ == "__main__":
     # Data and rewards
     max_context = getattr(model.config, "max_position_embeddings", None) or 10**9
     prompt_ids, columns, conversational = load_prompts(args, dataset, tokenizer, max_context)
+    eval_prompt_ids, eval_columns, eval_conversational = [], {}, False
+    if eval_dataset is not None:
+        eval_prompt_ids, eval_columns, eval_conversational = load_prompts(args, eval_dataset, tokenizer, max_context)
     reward_weights = torch.tensor(args.reward_weights or [1.0] * len(reward_fns))
 
     # Optimizer and schedule
@@ -1163,14 +1274,14 @@ if __name__ == "__main__":
     if args.use_vllm:
         import vllm_utils
 
-        engine = vllm_utils.start(args, model_path, max(len(p) for p in prompt_ids))
+        engine = vllm_utils.start(args, model_path, max(len(p) for p in prompt_ids + eval_prompt_ids))
         if args.vllm_mode == "server":  # the server may hold other weights (an earlier run, or this one before a resume)
             vllm_utils.sync_weights(engine, model)
-        generate = lambda batch_prompt_ids: vllm_utils.generate(engine, batch_prompt_ids)  # noqa: E731
+        generate = lambda ids, n=None, temperature=None: vllm_utils.generate(engine, ids, n, temperature)  # noqa: E731
     else:
-        def generate(batch_prompt_ids):
+        def generate(batch_prompt_ids, n=None, temperature=None):  # None: training's n and temperature
             with unsharded(model, world_size):  # FSDP2: full weights while decoding, ranks stop at different steps
-                return hf_generate(model, batch_prompt_ids, args, eos_ids, pad_id)
+                return hf_generate(model, batch_prompt_ids, args, eos_ids, pad_id, n, temperature)
 
     if args.track and is_main:
         import wandb
@@ -1204,9 +1315,68 @@ if __name__ == "__main__":
             torch.cuda.synchronize()
         return time.perf_counter()
 
+    def score(rows, completion_ids, n, prompt_ids=prompt_ids, columns=columns, conversational=conversational):
+        """The reward functions' scores (len(rows) * n, num_funcs) of n completions per prompt row (prompt-major): each
+        function gets the decoded completions and, by name, the rows' dataset columns (training set, or eval set)."""
+        texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+        completions = [[{"role": "assistant", "content": t}] for t in texts] if conversational else texts
+        repeated = lambda values: [values[i] for i in rows for _ in range(n)]  # noqa: E731
+        reward_columns = {c: repeated(v) for c, v in columns.items()}
+        prompt_texts = {i: tokenizer.decode(prompt_ids[i]) for i in rows}
+        reward_columns.update(prompts=repeated(prompt_texts), completion_ids=completion_ids,
+                              max_completion_length=args.max_completion_length, **args.reward_kwargs)
+        return score_completions(reward_fns, completions, reward_columns)
+
+    def evaluate():
+        """Greedy (temperature 0) and, with --eval-num-generations k > 1, k sampled completions of every eval prompt,
+        from the run's generator (which must hold the current weights: the loop calls this right after the weight push),
+        scored by the reward functions. Each rank generates its share of the prompts, in calls of one training round's
+        size; the scores are gathered, so every rank returns the eval/... metrics of all prompts."""
+        t0 = time.perf_counter()
+        rows, real = rank_share(len(eval_prompt_ids), rank, world_size)
+        k = args.eval_num_generations
+        round_size = args.prompts_per_step // world_size * args.num_generations  # completions per generate call
+
+        def complete(n, temperature):  # this rank's rows, n completions each, prompt-major
+            size, ids = max(1, round_size // n), []
+            for start in range(0, len(rows), size):
+                ids += generate([eval_prompt_ids[i] for i in rows[start : start + size]], n, temperature)[0]
+            return ids
+
+        # HF sampling draws from the global RNG: fork it, so that training samples what it would without evaluation
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            torch.manual_seed(args.seed + rank)
+            greedy_ids = complete(1, 0.0)
+            sampled_ids = complete(k, args.temperature) if k > 1 else None
+        eval_set = dict(prompt_ids=eval_prompt_ids, columns=eval_columns, conversational=eval_conversational)
+        greedy = score(rows, greedy_ids, 1, **eval_set)[:real]  # (real, num_funcs)
+        sampled = score(rows, sampled_ids, k, **eval_set).view(len(rows), k, -1)[:real] if k > 1 else None
+        lengths = torch.tensor([len(c) for c in greedy_ids[:real]], dtype=torch.float)
+        if world_size > 1:  # every rank's scores, in rank order: the prompts in order, as on one rank
+            parts = [None] * world_size
+            dist.all_gather_object(parts, (greedy, sampled, lengths))
+            greedy, lengths = torch.cat([p[0] for p in parts]), torch.cat([p[2] for p in parts])
+            sampled = torch.cat([p[1] for p in parts]) if k > 1 else None
+        metrics = eval_metrics(greedy, sampled, reward_weights, [fn.__name__ for fn in reward_fns])
+        metrics.update({"eval/num_prompts": len(greedy), "eval/completions/mean_length": lengths.mean().item()})
+        return {**metrics, "timing/eval": time.perf_counter() - t0}
+
+    def log_metrics(metrics, show):
+        """Rank 0: print the metrics line if `show`, append it to metrics.jsonl, send it to wandb."""
+        if not is_main:
+            return
+        if show:
+            tqdm.write(" | ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in metrics.items()))
+        metrics_file.write(json.dumps(metrics) + "\n")
+        metrics_file.flush()
+        if args.track:
+            wandb.log(metrics, step=metrics["step"])
+
     steps_per_round = args.steps_per_generation * args.num_iterations  # optimizer steps per generation round
     weights_version = global_step  # the optimizer step whose weights the generator holds
     next_round = None  # --async-generation: the round generating in the background while this one trains
+    if eval_dataset is not None and (global_step == 0 or args.max_steps == 0):  # the model before training
+        log_metrics({"step": global_step, **evaluate()}, show=True)
 
     while global_step < args.max_steps:
         round_start = time.perf_counter()
@@ -1231,14 +1401,7 @@ if __name__ == "__main__":
             staleness.append(global_step - version)  # optimizer steps between the sampling and the trained weights
             t0 = time.perf_counter()
             # 2. score: reward functions see the decoded completions and this row's dataset columns by name
-            texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
-            completions = [[{"role": "assistant", "content": t}] for t in texts] if conversational else texts
-            repeated = lambda values: [values[i] for i in rows for _ in range(args.num_generations)]  # noqa: E731
-            reward_columns = {c: repeated(v) for c, v in columns.items()}
-            prompt_texts = {i: tokenizer.decode(prompt_ids[i]) for i in rows}
-            reward_columns.update(prompts=repeated(prompt_texts), completion_ids=completion_ids,
-                                  max_completion_length=args.max_completion_length, **args.reward_kwargs)
-            scores = score_completions(reward_fns, completions, reward_columns)  # (len(rows) * G, num_funcs)
+            scores = score(rows, completion_ids, args.num_generations)  # (len(rows) * G, num_funcs)
             all_scores.append(scores)
             total = (scores * reward_weights).nansum(-1).masked_fill(scores.isnan().all(-1), float("nan"))
             for g, row in enumerate(rows):
@@ -1387,6 +1550,12 @@ if __name__ == "__main__":
             weights_version = global_step
             timing["timing/weight_sync"] = time.perf_counter() - t1
 
+        # 7. evaluate every --eval-steps steps and after the last one. Here the generator holds this step's weights and
+        # no request is in flight (--async-generation: step 6 waited for the next round before the push, and the round
+        # after it starts only at the top of the loop), so evaluation samples the current policy
+        evaluated = eval_dataset is not None and (global_step % args.eval_steps == 0 or global_step >= args.max_steps)
+        eval_results = evaluate() if evaluated else {}
+
         # TRY NOT TO MODIFY: logging (TRL's metric names, over all ranks) and checkpoints
         scores = torch.cat(all_scores)  # (this rank's generated rows, num_funcs)
         lengths, train_means = torch.tensor(completion_lengths, dtype=torch.float), {k: torch.stack(v).mean() for k, v in train_stats.items() if v}
@@ -1424,14 +1593,13 @@ if __name__ == "__main__":
         if args.dynamic_sampling:
             metrics["dynamic_sampling/generation_rounds"] = num_generation_rounds
             metrics["dynamic_sampling/kept_groups"] = keep * world_size
+        metrics.update(eval_results)
         if is_main:
             progress.set_postfix(reward=f"{metrics['reward']:.3f}", kl=f"{metrics.get('kl', 0):.4f}", len=f"{metrics['completions/mean_length']:.0f}")
-            if global_step % args.logging_steps == 0:
-                tqdm.write(" | ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in metrics.items()))
-            metrics_file.write(json.dumps(metrics) + "\n")
-            metrics_file.flush()
-            if args.track:
-                wandb.log(metrics, step=global_step)
+            if args.log_completions and global_step % args.logging_steps == 0:  # rank 0's rows
+                log_completions(tokenizer, batch_prompts, batch_completions, rewards_total, args.log_completions,
+                                global_step, args.track)
+        log_metrics(metrics, show=global_step % args.logging_steps == 0 or evaluated)
         preempted = global_sum(preemption.is_set(), world_size, device) > 0 and global_step < args.max_steps  # SIGTERM
         if preempted or (args.save_steps and global_step % args.save_steps == 0 and global_step < args.max_steps):
             model_state, optimizer_state = full_state(model, optimizer, world_size)  # every rank takes part
@@ -1464,12 +1632,13 @@ if __name__ == "__main__":
                     dist.destroy_process_group()
                 sys.exit(143)  # 128 + SIGTERM: stopped, not finished
 
-    # final model + tokenizer, loadable with from_pretrained(output_dir)
+    # final model + tokenizer, loadable with from_pretrained(output_dir); --max-steps 0 only evaluated: nothing to save
     progress.close()
-    model_state, _ = full_state(model, None, world_size)
+    model_state = full_state(model, None, world_size)[0] if args.max_steps else None
     if is_main:
-        save_final(args.output_dir, model, tokenizer, model_state)
-        print(f"saved the final model to {args.output_dir}")
+        if args.max_steps:
+            save_final(args.output_dir, model, tokenizer, model_state)
+            print(f"saved the final model to {args.output_dir}")
         metrics_file.close()
         if args.track:
             wandb.finish()

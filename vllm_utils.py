@@ -432,9 +432,9 @@ def start(args, model_path, max_prompt_length):
     return engine
 
 
-def generate(engine, prompt_ids):
-    """(completion ids, vLLM log-probs), prompt-major, num_generations per prompt."""
-    n, fields = engine["n"], engine["fields"]
+def generate(engine, prompt_ids, n=None, temperature=None):
+    """(completion ids, vLLM log-probs), prompt-major; n per prompt, temperature (0: greedy): None = training's."""
+    n, fields = n or engine["n"], {**engine["fields"], **({} if temperature is None else {"temperature": temperature})}
     if engine["mode"] == "server":
         chunking = engine["vllm_generation_chunk_size"], engine["vllm_generation_timeout"]
         return server_generate(engine["base_url"], engine["server"]["model_id"], prompt_ids, n, fields, *chunking)

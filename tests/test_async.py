@@ -36,26 +36,27 @@ class StandInServer:
         self.args, self.model = args, AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
         return {"mode": "server"}
 
-    def generate(self, engine, prompt_ids):
+    def generate(self, engine, prompt_ids, n=None, temperature=None):
         import grpo
 
         with self.lock:  # requests in the order they arrive
             self.in_flight += 1
-            request = {"version": self.version, "prompts": prompt_ids}
+            request = {"version": self.version, "prompts": prompt_ids, "n": n, "temperature": temperature}
             self.requests.append(request)
         time.sleep(self.delay)  # long enough that training runs meanwhile
         eos = self.model.generation_config.eos_token_id
-        completions, _ = grpo.hf_generate(self.model, prompt_ids, self.args, [eos], 0)
+        completions, _ = grpo.hf_generate(self.model, prompt_ids, self.args, [eos], 0, n, temperature)
         logprobs = []
         with torch.no_grad():
             for k, completion in enumerate(completions):
-                prompt = prompt_ids[k // self.args.num_generations]
+                prompt = prompt_ids[k // (n or self.args.num_generations)]
                 logits = self.model(torch.tensor([prompt + completion])).logits[0, len(prompt) - 1 : -1]
-                token_logprobs = (logits / self.args.temperature).log_softmax(-1)
+                token_logprobs = (logits / (temperature or self.args.temperature)).log_softmax(-1)  # greedy: unused
                 logprobs.append(token_logprobs.gather(-1, torch.tensor(completion)[:, None]).squeeze(-1).tolist())
         with self.lock:
             self.in_flight -= 1
             request["end_version"] = self.version
+            request["completions"] = completions
         return completions, logprobs
 
     def sync_weights(self, engine, model):

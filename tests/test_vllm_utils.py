@@ -800,3 +800,28 @@ def test_a_refused_prefix_cache_reset_is_an_error_raised_at_once_and_the_server_
     with pytest.raises(RuntimeError, match="prefix cache could not be reset"):
         vllm_utils.server_sync_weights(server.url, "group", _tiny_llama(), "0.26.0", 1 << 20, timeout=5)
     assert server.paths()[-2:] == ["/reset_prefix_cache", "/resume"]
+
+
+def test_generate_takes_n_and_temperature_per_call(monkeypatch):
+    """Evaluation asks for other settings than training's (greedy, k samples): n and temperature per call, in both
+    modes, while the engine's own settings, which the training rounds use, stay as they were."""
+    llm, seen = FakeLLM(_tiny_llama()), []
+
+    def generate(prompts, params, use_tqdm=False):  # the fake engine, recording what it was asked for
+        seen.append((params.n, params.temperature))
+        return FakeLLM.generate(llm, prompts, params)
+
+    monkeypatch.setattr(llm, "generate", generate)
+    fields = {"temperature": 0.7, "top_p": 1.0, "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0, "max_tokens": 4}
+    engine = {"mode": "colocate", "sleep": False, "llm": llm, "tp_group": None, "n": 4, "fields": fields}
+    assert len(vllm_utils.generate(engine, [[1], [2]], n=1, temperature=0.0)[0]) == 2  # greedy, one each
+    assert len(vllm_utils.generate(engine, [[1], [2]])[0]) == 8
+    assert seen == [(1, 0.0), (4, 0.7)] and engine["fields"]["temperature"] == 0.7
+    sent = []  # server mode: what goes into the /v1/completions requests
+    monkeypatch.setattr(vllm_utils, "server_generate", lambda url, model_id, prompt_ids, n, fields, *chunking:
+                        sent.append((n, fields["temperature"])) or ([], []))
+    server = {"mode": "server", "base_url": "http://x", "server": {"model_id": "m"}, "n": 4, "fields": fields,
+              "vllm_generation_chunk_size": 8, "vllm_generation_timeout": 1.0}
+    vllm_utils.generate(server, [[1]], 3, 0.5)
+    vllm_utils.generate(server, [[1]])
+    assert sent == [(3, 0.5), (4, 0.7)] and fields["temperature"] == 0.7
