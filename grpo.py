@@ -1549,6 +1549,8 @@ if __name__ == "__main__":
             vllm_utils.sync_weights(engine, model)
             weights_version = global_step
             timing["timing/weight_sync"] = time.perf_counter() - t1
+        if not args.use_vllm:
+            weights_version = global_step  # `generate` samples from the trained model itself
 
         # 7. evaluate every --eval-steps steps and after the last one. Here the generator holds this step's weights and
         # no request is in flight (--async-generation: step 6 waited for the next round before the push, and the round
