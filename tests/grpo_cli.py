@@ -1,8 +1,10 @@
 """Run the training scripts as commands on the CPU (shared by the CLI, dynamic-sampling and learning tests)."""
+import atexit
 import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -22,12 +24,50 @@ def write_jsonl(path, rows):
     return str(path)
 
 
+def script_env():
+    return dict(os.environ, WANDB_MODE="offline", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
+                CUDA_VISIBLE_DEVICES="", TOKENIZERS_PARALLELISM="false")
+
+
+_server = None
+
+
+def _prefork():
+    """The fork server (tests/prefork.py) of this pytest process, started on first use and stopped at exit."""
+    global _server
+    if _server is None or _server.poll() is not None:
+        _server = subprocess.Popen([sys.executable, str(Path(__file__).parent / "prefork.py")], stdin=subprocess.PIPE,
+                                   stdout=subprocess.PIPE, env=script_env(), cwd=ROOT, text=True)
+        atexit.register(_server.kill)
+    return _server
+
+
+def launch(script, *args, nproc=0, timeout=300, preimport=()):
+    """`python SCRIPT ARGS` (nproc 0) or `torchrun --standalone --nproc_per_node NPROC SCRIPT ARGS`, on the CPU, each
+    process forked from tests/prefork.py (which has imported torch and transformers already: seconds saved per run).
+    preimport: modules to import once for all NPROC processes of this command only (vllm). Returns a CompletedProcess:
+    the exit status, and stdout / stderr (the ranks' one after the other)."""
+    argv = [str(ROOT / script), *map(str, args)]
+    server = _prefork()
+    with tempfile.TemporaryDirectory() as out:
+        server.stdin.write(json.dumps({"argv": argv, "cwd": str(ROOT), "env": script_env(), "nproc": nproc,
+                                       "timeout": timeout, "out": out, "preimport": list(preimport)}) + "\n")
+        server.stdin.flush()
+        reply = server.stdout.readline()
+        if not reply:
+            raise RuntimeError(f"tests/prefork.py exited ({server.wait()})")
+        reply = json.loads(reply)
+        read = lambda name: "".join(open(f"{out}/rank{r}.{name}", errors="replace").read() for r in range(max(nproc, 1)))  # noqa: E731
+        stdout, stderr = read("stdout"), read("stderr")
+    command = [sys.executable, *(["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)] if nproc else []), *argv]
+    if reply["timed_out"]:
+        raise subprocess.TimeoutExpired(command, timeout, stdout, stderr)
+    return subprocess.CompletedProcess(command, reply["returncode"], stdout, stderr)
+
+
 def run_script(script, *args, timeout=300):
     """Run one of the training scripts (grpo.py, rloo.py, online_dpo.py) on the CPU; returns the CompletedProcess."""
-    env = dict(os.environ, WANDB_MODE="offline", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
-               CUDA_VISIBLE_DEVICES="", TOKENIZERS_PARALLELISM="false")
-    return subprocess.run([sys.executable, str(ROOT / script), *map(str, args)], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+    return launch(script, *args, timeout=timeout)
 
 
 def run_grpo(*args, timeout=300):

@@ -7,15 +7,16 @@ import sys
 from pathlib import Path
 
 import torch
-from grpo_cli import ASSETS, SMALL
+from grpo_cli import ASSETS, SMALL, launch
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="offline", CUDA_VISIBLE_DEVICES="")
 
 
-def torchrun(nproc, *args, timeout=300):
-    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), *map(str, args)],
-                          cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=timeout)
+def torchrun(nproc, script, *args, timeout=300, preimport=()):
+    """`torchrun --standalone --nproc_per_node NPROC SCRIPT ARGS` on the CPU; the workers are forked from tests/prefork.py
+    with torchrun's environment (test_grpo_step_under_real_torchrun_equals_one_process runs torchrun itself)."""
+    return launch(script, *args, nproc=nproc, timeout=timeout, preimport=preimport)
 
 
 def test_two_ranks_take_the_same_step_as_one(tmp_path):
@@ -35,7 +36,7 @@ def test_two_ranks_take_the_same_step_as_one(tmp_path):
 
 def test_tensor_parallel_groups_generate_together_and_each_rank_gets_its_own_completions():
     # 4 ranks, --vllm-tensor-parallel-size 2: ranks (0, 1) and (2, 3) each share one engine (tests/dist_tp.py)
-    result = torchrun(4, "tests/dist_tp.py", timeout=120)
+    result = torchrun(4, "tests/dist_tp.py", timeout=120, preimport=["vllm"])
     assert result.returncode == 0 and "TP ROUTING OK" in result.stderr, result.stderr[-3000:]
 
 
