@@ -2,6 +2,8 @@ import os
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # `import grpo` / `import rewards` from the repo root
 os.environ.setdefault("WANDB_MODE", "offline")
@@ -15,3 +17,21 @@ def pytest_sessionstart(session):
     from grpo_cli import _prefork
 
     _prefork()
+
+
+@pytest.fixture(scope="session")
+def learning_run(tmp_path_factory):
+    """learning_run(lr): the output folder of `python grpo.py LEARNING --learning-rate lr`, run once per session
+    (tests/test_learning.py checks its rewards, tests/test_plot.py plots them)."""
+    from grpo_cli import LEARNING, check, run_grpo
+
+    runs = {}
+
+    def run(learning_rate):
+        if learning_rate not in runs:
+            out = tmp_path_factory.mktemp("learning") / f"lr{learning_rate}"
+            check(run_grpo(*LEARNING, "--learning-rate", learning_rate, "--output-dir", out))
+            runs[learning_rate] = out
+        return runs[learning_rate]
+
+    return run

@@ -16,6 +16,12 @@ SMALL = ["--model-name-or-path", STORIES, "--prompt-column", "prompt", "--answer
          "--no-bf16", "--reward-funcs", "keyword_reward", "--prompts-per-step", "2", "--num-generations", "4",
          "--max-completion-length", "8", "--learning-rate", "1e-3"]
 
+# the learning test's run (tests/test_learning.py): 4 prompts x 8 completions of at most 24 tokens, 30 steps; add
+# --learning-rate and --output-dir
+LEARNING = ["--model-name-or-path", STORIES, "--dataset-name", ASSETS / "stories_prompts.jsonl", "--prompt-column", "prompt",
+              "--answer-column", "", "--reward-funcs", "keyword_reward", "--no-use-chat-template", "--no-bf16",
+              "--max-completion-length", 24, "--prompts-per-step", 4, "--num-generations", 8, "--max-steps", 30, "--seed", 1]
+
 
 def write_jsonl(path, rows):
     with open(path, "w") as f:
