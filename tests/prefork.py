@@ -38,6 +38,7 @@ except Exception:  # noqa: BLE001
 def run_child(argv, cwd, env, out, rank):
     """In the forked child: become `python argv...` and exit with its status. Never returns."""
     os.setpgid(0, 0)  # its own process group, so that a timeout can stop whatever it started
+    die_with_parent()
     for fd, path, flags in ((0, os.devnull, os.O_RDONLY), (1, f"{out}/rank{rank}.stdout", os.O_WRONLY | os.O_CREAT | os.O_TRUNC),
                             (2, f"{out}/rank{rank}.stderr", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)):
         os.dup2(os.open(path, flags, 0o644), fd)
@@ -68,6 +69,16 @@ def run_child(argv, cwd, env, out, rank):
             sys.stderr.flush()
         finally:
             os._exit(code & 0xFF if isinstance(code, int) else 1)
+
+
+def die_with_parent():
+    """Linux: killed when the parent process ends (pytest interrupted, the server killed) instead of running on."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
 
 
 def free_port():
@@ -135,6 +146,7 @@ def stop(children):
 
 
 if __name__ == "__main__":
+    die_with_parent()
     for line in sys.stdin:
         reply = serve(json.loads(line))
         sys.stdout.write(json.dumps(reply) + "\n")

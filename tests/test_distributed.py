@@ -1,5 +1,7 @@
-"""Several processes on the CPU (torchrun, gloo, FSDP2): one optimizer step on 2 ranks equals the same step on 1 rank
-with the same global batch, and grpo.py trains, checkpoints and resumes under `torchrun --nproc_per_node 2`."""
+"""Several processes on the CPU (torchrun, gloo, FSDP2): the scripts end with the same weights on 2 ranks as on 1 with
+the same global batch (and tests/dist_step.py's copy of each loss's step, with signal on every rank), and they train,
+checkpoint and resume under `torchrun --nproc_per_node 2`. The workers are forked from tests/prefork.py with torchrun's
+environment; test_the_scripts_take_the_same_steps_on_two_ranks_as_on_one[grpo.py] runs torchrun itself."""
 import json
 import os
 import subprocess
