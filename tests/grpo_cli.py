@@ -63,8 +63,8 @@ def launch(script, *args, nproc=0, timeout=300, preimport=()):
         if not reply:
             raise RuntimeError(f"tests/prefork.py exited ({server.wait()})")
         reply = json.loads(reply)
-        read = lambda name: "".join(open(f"{out}/rank{r}.{name}", errors="replace").read() for r in range(max(nproc, 1)))  # noqa: E731
-        stdout, stderr = read("stdout"), read("stderr")
+        stdout, stderr = ("".join(Path(out, f"rank{r}.{stream}").read_text(errors="replace") for r in range(max(nproc, 1)))
+                          for stream in ("stdout", "stderr"))
     command = [sys.executable, *(["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)] if nproc else []), *argv]
     if reply["timed_out"]:
         raise subprocess.TimeoutExpired(command, timeout, stdout, stderr)

@@ -3,11 +3,11 @@
 Starting `python grpo.py` costs 5-10 s of imports (torch, transformers, datasets, math_verify) before the script does
 anything, more than most CPU test runs themselves take. This process imports all of that once, then serves requests
 read from stdin, one JSON object per line: {"argv": [script, *args], "cwd": ..., "env": {...}, "nproc": N,
-"timeout": s, "out": folder, "preimport": [modules]}. For each it forks N children (N = 0: one plain process). Each child is a fresh process
-that runs the script exactly as `python script args` would (runpy, `__name__ == "__main__"`, sys.argv, sys.path[0] =
-the script's folder, the request's environment and working directory), its stdout and stderr written to
-out/rankI.stdout and out/rankI.stderr, its exit status that of the interpreter: 0, SystemExit's code, or 1 after an
-uncaught exception's traceback. N >= 1 launches the children as `torchrun --standalone --nproc_per_node N` launches
+"timeout": s, "out": folder, "preimport": [modules]}. For each it forks N children (N = 0: one plain process). Each
+child is a fresh process that runs the script exactly as `python script args` would (runpy, `__name__ == "__main__"`,
+sys.argv, sys.path[0] = the script's folder, the request's environment and working directory), its stdout and stderr
+written to out/rankI.stdout and out/rankI.stderr, its exit status that of the interpreter: 0, SystemExit's code, or 1
+after an uncaught exception's traceback. N >= 1 launches the children as `torchrun --standalone --nproc_per_node N` launches
 its workers: the same rendezvous variables (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, ...), and when
 one worker fails the others are stopped. Answers one JSON line per request: {"returncode": rc, "timed_out": bool}.
 Nothing here computes with torch before forking: the children start from imported modules only."""
@@ -21,7 +21,7 @@ import time
 import traceback
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+sys.path.insert(0, ROOT)  # sys.path: ROOT, this file's folder, then what any `python script.py` has after its folder
 for name in ("numpy", "torch", "torch.distributed", "torch.distributed.fsdp", "torch.distributed.checkpoint.state_dict",
              "torch.utils.checkpoint", "tqdm", "tyro", "datasets", "transformers", "transformers.models.llama.modeling_llama",
              "safetensors.torch", "tokenizers", "rewards", "grpo", "rloo", "online_dpo"):
@@ -48,7 +48,7 @@ def run_child(argv, cwd, env, out, rank):
         os.environ.clear()
         os.environ.update(env)
         sys.argv = list(argv)
-        sys.path[0] = os.path.dirname(os.path.abspath(argv[0]))
+        sys.path[:] = [os.path.dirname(os.path.abspath(argv[0])), *sys.path[2:]]
         runpy.run_path(argv[0], run_name="__main__")
         code = 0
     except SystemExit as exit_:  # as the interpreter treats it: None is 0, an int is the status, anything else is printed

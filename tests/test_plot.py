@@ -44,7 +44,7 @@ def test_plot_runs_and_trl(tmp_path, learning_run):
         check_png(out / path.split("/")[-1])
 
     # reward against steps and against wall-clock time (the running sum of step_time): one line per run, its values
-    fig, (by_step, by_time) = plots[str(out / "reward.png")]
+    _, (by_step, by_time) = plots[str(out / "reward.png")]
     assert [line.get_label() for line in by_step.get_lines()] == ["lr0.0002", "lr0.0", "with_eval"]
     for run, step_line, time_line in zip(runs + [with_eval], by_step.get_lines(), by_time.get_lines()):
         metrics = read_metrics(run)
