@@ -2,30 +2,49 @@
 """Online Direct Preference Optimization for language models, with vLLM or Hugging Face `generate` for sampling.
 
 Every step: sample G completions per prompt from the current policy, score them (reward functions or a reward model),
-pair the best with the worst, and take one optimizer step on the DPO loss against a frozen copy of the initial model
-(online AI feedback: Guo et al. 2024, arXiv 2402.04792; DPO: arXiv 2305.18290 eq. 7; IPO: arXiv 2310.12036 eq. 17).
+pair the best with the worst, and take one optimizer step on the DPO loss against a frozen copy of the initial
+model (online AI feedback: Guo et al. 2024, arXiv 2402.04792; DPO: arXiv 2305.18290 eq. 7; IPO: arXiv 2310.12036
+eq. 17). The options are grouped as in README.md's table (grpo.py); a run writes its model, checkpoints and
+metrics.jsonl to its --output-dir, which it keeps to itself.
 
-Examples:
-  # CPU, about 10 seconds, bundled 260K-parameter model learns to say "play"
-  python online_dpo.py --model-name-or-path tests/assets/stories260K --dataset-name tests/assets/stories_prompts.jsonl \
-      --prompt-column prompt --answer-column "" --reward-funcs keyword_reward --no-use-chat-template --no-bf16 \
-      --num-generations 4 --prompts-per-step 8 --max-completion-length 24 --learning-rate 3e-4 --max-steps 30 \
-      --output-dir runs/quickstart-dpo
+Example, on the CPU (about 15 seconds on 2 CPU cores, no download): the bundled 260K-parameter TinyStories model,
+rewarded for the word "play", puts it into almost every story:
+  OMP_NUM_THREADS=1 python online_dpo.py --model-name-or-path tests/assets/stories260K \\
+      --dataset-name tests/assets/stories_prompts.jsonl --prompt-column prompt --answer-column "" \\
+      --reward-funcs keyword_reward --no-use-chat-template --no-bf16 --num-generations 4 --prompts-per-step 8 \\
+      --max-completion-length 24 --learning-rate 3e-4 --max-steps 30 --output-dir runs/quickstart-dpo
+
+More examples:
   # one GPU, vLLM inside the training process
   python online_dpo.py --reward-funcs gsm8k_accuracy --use-vllm --vllm-mode colocate --vllm-enable-sleep-mode
   # trainer on GPU 0, a stock vLLM server on GPU 1 (README.md, "Using vLLM"), scored by a reward model
   python online_dpo.py --reward-model-path Skywork/Skywork-Reward-V2-Qwen3-0.6B --use-vllm --vllm-mode server
 """
+import ast
+import atexit
+import dataclasses
+import fcntl
+import inspect
+import itertools
 import json
 import math
 import os
 import random
+import re
 import shutil
+import signal
+import socket
+import sys
+import textwrap
+import threading
 import time
+from collections import defaultdict
+from concurrent.futures import Future
+import uuid
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
-from typing import Literal
+from typing import Annotated, Literal
 
 import numpy as np
 import torch
@@ -80,7 +99,7 @@ class Args:
     answer_column: str = "answer"
     """column holding the reference answer, passed to rewards as `answer` ("" if there is none)"""
     max_prompt_length: int | None = None
-    """drop prompts with more tokens than this (default: keep all; an over-long prompt is an error)"""
+    """drop prompts with more tokens than this (None = keep all, and an over-long prompt is an error)"""
 
     # Generation
     num_generations: int = 2
@@ -110,7 +129,7 @@ class Args:
     vllm_tensor_parallel_size: int = 1
     """colocate: tensor-parallel size of the in-process engine"""
     vllm_max_model_len: int | None = None
-    """colocate: context length of the engine (default: longest prompt + max_completion_length)"""
+    """colocate: context length of the engine (None = longest prompt + max_completion_length)"""
     vllm_enable_sleep_mode: bool = False
     """colocate: free vLLM's memory (sleep level 2) while training"""
     vllm_server_host: str = "127.0.0.1"
@@ -119,14 +138,26 @@ class Args:
     """server: port of `vllm serve`"""
     vllm_server_timeout: float = 240.0
     """server: seconds to wait for the server to answer /health"""
-    vllm_group_port: int = 51216
-    """server: TCP port the trainer opens for the NCCL weight-sync rendezvous"""
+    vllm_group_port: int | None = None
+    """server: TCP port the trainer opens for the NCCL weight-sync rendezvous (None: a free port, chosen per run)"""
+    vllm_generation_chunk_size: int = 8
+    """server: prompts per /v1/completions request; a round's requests are sent at once and vLLM batches them"""
+    vllm_generation_timeout: float = 1800.0
+    """server: seconds one /v1/completions request may take"""
+    vllm_weight_sync_timeout: float = 300.0
+    """server: seconds the NCCL group setup, and each weight update, may take"""
+    vllm_weight_sync_buffer_mb: int = 1024
+    """server: size of each packed NCCL broadcast chunk (two in flight on each side: lower it if memory is short)"""
+    async_generation: bool = False
+    """server: generate the next round while training on this one (a step costs about max(generation, training)
+    instead of their sum). Each round is sampled by the weights one step behind the ones it trains: the DPO loss
+    needs no correction for that (it is off-policy by construction), and sampling/staleness logs it"""
 
-    # Rewards and pairs
+    # Rewards (and the pairs they rank)
     reward_funcs: list[str] = field(default_factory=list)
     """names of functions in rewards.py; their weighted sum is the reward (e.g. gsm8k_accuracy); or --reward-model-path"""
     reward_weights: list[float] | None = None
-    """one weight per reward function (default: all 1)"""
+    """one weight per reward function (None = all 1)"""
     reward_kwargs: dict[str, float] = field(default_factory=dict)
     """extra keyword arguments for every reward function, e.g. overlong_buffer_length 128"""
     reward_model_path: str | None = None
@@ -168,32 +199,20 @@ class Args:
     save_total_limit: int | None = 2
     """keep only the newest this many checkpoints"""
     resume_from_checkpoint: str | None = None
-    """a checkpoint directory, or "latest" for the newest one in output_dir"""
+    """a checkpoint directory, or "latest" for this run's newest one in output_dir"""
+    overwrite_output_dir: bool = False
+    """start a new run in an output_dir that holds another run's files (its metrics.jsonl and final model are replaced;
+    its checkpoints are kept, and never resumed or deleted by this run)"""
 
 
 # ------------------------------------------------------------------------------------------------------------------
 # Data
 
 
-def load_prompts(args, tokenizer, max_context):
-    """Load the dataset and return (prompt_ids, prompts, columns, is_conversational): token ids per row, the prompt
-    as chat messages (when a chat template was applied) or text, and the other columns (answer column renamed to
-    `answer`) that reward functions receive by name."""
-    from datasets import load_dataset
-
-    name = args.dataset_name
-    if name.endswith((".json", ".jsonl", ".parquet")):
-        if not os.path.exists(name):
-            raise FileNotFoundError(f"dataset file {name} does not exist")
-        dataset = load_dataset("parquet" if name.endswith(".parquet") else "json", data_files=name, split="train")
-    else:
-        dataset = load_dataset(name, args.dataset_config, split=args.dataset_split)
-    for option, column in (("--prompt-column", args.prompt_column), ("--answer-column", args.answer_column)):
-        if column and column not in dataset.column_names:
-            raise ValueError(
-                f"dataset {name} has no column '{column}' (its columns: {dataset.column_names}). "
-                f"Pass {option} with one of those" + (', or --answer-column "" if it has none.' if "answer" in option else ".")
-            )
+def load_prompts(args, dataset, tokenizer, max_context):
+    """Tokenize the prompts of `dataset` ({column: values}, from read_dataset) and return (prompt_ids, prompts,
+    columns, is_conversational): token ids per row, the prompt as chat messages (when a chat template was applied) or
+    text, and the other columns (answer column renamed to `answer`) that reward functions receive by name."""
     raw = dataset[args.prompt_column]
     conversational = isinstance(raw[0], list)
     use_template = conversational or (args.use_chat_template and tokenizer.chat_template is not None)
@@ -211,7 +230,7 @@ def load_prompts(args, tokenizer, max_context):
             ids = tokenizer(text)["input_ids"]
             prompts.append(text)
         prompt_ids.append(list(ids))
-    columns = {c: dataset[c] for c in dataset.column_names if c != args.prompt_column}
+    columns = {c: values for c, values in dataset.items() if c != args.prompt_column}
     if args.answer_column and args.answer_column != "answer":
         columns["answer"] = columns.pop(args.answer_column)
 
@@ -577,6 +596,21 @@ def hf_generate(model, prompt_ids, args, eos_ids, pad_id):
     return completions, None
 
 
+def future_of(fn, *args, background=True):
+    """fn(*args) as a Future: run in a daemon thread (--async-generation: the trainer trains meanwhile; a daemon never
+    holds up the exit after an error), or right now. future.result() returns the value or raises fn's error."""
+    future = Future()
+
+    def run():
+        try:
+            future.set_result(fn(*args))
+        except BaseException as error:  # noqa: BLE001 - re-raised by future.result() in the training loop
+            future.set_exception(error)
+
+    threading.Thread(target=run, daemon=True).start() if background else run()
+    return future
+
+
 # ------------------------------------------------------------------------------------------------------------------
 # Checkpoints
 
@@ -619,43 +653,372 @@ def save_final(output_dir, model, tokenizer, state_dict=None):
     os.rmdir(tmp)
 
 
-def find_checkpoint(output_dir, name):
-    """Resolve --resume-from-checkpoint: a directory, or "latest" = the highest checkpoint-N in output_dir."""
-    if name != "latest":
-        return name
-    steps = [int(d.split("-")[1]) for d in os.listdir(output_dir) if d.startswith("checkpoint-") and d.split("-")[1].isdigit()] if os.path.isdir(output_dir) else []
-    if not steps:
-        raise FileNotFoundError(f"--resume-from-checkpoint latest: no checkpoint-N directory in {output_dir}")
-    return os.path.join(output_dir, f"checkpoint-{max(steps)}")
+# ------------------------------------------------------------------------------------------------------------------
+# Start-up: arguments, data and the output directory, all checked before any model loads
+
+
+def parse_args(argv=None):
+    """tyro.cli(Args), with --help in the groups of the "# ..." comment headers in Args (those of README.md's option
+    table). tyro groups the options of nested dataclasses, so each header's fields become one nested dataclass whose
+    flags keep their names (OmitArgPrefixes); the parsed groups are merged back into one flat Args."""
+    source = inspect.getsource(Args)
+    body = ast.parse(textwrap.dedent(source)).body[0].body
+    docs = {a.target.id: " ".join(b.value.value.split()) for a, b in itertools.pairwise(body)
+            if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr)}
+    groups, title = {}, None
+    for line in source.splitlines():
+        if header := re.match(r" {4}# (.+?)(?: \(.*)?$", line):
+            title = header[1]
+        elif name := re.match(r" {4}(\w+):", line):
+            groups.setdefault(title, []).append(name[1])
+    fields = {f.name: f for f in dataclasses.fields(Args)}
+    parts = []
+    for title, names in groups.items():
+        group = dataclasses.make_dataclass(title, [
+            (n, Annotated[fields[n].type, tyro.conf.arg(help=docs[n])],
+             dataclasses.field(default=fields[n].default, default_factory=fields[n].default_factory)) for n in names])
+        group.__doc__ = ""
+        parts.append((re.sub(r"\W+", "_", title).lower(), tyro.conf.OmitArgPrefixes[group], dataclasses.field(default_factory=group)))
+    description = "\n\n".join(__doc__.split("\n\n")[:3])  # what it does, and the CPU example
+    parsed = tyro.cli(dataclasses.make_dataclass("Args", parts), args=argv, description=description)
+    return Args(**{k: v for part in dataclasses.fields(parsed) for k, v in vars(getattr(parsed, part.name)).items()})
+
+
+def looks_local(path):
+    """A path that cannot be a hub name: absolute, ./ ../ ~, several '/', or its first folder exists here."""
+    return path.startswith(("/", ".", "~")) or path.count("/") > 1 or "\\" in path or os.path.isdir(path.split("/")[0])
+
+
+def check_args(args, world_size=1):
+    """Every check that needs neither a model nor the data, right after parsing: value ranges, flag combinations, and
+    that local paths exist (a missing local model would otherwise surface later, as a hub error). Exits with one line
+    per problem, each naming its flag."""
+    problems = []
+    rules = [  # (field, true for a valid value, what it must be); None (an option left unset) is always valid
+        ("num_generations", lambda v: v >= 2, "at least 2: a preference pair compares two completions of a prompt"),
+        ("prompts_per_step", lambda v: v >= 1, "at least 1"),
+        ("max_prompt_length", lambda v: v >= 1, "at least 1"),
+        ("max_completion_length", lambda v: v >= 1, "at least 1 (new tokens per completion)"),
+        ("temperature", lambda v: v > 0, "> 0"),
+        ("top_p", lambda v: 0 < v <= 1, "in (0, 1]"),
+        ("top_k", lambda v: v >= 0, ">= 0 (0 = off)"),
+        ("min_p", lambda v: 0 <= v <= 1, "in [0, 1] (0 = off)"),
+        ("repetition_penalty", lambda v: v > 0, "> 0 (1 = off)"),
+        ("vllm_gpu_memory_utilization", lambda v: 0 < v <= 1, "in (0, 1]"),
+        ("vllm_tensor_parallel_size", lambda v: v >= 1, "at least 1"),
+        ("vllm_max_model_len", lambda v: v >= 1, "at least 1"),
+        ("vllm_server_port", lambda v: 0 < v < 65536, "a TCP port (1-65535)"),
+        ("vllm_server_timeout", lambda v: v > 0, "> 0 seconds"),
+        ("vllm_group_port", lambda v: 0 < v < 65536, "a TCP port (1-65535)"),
+        ("beta", lambda v: len(v) > 0 and min(v) > 0, "one or more values > 0"),
+        ("missing_eos_penalty", lambda v: v > 0, "> 0 (it is subtracted from the reward)"),
+        ("learning_rate", lambda v: v >= 0, ">= 0"),
+        ("weight_decay", lambda v: v >= 0, ">= 0"),
+        ("adam_beta1", lambda v: 0 <= v < 1, "in [0, 1)"),
+        ("adam_beta2", lambda v: 0 <= v < 1, "in [0, 1)"),
+        ("warmup_steps", lambda v: v >= 0, ">= 0"),
+        ("max_steps", lambda v: v >= 1, "at least 1"),
+        ("micro_batch_tokens", lambda v: v >= 1, "at least 1"),
+        ("logging_steps", lambda v: v >= 1, "at least 1"),
+        ("save_steps", lambda v: v >= 0, ">= 0 (0 = only the final model)"),
+        ("save_total_limit", lambda v: v >= 0, ">= 0"),
+    ]
+    for name, valid, must in rules:
+        value = getattr(args, name)
+        if value is not None and not valid(value):
+            problems.append(f"--{name.replace('_', '-')} must be {must}, got {value}")
+    if args.prompts_per_step % world_size:
+        problems.append(f"--prompts-per-step {args.prompts_per_step} must be divisible by the number of processes ({world_size})")
+    if bool(args.reward_funcs) == bool(args.reward_model_path):
+        problems.append(("no reward given: " if not args.reward_funcs else "both --reward-funcs and --reward-model-path given: ")
+                        + "pass either --reward-funcs with names from rewards.py (e.g. gsm8k_accuracy) or "
+                        "--reward-model-path with a sequence-classification reward model, not both")
+    if args.reward_weights is not None and len(args.reward_weights) != len(args.reward_funcs):
+        problems.append(f"--reward-weights has {len(args.reward_weights)} values for {len(args.reward_funcs)} --reward-funcs")
+    if args.use_vllm:
+        import vllm_utils
+
+        problems += vllm_utils.setup_problems()
+    if args.async_generation and not (args.use_vllm and args.vllm_mode == "server"):
+        problems.append("--async-generation needs --use-vllm --vllm-mode server: a colocated engine or `generate` share "
+                        "the trainer's GPU, so generation cannot overlap training")
+    # local paths: a directory that is not there is reported as such, not as a hub name that does not parse
+    for name, marker, kind in (("model_name_or_path", "config.json", "model"), ("reward_model_path", "config.json", "model"),
+                               ("resume_from_checkpoint", "trainer_state.pt", "checkpoint")):
+        path = getattr(args, name)
+        if path is None or (name == "resume_from_checkpoint" and path == "latest"):
+            continue
+        if os.path.isdir(path) and not os.path.exists(os.path.join(path, marker)):
+            problems.append(f"--{name.replace('_', '-')} {path}: that directory has no {marker}, so it is not a {kind}")
+        elif not os.path.isdir(path) and (kind == "checkpoint" or looks_local(path)):
+            problems.append(f"--{name.replace('_', '-')} {path}: no such directory")
+    local_data = args.dataset_name.endswith((".json", ".jsonl", ".parquet")) or looks_local(args.dataset_name)
+    if local_data and not os.path.exists(args.dataset_name):
+        problems.append(f"--dataset-name {args.dataset_name} does not exist (no such file or directory)")
+    if os.path.exists(args.output_dir) and not os.path.isdir(args.output_dir):
+        problems.append(f"--output-dir {args.output_dir} is a file, not a directory")
+    if problems:
+        raise SystemExit("\n".join(["error: " + p for p in problems]))
+
+
+def reward_functions(names):
+    """The functions of rewards.py that --reward-funcs names."""
+    public = [n for n in dir(rewards) if not n.startswith("_") and callable(getattr(rewards, n)) and getattr(rewards, n).__module__ == "rewards"]
+    for name in names:
+        if name not in public:
+            raise SystemExit(f"error: unknown reward function '{name}'. --reward-funcs takes names from rewards.py: {public}")
+    return [getattr(rewards, name) for name in names]
+
+
+def read_dataset(args):
+    """Read the dataset once, before any model loads: {column: list of values}. Local .jsonl / .json files are parsed
+    here, so that a malformed record is reported with its file and line; .parquet files and hub datasets through
+    `datasets`."""
+    name = args.dataset_name
+    if name.endswith((".json", ".jsonl")):
+        with open(name, encoding="utf-8") as f:
+            text = f.read()
+        try:  # a .json file may hold one array of records; anything else is read as one record per line
+            records = json.loads(text)
+            records = list(enumerate(records, 1)) if isinstance(records, list) else None
+        except json.JSONDecodeError:
+            records = None
+        where = "record"
+        if records is None:
+            where, records = "line", []
+            for number, line in enumerate(text.splitlines(), 1):
+                if not line.strip():
+                    continue
+                try:
+                    records.append((number, json.loads(line)))
+                except json.JSONDecodeError as error:
+                    raise SystemExit(f"error: --dataset-name {name}, line {number}: not valid JSON ({error.msg}, column "
+                                     f"{error.colno}): {line[:120]}") from None
+        for number, record in records:
+            if not isinstance(record, dict):
+                raise SystemExit(f"error: --dataset-name {name}, {where} {number}: a JSON object per record is expected, "
+                                 f"got {type(record).__name__}")
+        dataset = {}
+        for _, record in records:
+            for column in record:
+                dataset.setdefault(column, None)
+        dataset = {column: [record.get(column) for _, record in records] for column in dataset}
+    else:
+        from datasets import load_dataset
+
+        if name.endswith(".parquet"):
+            dataset = load_dataset("parquet", data_files=name, split="train").to_dict()
+        else:
+            dataset = load_dataset(name, args.dataset_config, split=args.dataset_split).to_dict()
+    if not dataset or not next(iter(dataset.values())):
+        raise SystemExit(f"error: --dataset-name {name} holds no records")
+    return dataset
+
+
+def check_dataset(args, dataset, reward_fns):
+    """The columns that the flags name exist, and each reward function finds every argument it requires (its
+    signature against the dataset's columns and what the trainer passes)."""
+    name, columns = args.dataset_name, list(dataset)
+    for option, column in (("--prompt-column", args.prompt_column), ("--answer-column", args.answer_column)):
+        if (column or option == "--prompt-column") and column not in columns:
+            raise SystemExit(
+                f"error: dataset {name} has no column '{column}' (its columns: {columns}). "
+                f"Pass {option} with one of those" + (', or --answer-column "" if it has none.' if "answer" in option else ".")
+            )
+    given = set(columns) - {args.prompt_column}  # what reward functions receive (load_prompts: answer column as `answer`)
+    if args.answer_column and args.answer_column != "answer":
+        given = given - {args.answer_column} | {"answer"}
+    given |= {"completions", "prompts", "completion_ids", "max_completion_length", *args.reward_kwargs}
+    for fn in reward_fns:
+        parameters = inspect.signature(fn).parameters.values()
+        for missing in [p.name for p in parameters if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name not in given]:
+            if missing == "answer":
+                raise SystemExit(f"error: reward function '{fn.__name__}' needs the reference answer, and --answer-column "
+                                 f"'{args.answer_column}' gives none: pass --answer-column with the column of {name} that "
+                                 f"holds it (its columns: {columns})")
+            raise SystemExit(f"error: reward function '{fn.__name__}' (--reward-funcs) needs a column '{missing}', which "
+                             f"--dataset-name {name} does not have (its columns: {columns})")
+
+
+def read_json(path):
+    """The JSON value in the file `path`, or None if there is none (or it is unreadable)."""
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def write_json(path, value):
+    """Write `value` as JSON through a temporary file and a rename: a reader never sees half a file."""
+    with open(f"{path}.tmp-{os.getpid()}", "w") as f:
+        json.dump(value, f, indent=1)
+    os.replace(f"{path}.tmp-{os.getpid()}", path)
+
+
+def pid_alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        pass
+    return True
+
+
+def run_checkpoints(output_dir, run_id):
+    """The checkpoint-N directories in output_dir that belong to run `run_id` (their run.json says so), oldest first.
+    Checkpoints written before runs had ids have no run.json: they match run_id None (a directory without run.json)."""
+    found = []
+    for name in os.listdir(output_dir) if os.path.isdir(output_dir) else []:
+        path = os.path.join(output_dir, name)
+        if name.startswith("checkpoint-") and name[11:].isdigit() and (read_json(os.path.join(path, "run.json")) or {}).get("run_id") == run_id:
+            found.append((int(name[11:]), path))
+    return [path for _, path in sorted(found)]
+
+
+def remove_dead_temporaries(output_dir):
+    """Remove what a process killed while saving left behind: checkpoint-N.tmp-PID (half written), .final-tmp-PID,
+    and checkpoint-N.old-PID (a complete checkpoint moved aside for its replacement: put back if that never arrived).
+    Only those of processes that no longer run."""
+    for name in sorted(os.listdir(output_dir)):
+        match = re.fullmatch(r"(checkpoint-\d+|run\.json)\.(tmp|old)-(\d+)|\.final-tmp-(\d+)", name)
+        if not match or pid_alive(int(match[3] or match[4])):
+            continue
+        path = os.path.join(output_dir, name)
+        if match[2] == "old" and not os.path.exists(os.path.join(output_dir, match[1])):
+            os.replace(path, os.path.join(output_dir, match[1]))
+            print(f"{output_dir}: put back {match[1]} from {name}, left by a process that died while replacing it")
+        else:
+            shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+            print(f"{output_dir}: removed {name}, left by a process that died while saving")
+
+
+def claim_output_dir(args, script):
+    """Make --output-dir this run's (rank 0, before any model loads); returns (run, checkpoint to resume or None).
+
+    run = {"run_id", "run_name"}: the identity written into output_dir/run.json and into every checkpoint, so that
+    `latest`, --save-total-limit and a resumed wandb run concern this run only.
+    * A lock (flock on output_dir/.lock, held for the life of the process and released by the kernel however it
+      ends, SIGKILL included) keeps a second live run out of the directory.
+    * Temporaries of dead processes (a SIGINT during a save) are removed.
+    * A directory holding another run's files is refused, unless --resume-from-checkpoint continues that run or
+      --overwrite-output-dir starts a new run there (its metrics.jsonl and final model are replaced; its
+      checkpoints stay, never resumed or deleted by this run).
+    * A checkpoint at or past --max-steps is refused: there would be nothing to train."""
+    out, locked = args.output_dir, False
+    created, lock_created = not os.path.isdir(out), not os.path.exists(os.path.join(out, ".lock"))
+    os.makedirs(out, exist_ok=True)
+    lock = os.open(os.path.join(out, ".lock"), os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            locked = True
+        except BlockingIOError:
+            holder = os.pread(lock, 300, 0).decode(errors="replace").strip() or "another process"
+            raise SystemExit(f"error: --output-dir {out} is in use by a run that is still going ({holder}): two runs in "
+                             f"one directory overwrite each other's checkpoints and metrics. Wait for it to end, or pass "
+                             f"another --output-dir.") from None
+        except OSError as error:  # a file system without flock (some network mounts): run, but say so
+            print(f"warning: cannot lock {out}/.lock ({error}): nothing keeps a second run out of this directory")
+        os.ftruncate(lock, 0)
+        os.pwrite(lock, f"{script}, pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}".encode(), 0)
+        remove_dead_temporaries(out)
+        owner = read_json(os.path.join(out, "run.json")) or {}
+        files = sorted(set(os.listdir(out)) - {".lock", "run.json"})
+        checkpoint = args.resume_from_checkpoint
+        if checkpoint == "latest":
+            checkpoint = run_checkpoints(out, owner.get("run_id"))[-1:]
+            if not checkpoint:
+                others = [f for f in files if f.startswith("checkpoint-")]
+                raise SystemExit(f"error: --resume-from-checkpoint latest: no checkpoint-N directory in {out} of the run "
+                                 f"that owns it" + (f" ({', '.join(others)} are another run's: pass one's path to "
+                                                    f"--resume-from-checkpoint to continue that run)" if others else ""))
+            checkpoint = checkpoint[0]
+        resumed = (read_json(os.path.join(checkpoint, "run.json")) or {}) if checkpoint else {}
+        if resumed.get("script", script) != script:
+            raise SystemExit(f"error: --resume-from-checkpoint {checkpoint} is a checkpoint of {resumed['script']}: "
+                             f"continue that run with {resumed['script']}, not {script}")
+        if files and not (checkpoint and resumed.get("run_id") == owner.get("run_id")):
+            if not args.overwrite_output_dir:
+                listed = ", ".join(files[:5]) + (f" and {len(files) - 5} more" if len(files) > 5 else "")
+                raise SystemExit(
+                    f"error: --output-dir {out} holds "
+                    + (f"another run's files ({listed}; a {owner['script']} run started {owner['started']}). "
+                       if owner.get("script") else f"files that are not this run's ({listed}). ")
+                    + "A new run there would replace its model and mix its metrics and checkpoints with this one's. To "
+                    "continue that run, pass --resume-from-checkpoint latest (or a checkpoint's path); to start a new "
+                    "run there anyway, pass --overwrite-output-dir (its metrics.jsonl and final model are replaced, "
+                    "its checkpoints are kept and never resumed or deleted by the new run); or pass another --output-dir.")
+            for name in ("metrics.jsonl", "config.json"):  # a new metrics file; no complete model until this run's
+                if os.path.exists(os.path.join(out, name)):
+                    os.remove(os.path.join(out, name))
+            print(f"--overwrite-output-dir: a new run in {out}; the earlier run's metrics.jsonl is deleted, its model "
+                  f"files are replaced at the end, its checkpoints are left alone")
+        if checkpoint:
+            step = resumed.get("global_step")
+            if step is None:  # a checkpoint written before run.json existed
+                step = torch.load(os.path.join(checkpoint, "trainer_state.pt"), weights_only=False, mmap=True)["global_step"]
+            if step >= args.max_steps:
+                raise SystemExit(f"error: --resume-from-checkpoint {checkpoint} is at step {step} and --max-steps is "
+                                 f"{args.max_steps}: there is nothing left to train. Raise --max-steps to train on from it "
+                                 f"(the learning-rate schedule follows --max-steps), or load it as a model.")
+        if checkpoint and resumed.get("run_id"):
+            run = {"run_id": resumed["run_id"], "run_name": resumed["run_name"]}  # the same run continues
+        else:
+            run = {"run_id": uuid.uuid4().hex[:12], "run_name": f"{args.exp_name}__{args.seed}__{int(time.time())}"}
+            atexit.register(forget_unstarted_run, out, run["run_id"], created)
+        if run["run_id"] != owner.get("run_id"):
+            write_json(os.path.join(out, "run.json"),
+                       {**run, "script": script, "started": time.strftime("%Y-%m-%d %H:%M:%S"), "args": asdict(args)})
+        return run, checkpoint
+    except BaseException:
+        if locked and lock_created:  # refused before writing anything: leave the directory as it was
+            os.remove(os.path.join(out, ".lock"))
+            if created and not os.listdir(out):
+                os.rmdir(out)
+        os.close(lock)  # the lock goes with it
+        raise
+
+
+def forget_unstarted_run(output_dir, run_id, created):
+    """At exit: if this run wrote nothing but run.json (it failed while starting), take that back, and the directory
+    too if this run created it."""
+    try:
+        if set(os.listdir(output_dir)) <= {".lock", "run.json"} and read_json(os.path.join(output_dir, "run.json"))["run_id"] == run_id:
+            os.remove(os.path.join(output_dir, "run.json"))
+            os.remove(os.path.join(output_dir, ".lock"))
+            if created:
+                os.rmdir(output_dir)
+    except (OSError, TypeError, KeyError):
+        pass
+
+
+def on_sigterm():
+    """Preemption: a cluster scheduler sends SIGTERM, then SIGKILL after a grace period. SIGTERM sets the returned
+    event; the loop then writes a checkpoint at the end of the current step and exits (resume with
+    --resume-from-checkpoint latest). A second SIGTERM ends the process at once."""
+    requested = threading.Event()
+
+    def handler(signum, frame):
+        requested.set()
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+    signal.signal(signal.SIGTERM, handler)
+    return requested
+
 
 
 if __name__ == "__main__":
-    args = tyro.cli(Args)
+    args = parse_args()
     # several processes (torchrun): each rank takes an equal share of every step's prompts and pairs them itself
     world_size, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
-    if args.prompts_per_step % world_size:
-        raise ValueError(f"--prompts-per-step {args.prompts_per_step} must be divisible by the number of processes ({world_size})")
-    if args.num_generations < 2:
-        raise ValueError("--num-generations must be at least 2: a preference pair compares two completions of a prompt")
-    if not args.beta or min(args.beta) <= 0:
-        raise ValueError(f"--beta needs one or more positive values, got {args.beta}")
-    if args.missing_eos_penalty is not None and args.missing_eos_penalty <= 0:
-        raise ValueError(f"--missing-eos-penalty must be > 0 (it is subtracted from the reward), got {args.missing_eos_penalty}")
-    if bool(args.reward_funcs) == bool(args.reward_model_path):
-        raise ValueError(("no reward given: " if not args.reward_funcs else "both --reward-funcs and --reward-model-path given: ")
-                         + "pass either --reward-funcs with names from rewards.py (e.g. gsm8k_accuracy) or "
-                         "--reward-model-path with a sequence-classification reward model, not both")
-    reward_fns = []  # resolved before anything slow is loaded
-    for name in args.reward_funcs:
-        if name.startswith("_") or not callable(getattr(rewards, name, None)):
-            public = [n for n in dir(rewards) if not n.startswith("_") and callable(getattr(rewards, n)) and getattr(rewards, n).__module__ == "rewards"]
-            raise ValueError(f"unknown reward function '{name}'. --reward-funcs takes names from rewards.py: {public}")
-        reward_fns.append(getattr(rewards, name))
+    # every mistake in the flags or the data stops the run here: before any model loads or anything is written
+    check_args(args, world_size)
+    reward_fns = reward_functions(args.reward_funcs)
+    dataset = read_dataset(args)
+    check_dataset(args, dataset, reward_fns)
     reward_weights = torch.tensor(args.reward_weights or [1.0] * len(reward_fns))
-    if len(reward_weights) != len(reward_fns):
-        raise ValueError(f"--reward-weights has {len(reward_weights)} values for {len(reward_fns)} --reward-funcs")
-    run_name = f"{args.exp_name}__{args.seed}__{int(time.time())}"
-    os.makedirs(args.output_dir, exist_ok=True)
 
     device = torch.device(f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if torch.cuda.is_available() else "cpu")
     if device.type == "cuda":
@@ -664,6 +1027,13 @@ if __name__ == "__main__":
         # rank 0 alone may spend minutes writing a checkpoint while the others wait in the next collective
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timedelta(hours=1))
     is_main = rank == 0
+    # the output directory is this run's alone (a lock); another run's files are refused; only this run's checkpoints
+    run, checkpoint_dir = claim_output_dir(args, "online_dpo.py") if is_main else (None, None)
+    if world_size > 1:  # rank 0 decided which checkpoint to resume
+        shared = [checkpoint_dir]
+        dist.broadcast_object_list(shared, src=0)
+        checkpoint_dir = shared[0]
+    preemption = on_sigterm()  # SIGTERM: a checkpoint at the end of the step, then exit
 
     # TRY NOT TO MODIFY: seeding (the same on every rank until sampling, so that all ranks hold the same weights)
     random.seed(args.seed)
@@ -674,7 +1044,6 @@ if __name__ == "__main__":
     # Model, tokenizer, reference model (in the policy's dtype, so that z = 0 before the first update)
     from transformers import AutoModelForCausalLM, AutoTokenizer, get_scheduler
 
-    checkpoint_dir = find_checkpoint(args.output_dir, args.resume_from_checkpoint) if args.resume_from_checkpoint else None
     model_path = checkpoint_dir or args.model_name_or_path
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, args.param_dtype)).to(device)
@@ -697,15 +1066,16 @@ if __name__ == "__main__":
 
     # Data, and the reward model if one scores instead of reward functions
     max_context = getattr(model.config, "max_position_embeddings", None) or 10**9
-    prompt_ids, raw_prompts, columns, conversational = load_prompts(args, tokenizer, max_context)
+    prompt_ids, raw_prompts, columns, conversational = load_prompts(args, dataset, tokenizer, max_context)
     reward_model = None
     if args.reward_model_path:
         reward_model, reward_tokenizer = load_reward_model(args.reward_model_path, device,
                                                            torch.bfloat16 if device.type == "cuda" else torch.float32)
 
     # Optimizer and schedule
+    # fused: one kernel for all parameters on CUDA, with no full-size temporaries (the foreach default allocates them)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2),
-                                  weight_decay=args.weight_decay)
+                                  weight_decay=args.weight_decay, fused=device.type == "cuda")
     scheduler = get_scheduler(args.lr_scheduler_type, optimizer, args.warmup_steps, args.max_steps)
     global_step, prompts_consumed, skipped_steps = 0, 0, 0
     torch.manual_seed(args.seed + rank)  # from here on each rank samples its own completions
@@ -738,7 +1108,7 @@ if __name__ == "__main__":
         engine = vllm_utils.start(args, model_path, max(len(p) for p in prompt_ids))
         if args.vllm_mode == "server":  # the server may hold other weights (an earlier run, or this one before a resume)
             vllm_utils.sync_weights(engine, model)
-        generate = lambda batch_prompt_ids: vllm_utils.generate(engine, batch_prompt_ids, args)  # noqa: E731
+        generate = lambda batch_prompt_ids: vllm_utils.generate(engine, batch_prompt_ids)  # noqa: E731
     else:
         def generate(batch_prompt_ids):
             with unsharded(model, world_size):  # FSDP2: full weights while decoding, ranks stop at different steps
@@ -747,7 +1117,8 @@ if __name__ == "__main__":
     if args.track and is_main:
         import wandb
 
-        wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, name=run_name, config=asdict(args))
+        wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, config=asdict(args),
+                   name=run["run_name"], id=run["run_id"], resume="allow")  # a resumed run continues its wandb run
     metrics_path = os.path.join(args.output_dir, "metrics.jsonl")
     if checkpoint_dir and is_main and os.path.exists(metrics_path):  # steps logged after the checkpoint are redone
         kept = [line for line in open(metrics_path) if json.loads(line)["step"] <= global_step]
@@ -758,22 +1129,49 @@ if __name__ == "__main__":
     prompts_per_rank = args.prompts_per_step // world_size
 
     G = args.num_generations
+
+    def start_round():
+        """Draw the next prompts_per_step prompts (the same on every rank), keep this rank's share and start generating
+        them: in the background with --async-generation, else now. Returns (rows, the optimizer step of the weights that
+        generate them, a Future of ((completion ids, vLLM log-probs), seconds))."""
+        global prompts_consumed
+        rows = [next(prompts) for _ in range(args.prompts_per_step)][rank * prompts_per_rank : (rank + 1) * prompts_per_rank]
+        prompts_consumed += args.prompts_per_step
+
+        def work():
+            t0 = time.perf_counter()
+            return generate([prompt_ids[i] for i in rows]), time.perf_counter() - t0
+        return rows, weights_version, future_of(work, background=args.async_generation)
+
+    def clock():  # phase timings: wait for the GPU's queued work so that each phase is charged its own time
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
+    weights_version = global_step  # the optimizer step whose weights the generator holds
+    next_round = None  # --async-generation: the round generating in the background while this one trains
     while global_step < args.max_steps:
         round_start = time.perf_counter()
-        beta = beta_for_epoch(args.beta, prompts_consumed // len(prompt_ids))
-        # ALGO LOGIC: 1. sample prompts and generate G completions each
-        rows = [next(prompts) for _ in range(args.prompts_per_step)]  # the same on every rank
-        prompts_consumed += len(rows)
-        rows = rows[rank * prompts_per_rank : (rank + 1) * prompts_per_rank]  # this rank's share
+        timing = defaultdict(float, {"timing/weight_sync": 0.0})
+        # prompts of the rounds before this one (a round generating in the background is drawn but not trained yet)
+        beta = beta_for_epoch(args.beta, (prompts_consumed - (args.prompts_per_step if next_round else 0)) // len(prompt_ids))
+        # ALGO LOGIC: 1. sample prompts and generate G completions each. --async-generation: this step's round was
+        # generated during the last step, by the weights before it; the next round starts now, from the current
+        # weights, and generates while we train
+        rows, version, generation = next_round or start_round()
+        if args.async_generation:
+            next_round = start_round() if global_step + 1 < args.max_steps else None
         t0 = time.perf_counter()
-        completion_ids, _ = generate([prompt_ids[i] for i in rows])  # prompt-major: completion k is rows[k // G]'s
-        generation_time = time.perf_counter() - t0
+        (completion_ids, _), timing["timing/generation"] = generation.result()  # prompt-major: completion k is rows[k // G]'s
+        timing["timing/generation_wait"] = time.perf_counter() - t0  # what generation costs the trainer
+        staleness = global_step - version  # optimizer steps between the sampling and the trained weights
         if args.use_vllm:
             vllm_utils.sleep(engine)  # sleep mode: vLLM's memory goes to training until the next generation
         batch_prompts = [prompt_ids[i] for i in rows for _ in range(G)]
         texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
 
         # 2. score every completion: reward functions (their columns by name), or the reward model on prompt + completion
+        t0 = clock()
         if reward_model is not None:
             if conversational:
                 rm_prompts, rm_completions = [raw_prompts[i] for i in rows for _ in range(G)], texts
@@ -794,6 +1192,8 @@ if __name__ == "__main__":
         if args.missing_eos_penalty is not None:
             rewards_total = apply_missing_eos_penalty(rewards_total, completion_ids, eos_ids, args.missing_eos_penalty)
 
+        timing["timing/scoring"] = clock() - t0
+
         # 3. pair the best and the worst completion of each prompt
         chosen, rejected, num_tied, num_unscorable = select_pairs(rewards_total, G)
         num_pairs = len(chosen)
@@ -802,6 +1202,7 @@ if __name__ == "__main__":
         # 4. one optimizer step on the DPO loss, in micro-batches of whole pairs
         logps = torch.zeros(num_pairs, 2, device=device)  # sequence log-probs of (chosen, rejected) under the policy
         ref_logps = torch.zeros(num_pairs, 2, device=device)  # ... and under the reference model
+        t0 = clock()
         if all_pairs:
             model.train()
             optimizer.zero_grad(set_to_none=True)
@@ -826,20 +1227,30 @@ if __name__ == "__main__":
                 step_loss += loss.detach()  # summed on the device: no host sync per micro-batch
                 if not padding_pass:
                     logps[mb], ref_logps[mb] = policy.detach().T, ref.T
+            t1 = clock()
+            timing["timing/forward_backward"] = t1 - t0  # the reference model's log-probs included
             grad_norm = clip_gradients(model, args.max_grad_norm)
             optimizer.step()
+            timing["timing/optimizer"] = clock() - t1
         else:
             skipped_steps += 1  # every prompt tied (or was unscorable): no pair, no update; the step still counts
         scheduler.step()
         global_step += 1
         progress.update(1)
 
-        # 5. push the new weights to vLLM before the next generation round
-        sync_time = 0.0
+        # 5. push the new weights to vLLM before the next generation round. --async-generation: once the round in
+        # flight is complete (on every rank), so that vLLM never switches weights in the middle of a round
         if args.use_vllm and (all_pairs or engine.get("weights_asleep")):  # asleep: refill before generating
             t0 = time.perf_counter()
+            if next_round is not None:
+                next_round[2].result()
+                if world_size > 1:
+                    dist.barrier()
+            t1 = time.perf_counter()
+            timing["timing/generation_wait"] += t1 - t0
             vllm_utils.sync_weights(engine, model)
-            sync_time = time.perf_counter() - t0
+            weights_version = global_step
+            timing["timing/weight_sync"] = time.perf_counter() - t1
 
         # TRY NOT TO MODIFY: logging (TRL's metric names, over all ranks) and checkpoints
         lengths = torch.tensor([len(c) for c in completion_ids], dtype=torch.float)
@@ -860,8 +1271,10 @@ if __name__ == "__main__":
             "objective/scores": rewards_total.nanmean().item(), "frac_tied": (counts[0] / counts[2]).item(),
             "frac_unscorable": (counts[1] / counts[2]).item(), "num_pairs": all_pairs, "skipped_steps": skipped_steps,
             "completions/mean_length": lengths.mean().item(), "completions/clipped_ratio": clipped.mean().item(),
-            "timing/generation": generation_time, "timing/weight_sync": sync_time,
+            **timing, "sampling/staleness": staleness,
         }
+        if device.type == "cuda":
+            metrics["memory/peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
         for k, fn in enumerate(reward_fns):
             metrics[f"scores/{fn.__name__}/mean"] = reward_scores[:, k].nanmean().item()
         if all_pairs:
@@ -885,7 +1298,8 @@ if __name__ == "__main__":
             metrics_file.flush()
             if args.track:
                 wandb.log(metrics, step=global_step)
-        if args.save_steps and global_step % args.save_steps == 0 and global_step < args.max_steps:
+        preempted = global_sum(preemption.is_set(), world_size, device) > 0 and global_step < args.max_steps  # SIGTERM
+        if preempted or (args.save_steps and global_step % args.save_steps == 0 and global_step < args.max_steps):
             model_state, optimizer_state = full_state(model, optimizer, world_size)  # every rank takes part
             rng = (torch.get_rng_state(), torch.cuda.get_rng_state() if device.type == "cuda" else None)
             rng_states = [rng] * world_size
@@ -896,15 +1310,26 @@ if __name__ == "__main__":
                 model.save_pretrained(tmp, state_dict=model_state)
                 tokenizer.save_pretrained(tmp)
                 torch.save({"optimizer": optimizer_state, "scheduler": scheduler.state_dict(), "global_step": global_step,
-                            "prompts_consumed": prompts_consumed, "skipped_steps": skipped_steps,
+                            # a round generated in the background is not trained yet: a resume generates it again
+                            "prompts_consumed": prompts_consumed - (args.prompts_per_step if next_round else 0),
+                            "skipped_steps": skipped_steps,
                             "torch_rng": [r[0] for r in rng_states],
                             "cuda_rng": [r[1] for r in rng_states] if device.type == "cuda" else None},
                            os.path.join(tmp, "trainer_state.pt"))
+                write_json(os.path.join(tmp, "run.json"), {**run, "script": "online_dpo.py", "global_step": global_step})
             if is_main:
                 save_atomically(os.path.join(args.output_dir, f"checkpoint-{global_step}"), write_checkpoint)
-                checkpoints = sorted((d for d in os.listdir(args.output_dir) if d.startswith("checkpoint-") and d[11:].isdigit()), key=lambda d: int(d[11:]))
-                for old in checkpoints[: -args.save_total_limit] if args.save_total_limit else []:
-                    shutil.rmtree(os.path.join(args.output_dir, old))
+                for old in run_checkpoints(args.output_dir, run["run_id"])[: -args.save_total_limit] if args.save_total_limit else []:
+                    shutil.rmtree(old)  # this run's older checkpoints only, never another run's
+            if preempted:
+                if is_main:
+                    print(f"SIGTERM: wrote checkpoint-{global_step} and stopped; the same command with "
+                          f"--resume-from-checkpoint latest continues the run", flush=True)
+                    if args.track:
+                        wandb.mark_preempting()
+                if world_size > 1:
+                    dist.destroy_process_group()
+                sys.exit(143)  # 128 + SIGTERM: stopped, not finished
 
     # final model + tokenizer, loadable with from_pretrained(output_dir)
     progress.close()

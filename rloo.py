@@ -5,28 +5,47 @@ Ahmadian et al. 2024, "Back to Basics: Revisiting REINFORCE Style Optimization f
 LLMs" (arXiv 2402.14740): sample k completions per prompt and use, as each completion's baseline, the mean reward of
 the other k - 1. The whole completion is one action: sequence-level log-probabilities, the KL penalty to the frozen
 reference model folded into the reward (k1, as in the paper; --no-kl-in-reward puts a k3 KL in the loss instead), and a
-PPO-style clipped sequence ratio when a batch is reused (--num-iterations > 1).
+PPO-style clipped sequence ratio when a batch is reused (--num-iterations > 1). The options are grouped as in
+README.md's table (grpo.py); a run writes its model, checkpoints and metrics.jsonl to --output-dir, which it keeps
+to itself.
 
-Examples:
-  # CPU, about 20 seconds, bundled 260K-parameter model learns to say "play"
-  python rloo.py --model-name-or-path tests/assets/stories260K --dataset-name tests/assets/stories_prompts.jsonl \
-      --prompt-column prompt --answer-column "" --reward-funcs keyword_reward --no-use-chat-template \
-      --num-generations 4 --beta 0 --learning-rate 3e-3 --max-completion-length 24 --max-steps 30 --no-bf16 \
-      --output-dir runs/rloo-quickstart
+Example, on the CPU (about 25 seconds on 2 CPU cores, no download): the bundled 260K-parameter TinyStories model is
+rewarded for the word "play" and, within a few steps, writes little else ("play play play ..."):
+  OMP_NUM_THREADS=1 python rloo.py --model-name-or-path tests/assets/stories260K \\
+      --dataset-name tests/assets/stories_prompts.jsonl --prompt-column prompt --answer-column "" \\
+      --reward-funcs keyword_reward --no-use-chat-template --num-generations 4 --beta 0 --learning-rate 3e-3 \\
+      --max-completion-length 24 --max-steps 30 --no-bf16 --output-dir runs/quickstart-rloo
+
+More examples:
   # one GPU, vLLM inside the training process
   python rloo.py --use-vllm --vllm-mode colocate --vllm-enable-sleep-mode
   # trainer on GPU 0, a stock vLLM server on GPU 1 (README.md, "Using vLLM")
   python rloo.py --use-vllm --vllm-mode server
 """
+import ast
+import atexit
+import dataclasses
+import fcntl
+import inspect
+import itertools
 import json
 import os
 import random
+import re
 import shutil
+import signal
+import socket
+import sys
+import textwrap
+import threading
 import time
+from collections import defaultdict
+from concurrent.futures import Future
+import uuid
 from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
-from typing import Literal
+from typing import Annotated, Literal
 
 import numpy as np
 import torch
@@ -80,7 +99,7 @@ class Args:
     answer_column: str = "answer"
     """column holding the reference answer, passed to rewards as `answer` ("" if there is none)"""
     max_prompt_length: int | None = None
-    """drop prompts with more tokens than this (default: keep all; an over-long prompt is an error)"""
+    """drop prompts with more tokens than this (None = keep all, and an over-long prompt is an error)"""
 
     # Generation
     num_generations: int = 2
@@ -110,7 +129,7 @@ class Args:
     vllm_tensor_parallel_size: int = 1
     """colocate: tensor-parallel size of the in-process engine"""
     vllm_max_model_len: int | None = None
-    """colocate: context length of the engine (default: longest prompt + max_completion_length)"""
+    """colocate: context length of the engine (None = longest prompt + max_completion_length)"""
     vllm_enable_sleep_mode: bool = False
     """colocate: free vLLM's memory (sleep level 2) while training"""
     vllm_server_host: str = "127.0.0.1"
@@ -119,8 +138,20 @@ class Args:
     """server: port of `vllm serve`"""
     vllm_server_timeout: float = 240.0
     """server: seconds to wait for the server to answer /health"""
-    vllm_group_port: int = 51216
-    """server: TCP port the trainer opens for the NCCL weight-sync rendezvous"""
+    vllm_group_port: int | None = None
+    """server: TCP port the trainer opens for the NCCL weight-sync rendezvous (None: a free port, chosen per run)"""
+    vllm_generation_chunk_size: int = 8
+    """server: prompts per /v1/completions request; a round's requests are sent at once and vLLM batches them"""
+    vllm_generation_timeout: float = 1800.0
+    """server: seconds one /v1/completions request may take"""
+    vllm_weight_sync_timeout: float = 300.0
+    """server: seconds the NCCL group setup, and each weight update, may take"""
+    vllm_weight_sync_buffer_mb: int = 1024
+    """server: size of each packed NCCL broadcast chunk (two in flight on each side: lower it if memory is short)"""
+    async_generation: bool = False
+    """server: generate the next round while training on this one (a step costs about max(generation, training)
+    instead of their sum). Each round is sampled by weights one optimizer round behind the ones it trains; the
+    importance-sampling correction below covers that staleness too"""
     vllm_importance_sampling_correction: bool = True
     """correct the vLLM/trainer log-prob mismatch with a truncated or masked importance ratio"""
     vllm_importance_sampling_mode: Literal["sequence_truncate", "sequence_mask"] = "sequence_mask"
@@ -130,11 +161,11 @@ class Args:
     vllm_importance_sampling_clip_max: float | None = 3.0
     """upper bound of the importance ratio"""
 
-    # Rewards and advantages
+    # Rewards (and how they become advantages)
     reward_funcs: list[str] = field(default_factory=lambda: ["gsm8k_accuracy"])
     """names of functions in rewards.py; their weighted sum is the reward"""
     reward_weights: list[float] | None = None
-    """one weight per reward function (default: all 1)"""
+    """one weight per reward function (None = all 1)"""
     reward_kwargs: dict[str, float] = field(default_factory=dict)
     """extra keyword arguments for every reward function, e.g. overlong_buffer_length 128"""
     reward_clip_range: tuple[float, float] | None = None
@@ -151,7 +182,7 @@ class Args:
     epsilon: float = 0.2
     """lower clipping range of the sequence ratio (matters when --num-iterations > 1)"""
     epsilon_high: float | None = None
-    """upper clipping range (default: epsilon)"""
+    """upper clipping range (None = epsilon)"""
     num_iterations: int = 1
     """optimisation passes over each generated batch (old log-probs are stored for the clipped ratio)"""
     steps_per_generation: int = 1
@@ -187,31 +218,20 @@ class Args:
     save_total_limit: int | None = 2
     """keep only the newest this many checkpoints"""
     resume_from_checkpoint: str | None = None
-    """a checkpoint directory, or "latest" for the newest one in output_dir"""
+    """a checkpoint directory, or "latest" for this run's newest one in output_dir"""
+    overwrite_output_dir: bool = False
+    """start a new run in an output_dir that holds another run's files (its metrics.jsonl and final model are replaced;
+    its checkpoints are kept, and never resumed or deleted by this run)"""
 
 
 # ------------------------------------------------------------------------------------------------------------------
 # Data
 
 
-def load_prompts(args, tokenizer, max_context):
-    """Load the dataset and return (prompt_ids, columns, is_conversational): token ids per row, and the other columns
-    (answer column renamed to `answer`) that reward functions receive by name."""
-    from datasets import load_dataset
-
-    name = args.dataset_name
-    if name.endswith((".json", ".jsonl", ".parquet")):
-        if not os.path.exists(name):
-            raise FileNotFoundError(f"dataset file {name} does not exist")
-        dataset = load_dataset("parquet" if name.endswith(".parquet") else "json", data_files=name, split="train")
-    else:
-        dataset = load_dataset(name, args.dataset_config, split=args.dataset_split)
-    for option, column in (("--prompt-column", args.prompt_column), ("--answer-column", args.answer_column)):
-        if column and column not in dataset.column_names:
-            raise ValueError(
-                f"dataset {name} has no column '{column}' (its columns: {dataset.column_names}). "
-                f"Pass {option} with one of those" + (', or --answer-column "" if it has none.' if "answer" in option else ".")
-            )
+def load_prompts(args, dataset, tokenizer, max_context):
+    """Tokenize the prompts of `dataset` ({column: values}, from read_dataset) and return (prompt_ids, columns,
+    is_conversational): token ids per row, and the other columns (answer column renamed to `answer`) that reward
+    functions receive by name."""
     prompts = dataset[args.prompt_column]
     conversational = isinstance(prompts[0], list)
     use_template = conversational or (args.use_chat_template and tokenizer.chat_template is not None)
@@ -227,7 +247,7 @@ def load_prompts(args, tokenizer, max_context):
             text = f"{args.system_prompt}\n\n{prompt}" if args.system_prompt else prompt
             ids = tokenizer(text)["input_ids"]
         prompt_ids.append(list(ids))
-    columns = {c: dataset[c] for c in dataset.column_names if c != args.prompt_column}
+    columns = {c: values for c, values in dataset.items() if c != args.prompt_column}
     if args.answer_column and args.answer_column != "answer":
         columns["answer"] = columns.pop(args.answer_column)
 
@@ -293,6 +313,15 @@ def rloo_advantages(rewards, k):
     baseline = (total - grouped) / others.clamp(min=1)
     advantages = torch.where(valid & (others > 0), grouped - baseline, torch.zeros_like(grouped))
     return advantages.view(-1)
+
+
+def normalize_advantages(advantages, scored, world_size=1, device="cpu"):
+    """--normalize-advantages: (A - mean) / (std + 1e-4) over the scored completions of every rank. An unscorable one
+    (NaN reward) keeps advantage 0 and stays out of the statistics (as in TRL). advantages, scored: (N,)."""
+    everyone = gather_rows(torch.where(scored, advantages, torch.nan).to(device), world_size).cpu()
+    everyone = everyone[~everyone.isnan()]
+    std = everyone.std() if everyone.numel() > 1 else torch.tensor(0.0)
+    return torch.where(scored, (advantages - everyone.mean()) / (std + 1e-4), torch.zeros_like(advantages))
 
 
 def kl_penalised_rewards(rewards, old_logprobs, ref_logprobs, completion_mask, beta):
@@ -565,6 +594,21 @@ def hf_generate(model, prompt_ids, args, eos_ids, pad_id):
         completions.append(row[:end])
     return completions, None
 
+def future_of(fn, *args, background=True):
+    """fn(*args) as a Future: run in a daemon thread (--async-generation: the trainer trains meanwhile; a daemon never
+    holds up the exit after an error), or right now. future.result() returns the value or raises fn's error."""
+    future = Future()
+
+    def run():
+        try:
+            future.set_result(fn(*args))
+        except BaseException as error:  # noqa: BLE001 - re-raised by future.result() in the training loop
+            future.set_exception(error)
+
+    threading.Thread(target=run, daemon=True).start() if background else run()
+    return future
+
+
 # ------------------------------------------------------------------------------------------------------------------
 # Checkpoints
 
@@ -607,26 +651,379 @@ def save_final(output_dir, model, tokenizer, state_dict=None):
     os.rmdir(tmp)
 
 
-def find_checkpoint(output_dir, name):
-    """Resolve --resume-from-checkpoint: a directory, or "latest" = the highest checkpoint-N in output_dir."""
-    if name != "latest":
-        return name
-    steps = [int(d.split("-")[1]) for d in os.listdir(output_dir) if d.startswith("checkpoint-") and d.split("-")[1].isdigit()] if os.path.isdir(output_dir) else []
-    if not steps:
-        raise FileNotFoundError(f"--resume-from-checkpoint latest: no checkpoint-N directory in {output_dir}")
-    return os.path.join(output_dir, f"checkpoint-{max(steps)}")
+# ------------------------------------------------------------------------------------------------------------------
+# Start-up: arguments, data and the output directory, all checked before any model loads
+
+
+def parse_args(argv=None):
+    """tyro.cli(Args), with --help in the groups of the "# ..." comment headers in Args (those of README.md's option
+    table). tyro groups the options of nested dataclasses, so each header's fields become one nested dataclass whose
+    flags keep their names (OmitArgPrefixes); the parsed groups are merged back into one flat Args."""
+    source = inspect.getsource(Args)
+    body = ast.parse(textwrap.dedent(source)).body[0].body
+    docs = {a.target.id: " ".join(b.value.value.split()) for a, b in itertools.pairwise(body)
+            if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr)}
+    groups, title = {}, None
+    for line in source.splitlines():
+        if header := re.match(r" {4}# (.+?)(?: \(.*)?$", line):
+            title = header[1]
+        elif name := re.match(r" {4}(\w+):", line):
+            groups.setdefault(title, []).append(name[1])
+    fields = {f.name: f for f in dataclasses.fields(Args)}
+    parts = []
+    for title, names in groups.items():
+        group = dataclasses.make_dataclass(title, [
+            (n, Annotated[fields[n].type, tyro.conf.arg(help=docs[n])],
+             dataclasses.field(default=fields[n].default, default_factory=fields[n].default_factory)) for n in names])
+        group.__doc__ = ""
+        parts.append((re.sub(r"\W+", "_", title).lower(), tyro.conf.OmitArgPrefixes[group], dataclasses.field(default_factory=group)))
+    description = "\n\n".join(__doc__.split("\n\n")[:3])  # what it does, and the CPU example
+    parsed = tyro.cli(dataclasses.make_dataclass("Args", parts), args=argv, description=description)
+    return Args(**{k: v for part in dataclasses.fields(parsed) for k, v in vars(getattr(parsed, part.name)).items()})
+
+
+def looks_local(path):
+    """A path that cannot be a hub name: absolute, ./ ../ ~, several '/', or its first folder exists here."""
+    return path.startswith(("/", ".", "~")) or path.count("/") > 1 or "\\" in path or os.path.isdir(path.split("/")[0])
+
+
+def check_args(args, world_size=1):
+    """Every check that needs neither a model nor the data, right after parsing: value ranges, flag combinations, and
+    that local paths exist (a missing local model would otherwise surface later, as a hub error). Exits with one line
+    per problem, each naming its flag."""
+    problems = []
+    rules = [  # (field, true for a valid value, what it must be); None (an option left unset) is always valid
+        ("num_generations", lambda v: v >= 2, "at least 2: the leave-one-out baseline needs another completion"),
+        ("prompts_per_step", lambda v: v >= 1, "at least 1"),
+        ("max_prompt_length", lambda v: v >= 1, "at least 1"),
+        ("max_completion_length", lambda v: v >= 1, "at least 1 (new tokens per completion)"),
+        ("temperature", lambda v: v > 0, "> 0"),
+        ("top_p", lambda v: 0 < v <= 1, "in (0, 1]"),
+        ("top_k", lambda v: v >= 0, ">= 0 (0 = off)"),
+        ("min_p", lambda v: 0 <= v <= 1, "in [0, 1] (0 = off)"),
+        ("repetition_penalty", lambda v: v > 0, "> 0 (1 = off)"),
+        ("vllm_gpu_memory_utilization", lambda v: 0 < v <= 1, "in (0, 1]"),
+        ("vllm_tensor_parallel_size", lambda v: v >= 1, "at least 1"),
+        ("vllm_max_model_len", lambda v: v >= 1, "at least 1"),
+        ("vllm_server_port", lambda v: 0 < v < 65536, "a TCP port (1-65535)"),
+        ("vllm_server_timeout", lambda v: v > 0, "> 0 seconds"),
+        ("vllm_group_port", lambda v: 0 < v < 65536, "a TCP port (1-65535)"),
+        ("vllm_importance_sampling_clip_min", lambda v: v >= 0, ">= 0"),
+        ("vllm_importance_sampling_clip_max", lambda v: v > (args.vllm_importance_sampling_clip_min or 0),
+         "> --vllm-importance-sampling-clip-min (and > 0)"),
+        ("epsilon", lambda v: v >= 0, ">= 0"),
+        ("epsilon_high", lambda v: v >= 0, ">= 0"),
+        ("beta", lambda v: v >= 0, ">= 0"),
+        ("reward_clip_range", lambda v: v[0] < v[1], "LOW HIGH with LOW < HIGH"),
+        ("num_iterations", lambda v: v >= 1, "at least 1"),
+        ("steps_per_generation", lambda v: v >= 1, "at least 1"),
+        ("learning_rate", lambda v: v >= 0, ">= 0"),
+        ("weight_decay", lambda v: v >= 0, ">= 0"),
+        ("adam_beta1", lambda v: 0 <= v < 1, "in [0, 1)"),
+        ("adam_beta2", lambda v: 0 <= v < 1, "in [0, 1)"),
+        ("warmup_steps", lambda v: v >= 0, ">= 0"),
+        ("max_steps", lambda v: v >= 1, "at least 1"),
+        ("micro_batch_tokens", lambda v: v >= 1, "at least 1"),
+        ("logging_steps", lambda v: v >= 1, "at least 1"),
+        ("save_steps", lambda v: v >= 0, ">= 0 (0 = only the final model)"),
+        ("save_total_limit", lambda v: v >= 0, ">= 0"),
+    ]
+    for name, valid, must in rules:
+        value = getattr(args, name)
+        if value is not None and not valid(value):
+            problems.append(f"--{name.replace('_', '-')} must be {must}, got {value}")
+    if args.prompts_per_step % (args.steps_per_generation * world_size):
+        problems.append(f"--prompts-per-step {args.prompts_per_step} must be divisible by --steps-per-generation x the "
+                        f"number of processes ({args.steps_per_generation} x {world_size}): whole groups per rank and step")
+    steps_per_round = args.steps_per_generation * args.num_iterations
+    if steps_per_round > 0 and args.save_steps % steps_per_round:
+        problems.append(f"--save-steps {args.save_steps} must be a multiple of the optimizer steps per generation round "
+                        f"(--steps-per-generation x --num-iterations = {steps_per_round}): checkpoints are written between rounds")
+    if args.reward_weights is not None and len(args.reward_weights) != len(args.reward_funcs):
+        problems.append(f"--reward-weights has {len(args.reward_weights)} values for {len(args.reward_funcs)} --reward-funcs")
+    if args.use_vllm:
+        import vllm_utils
+
+        problems += vllm_utils.setup_problems()
+    if args.async_generation and not (args.use_vllm and args.vllm_mode == "server"):
+        problems.append("--async-generation needs --use-vllm --vllm-mode server: a colocated engine or `generate` share "
+                        "the trainer's GPU, so generation cannot overlap training")
+    # local paths: a directory that is not there is reported as such, not as a hub name that does not parse
+    for name, marker, kind in (("model_name_or_path", "config.json", "model"), ("resume_from_checkpoint", "trainer_state.pt", "checkpoint")):
+        path = getattr(args, name)
+        if path is None or (name == "resume_from_checkpoint" and path == "latest"):
+            continue
+        if os.path.isdir(path) and not os.path.exists(os.path.join(path, marker)):
+            problems.append(f"--{name.replace('_', '-')} {path}: that directory has no {marker}, so it is not a {kind}")
+        elif not os.path.isdir(path) and (kind == "checkpoint" or looks_local(path)):
+            problems.append(f"--{name.replace('_', '-')} {path}: no such directory")
+    local_data = args.dataset_name.endswith((".json", ".jsonl", ".parquet")) or looks_local(args.dataset_name)
+    if local_data and not os.path.exists(args.dataset_name):
+        problems.append(f"--dataset-name {args.dataset_name} does not exist (no such file or directory)")
+    if os.path.exists(args.output_dir) and not os.path.isdir(args.output_dir):
+        problems.append(f"--output-dir {args.output_dir} is a file, not a directory")
+    if problems:
+        raise SystemExit("\n".join(["error: " + p for p in problems]))
+
+
+def reward_functions(names):
+    """The functions of rewards.py that --reward-funcs names."""
+    public = [n for n in dir(rewards) if not n.startswith("_") and callable(getattr(rewards, n)) and getattr(rewards, n).__module__ == "rewards"]
+    for name in names:
+        if name not in public:
+            raise SystemExit(f"error: unknown reward function '{name}'. --reward-funcs takes names from rewards.py: {public}")
+    return [getattr(rewards, name) for name in names]
+
+
+def read_dataset(args):
+    """Read the dataset once, before any model loads: {column: list of values}. Local .jsonl / .json files are parsed
+    here, so that a malformed record is reported with its file and line; .parquet files and hub datasets through
+    `datasets`."""
+    name = args.dataset_name
+    if name.endswith((".json", ".jsonl")):
+        with open(name, encoding="utf-8") as f:
+            text = f.read()
+        try:  # a .json file may hold one array of records; anything else is read as one record per line
+            records = json.loads(text)
+            records = list(enumerate(records, 1)) if isinstance(records, list) else None
+        except json.JSONDecodeError:
+            records = None
+        where = "record"
+        if records is None:
+            where, records = "line", []
+            for number, line in enumerate(text.splitlines(), 1):
+                if not line.strip():
+                    continue
+                try:
+                    records.append((number, json.loads(line)))
+                except json.JSONDecodeError as error:
+                    raise SystemExit(f"error: --dataset-name {name}, line {number}: not valid JSON ({error.msg}, column "
+                                     f"{error.colno}): {line[:120]}") from None
+        for number, record in records:
+            if not isinstance(record, dict):
+                raise SystemExit(f"error: --dataset-name {name}, {where} {number}: a JSON object per record is expected, "
+                                 f"got {type(record).__name__}")
+        dataset = {}
+        for _, record in records:
+            for column in record:
+                dataset.setdefault(column, None)
+        dataset = {column: [record.get(column) for _, record in records] for column in dataset}
+    else:
+        from datasets import load_dataset
+
+        if name.endswith(".parquet"):
+            dataset = load_dataset("parquet", data_files=name, split="train").to_dict()
+        else:
+            dataset = load_dataset(name, args.dataset_config, split=args.dataset_split).to_dict()
+    if not dataset or not next(iter(dataset.values())):
+        raise SystemExit(f"error: --dataset-name {name} holds no records")
+    return dataset
+
+
+def check_dataset(args, dataset, reward_fns):
+    """The columns that the flags name exist, and each reward function finds every argument it requires (its
+    signature against the dataset's columns and what the trainer passes)."""
+    name, columns = args.dataset_name, list(dataset)
+    for option, column in (("--prompt-column", args.prompt_column), ("--answer-column", args.answer_column)):
+        if (column or option == "--prompt-column") and column not in columns:
+            raise SystemExit(
+                f"error: dataset {name} has no column '{column}' (its columns: {columns}). "
+                f"Pass {option} with one of those" + (', or --answer-column "" if it has none.' if "answer" in option else ".")
+            )
+    given = set(columns) - {args.prompt_column}  # what reward functions receive (load_prompts: answer column as `answer`)
+    if args.answer_column and args.answer_column != "answer":
+        given = given - {args.answer_column} | {"answer"}
+    given |= {"completions", "prompts", "completion_ids", "max_completion_length", *args.reward_kwargs}
+    for fn in reward_fns:
+        parameters = inspect.signature(fn).parameters.values()
+        for missing in [p.name for p in parameters if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name not in given]:
+            if missing == "answer":
+                raise SystemExit(f"error: reward function '{fn.__name__}' needs the reference answer, and --answer-column "
+                                 f"'{args.answer_column}' gives none: pass --answer-column with the column of {name} that "
+                                 f"holds it (its columns: {columns})")
+            raise SystemExit(f"error: reward function '{fn.__name__}' (--reward-funcs) needs a column '{missing}', which "
+                             f"--dataset-name {name} does not have (its columns: {columns})")
+
+
+def read_json(path):
+    """The JSON value in the file `path`, or None if there is none (or it is unreadable)."""
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def write_json(path, value):
+    """Write `value` as JSON through a temporary file and a rename: a reader never sees half a file."""
+    with open(f"{path}.tmp-{os.getpid()}", "w") as f:
+        json.dump(value, f, indent=1)
+    os.replace(f"{path}.tmp-{os.getpid()}", path)
+
+
+def pid_alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        pass
+    return True
+
+
+def run_checkpoints(output_dir, run_id):
+    """The checkpoint-N directories in output_dir that belong to run `run_id` (their run.json says so), oldest first.
+    Checkpoints written before runs had ids have no run.json: they match run_id None (a directory without run.json)."""
+    found = []
+    for name in os.listdir(output_dir) if os.path.isdir(output_dir) else []:
+        path = os.path.join(output_dir, name)
+        if name.startswith("checkpoint-") and name[11:].isdigit() and (read_json(os.path.join(path, "run.json")) or {}).get("run_id") == run_id:
+            found.append((int(name[11:]), path))
+    return [path for _, path in sorted(found)]
+
+
+def remove_dead_temporaries(output_dir):
+    """Remove what a process killed while saving left behind: checkpoint-N.tmp-PID (half written), .final-tmp-PID,
+    and checkpoint-N.old-PID (a complete checkpoint moved aside for its replacement: put back if that never arrived).
+    Only those of processes that no longer run."""
+    for name in sorted(os.listdir(output_dir)):
+        match = re.fullmatch(r"(checkpoint-\d+|run\.json)\.(tmp|old)-(\d+)|\.final-tmp-(\d+)", name)
+        if not match or pid_alive(int(match[3] or match[4])):
+            continue
+        path = os.path.join(output_dir, name)
+        if match[2] == "old" and not os.path.exists(os.path.join(output_dir, match[1])):
+            os.replace(path, os.path.join(output_dir, match[1]))
+            print(f"{output_dir}: put back {match[1]} from {name}, left by a process that died while replacing it")
+        else:
+            shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+            print(f"{output_dir}: removed {name}, left by a process that died while saving")
+
+
+def claim_output_dir(args, script):
+    """Make --output-dir this run's (rank 0, before any model loads); returns (run, checkpoint to resume or None).
+
+    run = {"run_id", "run_name"}: the identity written into output_dir/run.json and into every checkpoint, so that
+    `latest`, --save-total-limit and a resumed wandb run concern this run only.
+    * A lock (flock on output_dir/.lock, held for the life of the process and released by the kernel however it
+      ends, SIGKILL included) keeps a second live run out of the directory.
+    * Temporaries of dead processes (a SIGINT during a save) are removed.
+    * A directory holding another run's files is refused, unless --resume-from-checkpoint continues that run or
+      --overwrite-output-dir starts a new run there (its metrics.jsonl and final model are replaced; its
+      checkpoints stay, never resumed or deleted by this run).
+    * A checkpoint at or past --max-steps is refused: there would be nothing to train."""
+    out, locked = args.output_dir, False
+    created, lock_created = not os.path.isdir(out), not os.path.exists(os.path.join(out, ".lock"))
+    os.makedirs(out, exist_ok=True)
+    lock = os.open(os.path.join(out, ".lock"), os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            locked = True
+        except BlockingIOError:
+            holder = os.pread(lock, 300, 0).decode(errors="replace").strip() or "another process"
+            raise SystemExit(f"error: --output-dir {out} is in use by a run that is still going ({holder}): two runs in "
+                             f"one directory overwrite each other's checkpoints and metrics. Wait for it to end, or pass "
+                             f"another --output-dir.") from None
+        except OSError as error:  # a file system without flock (some network mounts): run, but say so
+            print(f"warning: cannot lock {out}/.lock ({error}): nothing keeps a second run out of this directory")
+        os.ftruncate(lock, 0)
+        os.pwrite(lock, f"{script}, pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}".encode(), 0)
+        remove_dead_temporaries(out)
+        owner = read_json(os.path.join(out, "run.json")) or {}
+        files = sorted(set(os.listdir(out)) - {".lock", "run.json"})
+        checkpoint = args.resume_from_checkpoint
+        if checkpoint == "latest":
+            checkpoint = run_checkpoints(out, owner.get("run_id"))[-1:]
+            if not checkpoint:
+                others = [f for f in files if f.startswith("checkpoint-")]
+                raise SystemExit(f"error: --resume-from-checkpoint latest: no checkpoint-N directory in {out} of the run "
+                                 f"that owns it" + (f" ({', '.join(others)} are another run's: pass one's path to "
+                                                    f"--resume-from-checkpoint to continue that run)" if others else ""))
+            checkpoint = checkpoint[0]
+        resumed = (read_json(os.path.join(checkpoint, "run.json")) or {}) if checkpoint else {}
+        if resumed.get("script", script) != script:
+            raise SystemExit(f"error: --resume-from-checkpoint {checkpoint} is a checkpoint of {resumed['script']}: "
+                             f"continue that run with {resumed['script']}, not {script}")
+        if files and not (checkpoint and resumed.get("run_id") == owner.get("run_id")):
+            if not args.overwrite_output_dir:
+                listed = ", ".join(files[:5]) + (f" and {len(files) - 5} more" if len(files) > 5 else "")
+                raise SystemExit(
+                    f"error: --output-dir {out} holds "
+                    + (f"another run's files ({listed}; a {owner['script']} run started {owner['started']}). "
+                       if owner.get("script") else f"files that are not this run's ({listed}). ")
+                    + "A new run there would replace its model and mix its metrics and checkpoints with this one's. To "
+                    "continue that run, pass --resume-from-checkpoint latest (or a checkpoint's path); to start a new "
+                    "run there anyway, pass --overwrite-output-dir (its metrics.jsonl and final model are replaced, "
+                    "its checkpoints are kept and never resumed or deleted by the new run); or pass another --output-dir.")
+            for name in ("metrics.jsonl", "config.json"):  # a new metrics file; no complete model until this run's
+                if os.path.exists(os.path.join(out, name)):
+                    os.remove(os.path.join(out, name))
+            print(f"--overwrite-output-dir: a new run in {out}; the earlier run's metrics.jsonl is deleted, its model "
+                  f"files are replaced at the end, its checkpoints are left alone")
+        if checkpoint:
+            step = resumed.get("global_step")
+            if step is None:  # a checkpoint written before run.json existed
+                step = torch.load(os.path.join(checkpoint, "trainer_state.pt"), weights_only=False, mmap=True)["global_step"]
+            if step >= args.max_steps:
+                raise SystemExit(f"error: --resume-from-checkpoint {checkpoint} is at step {step} and --max-steps is "
+                                 f"{args.max_steps}: there is nothing left to train. Raise --max-steps to train on from it "
+                                 f"(the learning-rate schedule follows --max-steps), or load it as a model.")
+        if checkpoint and resumed.get("run_id"):
+            run = {"run_id": resumed["run_id"], "run_name": resumed["run_name"]}  # the same run continues
+        else:
+            run = {"run_id": uuid.uuid4().hex[:12], "run_name": f"{args.exp_name}__{args.seed}__{int(time.time())}"}
+            atexit.register(forget_unstarted_run, out, run["run_id"], created)
+        if run["run_id"] != owner.get("run_id"):
+            write_json(os.path.join(out, "run.json"),
+                       {**run, "script": script, "started": time.strftime("%Y-%m-%d %H:%M:%S"), "args": asdict(args)})
+        return run, checkpoint
+    except BaseException:
+        if locked and lock_created:  # refused before writing anything: leave the directory as it was
+            os.remove(os.path.join(out, ".lock"))
+            if created and not os.listdir(out):
+                os.rmdir(out)
+        os.close(lock)  # the lock goes with it
+        raise
+
+
+def forget_unstarted_run(output_dir, run_id, created):
+    """At exit: if this run wrote nothing but run.json (it failed while starting), take that back, and the directory
+    too if this run created it."""
+    try:
+        if set(os.listdir(output_dir)) <= {".lock", "run.json"} and read_json(os.path.join(output_dir, "run.json"))["run_id"] == run_id:
+            os.remove(os.path.join(output_dir, "run.json"))
+            os.remove(os.path.join(output_dir, ".lock"))
+            if created:
+                os.rmdir(output_dir)
+    except (OSError, TypeError, KeyError):
+        pass
+
+
+def on_sigterm():
+    """Preemption: a cluster scheduler sends SIGTERM, then SIGKILL after a grace period. SIGTERM sets the returned
+    event; the loop then writes a checkpoint at the end of the current step and exits (resume with
+    --resume-from-checkpoint latest). A second SIGTERM ends the process at once."""
+    requested = threading.Event()
+
+    def handler(signum, frame):
+        requested.set()
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+    signal.signal(signal.SIGTERM, handler)
+    return requested
+
 
 
 if __name__ == "__main__":
-    args = tyro.cli(Args)
-    epsilon_high = args.epsilon_high if args.epsilon_high is not None else args.epsilon
-    if args.num_generations < 2:
-        raise ValueError("--num-generations must be at least 2: the leave-one-out baseline needs another completion")
+    args = parse_args()
     # several processes (torchrun): each rank takes an equal share of every step's prompts, whole groups
     world_size, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
-    if args.prompts_per_step % (args.steps_per_generation * world_size):
-        raise ValueError(f"--prompts-per-step {args.prompts_per_step} must be divisible by --steps-per-generation x "
-                         f"the number of processes ({args.steps_per_generation} x {world_size}): whole groups per rank and step")
+    # every mistake in the flags or the data stops the run here: before any model loads or anything is written
+    check_args(args, world_size)
+    reward_fns = reward_functions(args.reward_funcs)
+    dataset = read_dataset(args)
+    check_dataset(args, dataset, reward_fns)
+    epsilon_high = args.epsilon_high if args.epsilon_high is not None else args.epsilon
     device = torch.device(f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if torch.cuda.is_available() else "cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -634,10 +1031,6 @@ if __name__ == "__main__":
         # rank 0 alone may spend minutes writing a checkpoint while the others wait in the next collective
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timedelta(hours=1))
     is_main = rank == 0
-    steps_per_round = args.steps_per_generation * args.num_iterations
-    if args.save_steps % steps_per_round:
-        raise ValueError(f"--save-steps {args.save_steps} must be a multiple of the optimizer steps per generation round "
-                         f"(--steps-per-generation x --num-iterations = {steps_per_round}): checkpoints are written between rounds")
     truncated_sampling = args.top_p < 1 or args.top_k > 0 or args.min_p > 0 or args.repetition_penalty != 1
     if args.use_vllm and args.vllm_importance_sampling_correction and truncated_sampling:
         print("warning: with top_p / top_k / min_p / repetition_penalty, vLLM's processed log-probs come from a truncated "
@@ -645,8 +1038,13 @@ if __name__ == "__main__":
               "level (product over tokens) it shrinks the updates of long completions. Prefer neutral values, or "
               "--vllm-importance-sampling-mode sequence_truncate with a --vllm-importance-sampling-clip-min (e.g. 0.5) "
               "that bounds the shrinking.")
-    run_name = f"{args.exp_name}__{args.seed}__{int(time.time())}"
-    os.makedirs(args.output_dir, exist_ok=True)
+    # the output directory is this run's alone (a lock); another run's files are refused; only this run's checkpoints
+    run, checkpoint_dir = claim_output_dir(args, "rloo.py") if is_main else (None, None)
+    if world_size > 1:  # rank 0 decided which checkpoint to resume
+        shared = [checkpoint_dir]
+        dist.broadcast_object_list(shared, src=0)
+        checkpoint_dir = shared[0]
+    preemption = on_sigterm()  # SIGTERM: a checkpoint at the end of the step, then exit
 
     # TRY NOT TO MODIFY: seeding (the same on every rank until sampling, so that all ranks hold the same weights)
     random.seed(args.seed)
@@ -657,7 +1055,6 @@ if __name__ == "__main__":
     # Model, tokenizer, reference model
     from transformers import AutoModelForCausalLM, AutoTokenizer, get_scheduler
 
-    checkpoint_dir = find_checkpoint(args.output_dir, args.resume_from_checkpoint) if args.resume_from_checkpoint else None
     model_path = checkpoint_dir or args.model_name_or_path
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, args.param_dtype)).to(device)
@@ -667,14 +1064,13 @@ if __name__ == "__main__":
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     ref_model = None
-    if args.beta > 0:  # the reference is the starting model, also when resuming
-        ref_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-        ref_model = AutoModelForCausalLM.from_pretrained(args.model_name_or_path, dtype=ref_dtype).to(device).eval()
+    if args.beta > 0:  # the starting model, also when resuming, in the policy's dtype and compute: KL 0 at step 1
+        ref_model = AutoModelForCausalLM.from_pretrained(args.model_name_or_path, dtype=getattr(torch, args.param_dtype)).to(device).eval()
         ref_model.requires_grad_(False)
     if world_size > 1:  # FSDP2: every rank keeps 1/world_size of the weights, gradients and AdamW states
         shard_model(model, mixed_precision=args.bf16 and device.type == "cuda")
         if ref_model is not None:
-            shard_model(ref_model, mixed_precision=False)
+            shard_model(ref_model, mixed_precision=args.bf16 and device.type == "cuda")
     # a forward that transforms its logits in a way the trainer does not model fails now, not after training on them
     check_logprobs(model, tokenizer("The quick brown fox jumps over the lazy dog, and then it ran away.")["input_ids"],
                    device, world_size)
@@ -684,20 +1080,13 @@ if __name__ == "__main__":
 
     # Data and rewards
     max_context = getattr(model.config, "max_position_embeddings", None) or 10**9
-    prompt_ids, columns, conversational = load_prompts(args, tokenizer, max_context)
-    reward_fns = []
-    for name in args.reward_funcs:
-        if name.startswith("_") or not callable(getattr(rewards, name, None)):
-            public = [n for n in dir(rewards) if not n.startswith("_") and callable(getattr(rewards, n)) and getattr(rewards, n).__module__ == "rewards"]
-            raise ValueError(f"unknown reward function '{name}'. --reward-funcs takes names from rewards.py: {public}")
-        reward_fns.append(getattr(rewards, name))
+    prompt_ids, columns, conversational = load_prompts(args, dataset, tokenizer, max_context)
     reward_weights = torch.tensor(args.reward_weights or [1.0] * len(reward_fns))
-    if len(reward_weights) != len(reward_fns):
-        raise ValueError(f"--reward-weights has {len(reward_weights)} values for {len(reward_fns)} --reward-funcs")
 
     # Optimizer and schedule
+    # fused: one kernel for all parameters on CUDA, with no full-size temporaries (the foreach default allocates them)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2),
-                                  weight_decay=args.weight_decay)
+                                  weight_decay=args.weight_decay, fused=device.type == "cuda")
     scheduler = get_scheduler(args.lr_scheduler_type, optimizer, args.warmup_steps, args.max_steps)
     global_step, prompts_consumed = 0, 0
     torch.manual_seed(args.seed + rank)  # from here on each rank samples its own completions
@@ -730,7 +1119,7 @@ if __name__ == "__main__":
         engine = vllm_utils.start(args, model_path, max(len(p) for p in prompt_ids))
         if args.vllm_mode == "server":  # the server may hold other weights (an earlier run, or this one before a resume)
             vllm_utils.sync_weights(engine, model)
-        generate = lambda batch_prompt_ids: vllm_utils.generate(engine, batch_prompt_ids, args)  # noqa: E731
+        generate = lambda batch_prompt_ids: vllm_utils.generate(engine, batch_prompt_ids)  # noqa: E731
     else:
         def generate(batch_prompt_ids):
             with unsharded(model, world_size):  # FSDP2: full weights while decoding, ranks stop at different steps
@@ -739,7 +1128,8 @@ if __name__ == "__main__":
     if args.track and is_main:
         import wandb
 
-        wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, name=run_name, config=asdict(args))
+        wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, config=asdict(args),
+                   name=run["run_name"], id=run["run_id"], resume="allow")  # a resumed run continues its wandb run
     metrics_path = os.path.join(args.output_dir, "metrics.jsonl")
     if checkpoint_dir and is_main and os.path.exists(metrics_path):  # steps logged after the checkpoint are redone
         kept = [line for line in open(metrics_path) if json.loads(line)["step"] <= global_step]
@@ -750,22 +1140,48 @@ if __name__ == "__main__":
     G = args.num_generations
     prompts_per_rank = args.prompts_per_step // world_size
 
+    def start_round():
+        """Draw the next prompts_per_step prompts (the same on every rank), keep this rank's share and start generating
+        them: in the background with --async-generation, else now. Returns (rows, the optimizer step of the weights that
+        generate them, a Future of ((completion ids, vLLM log-probs), seconds))."""
+        global prompts_consumed
+        rows = [next(prompts) for _ in range(args.prompts_per_step)][rank * prompts_per_rank : (rank + 1) * prompts_per_rank]
+        prompts_consumed += args.prompts_per_step
+
+        def work():
+            t0 = time.perf_counter()
+            return generate([prompt_ids[i] for i in rows]), time.perf_counter() - t0
+        return rows, weights_version, future_of(work, background=args.async_generation)
+
+    def clock():  # phase timings: wait for the GPU's queued work so that each phase is charged its own time
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
+    steps_per_round = args.steps_per_generation * args.num_iterations  # optimizer steps per generation round
+    weights_version = global_step  # the optimizer step whose weights the generator holds
+    next_round = None  # --async-generation: the round generating in the background while this one trains
+
     while global_step < args.max_steps:
         round_start = time.perf_counter()
-        metrics = {}
-        # ALGO LOGIC: 1. sample prompts and generate k completions each
-        rows = [next(prompts) for _ in range(args.prompts_per_step)]  # the same on every rank
-        prompts_consumed += len(rows)
-        rows = rows[rank * prompts_per_rank : (rank + 1) * prompts_per_rank]  # this rank's share
+        metrics, timing = {}, defaultdict(float, {"timing/weight_sync": 0.0})
+        # ALGO LOGIC: 1. sample prompts and generate k completions each. --async-generation: this step's round was
+        # generated during the last step, by the weights before it; the next round starts now, from the current
+        # weights, and generates while we train
+        rows, version, generation = next_round or start_round()
+        if args.async_generation:
+            next_round = start_round() if global_step + steps_per_round < args.max_steps else None
         t0 = time.perf_counter()
-        completion_ids, sampling_logprobs = generate([prompt_ids[i] for i in rows])
-        generation_time = time.perf_counter() - t0
+        (completion_ids, sampling_logprobs), timing["timing/generation"] = generation.result()
+        timing["timing/generation_wait"] = time.perf_counter() - t0  # what generation costs the trainer
+        staleness = global_step - version  # optimizer steps between the sampling and the trained weights
         if args.use_vllm:
             vllm_utils.sleep(engine)  # sleep mode: vLLM's memory goes to training until the next generation
         batch_prompts = [prompt_ids[i] for i in rows for _ in range(G)]
         N = len(batch_prompts)
 
         # 2. score: reward functions see the decoded completions and this row's dataset columns by name
+        t0 = time.perf_counter()
         texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
         completions = [[{"role": "assistant", "content": t}] for t in texts] if conversational else texts
         repeated = lambda values: [values[i] for i in rows for _ in range(G)]  # noqa: E731
@@ -777,15 +1193,19 @@ if __name__ == "__main__":
         rewards_total = (scores * reward_weights).nansum(-1).masked_fill(scores.isnan().all(-1), float("nan"))  # (N,)
         if args.reward_clip_range is not None:
             rewards_total = rewards_total.clamp(*args.reward_clip_range)
+        timing["timing/scoring"] = time.perf_counter() - t0
 
-        # 3. old and reference log-probs, before any update (no gradient)
+        # 3. old and reference log-probs, before any update (no gradient). The old log-probs need a pass of their own only
+        # when the weights change before the batch's last use, or for the KL; otherwise the training pass's own (detached)
+        # are the same
+        t0 = clock()
         prompt_lengths = [len(p) for p in batch_prompts]
         completion_lengths = [len(c) for c in completion_ids]
         truncated = torch.tensor([not (c and c[-1] in eos_ids) for c in completion_ids])
         C = max(max(completion_lengths), 1)
         completion_mask_all = (torch.arange(C)[None] < torch.tensor(completion_lengths)[:, None]).float()  # (N, C)
         use_vllm_is = args.use_vllm and args.vllm_importance_sampling_correction and sampling_logprobs is not None
-        need_old = args.num_iterations > 1 or args.steps_per_generation > 1 or use_vllm_is or ref_model is not None
+        need_old = args.num_iterations > 1 or args.steps_per_generation > 1 or ref_model is not None
         old_logprobs = torch.zeros(N, C) if need_old else None
         ref_logprobs = torch.zeros(N, C) if ref_model is not None else None
         if need_old:
@@ -806,31 +1226,21 @@ if __name__ == "__main__":
             if args.kl_in_reward:
                 rewards_total, _ = kl_penalised_rewards(rewards_total, old_logprobs, ref_logprobs, completion_mask_all, args.beta)
         advantages = rloo_advantages(rewards_total, G)  # groups are whole on each rank
-        if args.normalize_advantages:  # over every rank's completions
-            everyone = gather_rows(advantages.to(device), world_size).cpu()
-            advantages = (advantages - everyone.mean()) / (everyone.std() + 1e-4)
-        is_ratio = None
+        if args.normalize_advantages:  # over every rank's scorable completions
+            advantages = normalize_advantages(advantages, ~rewards_total.isnan(), world_size, device)
+        sampling_lp = None  # vLLM's log-probs of the sampled tokens, NaN where it gave none
         if use_vllm_is:
             sampling_lp = torch.zeros(N, C)
             for i, lp in enumerate(sampling_logprobs):
                 sampling_lp[i, : len(lp)] = torch.tensor([float("nan") if v is None else v for v in lp])
-            is_ratio, logp_diff = vllm_importance_ratio(old_logprobs, sampling_lp, completion_mask_all,
-                                                        args.vllm_importance_sampling_mode,
-                                                        args.vllm_importance_sampling_clip_min,
-                                                        args.vllm_importance_sampling_clip_max)
-            is_ratio = is_ratio[:, 0]  # (N,): one ratio per sequence
-            valid = completion_mask_all.bool()
-            metrics["sampling/sampling_logp_difference/mean"] = logp_diff[valid].mean().item()
-            metrics["sampling/sampling_logp_difference/max"] = logp_diff[valid].max().item()
-            metrics["sampling/importance_sampling_ratio/min"] = is_ratio.min().item()
-            metrics["sampling/importance_sampling_ratio/mean"] = is_ratio.mean().item()
-            metrics["sampling/importance_sampling_ratio/max"] = is_ratio.max().item()
+        timing["timing/old_ref_logprobs"] = clock() - t0
 
         # 5. optimise: num_iterations passes; each pass is steps_per_generation optimizer steps over whole groups.
         # The loss is the mean over the step's sequences of all ranks: each weighs 1 / (rows_per_step x world_size)
         # (0 if masked), and FSDP averages gradients over ranks, hence the x world_size in the loss.
         model.train()
         train_stats = {"entropy": [], "clip_ratio/low_mean": [], "clip_ratio/high_mean": [], "clip_ratio/region_mean": []}
+        is_stats = {"logp_difference": [], "ratio": []}  # over the valid tokens / the sequences of every micro-batch
         rows_per_step = N // args.steps_per_generation
         sequence_weights = torch.ones(N) / (rows_per_step * world_size)
         if args.mask_truncated_completions:
@@ -840,6 +1250,7 @@ if __name__ == "__main__":
                 if global_step >= args.max_steps:
                     break
                 step_rows = range(s * rows_per_step, (s + 1) * rows_per_step)
+                t0 = clock()
                 optimizer.zero_grad(set_to_none=True)
                 step_loss = 0.0
                 micro_batches = token_budget_batches(step_rows, prompt_lengths, completion_lengths, args.micro_batch_tokens)
@@ -853,8 +1264,12 @@ if __name__ == "__main__":
                     old = old_logprobs[mb, :Cm].to(device) if need_old else logprobs.detach()
                     A = advantages[mb].to(device)
                     sequence_loss, ratio = sequence_policy_loss(logprobs, old, A, cmask, args.epsilon, epsilon_high)  # (B,)
-                    if is_ratio is not None:
-                        sequence_loss = sequence_loss * is_ratio[mb].to(device)
+                    if use_vllm_is:  # pi_old / pi_vllm: vLLM's numerics and, with --async-generation, the older weights
+                        is_ratio, logp_difference = vllm_importance_ratio(
+                            old, sampling_lp[mb, :Cm].to(device), cmask, args.vllm_importance_sampling_mode,
+                            args.vllm_importance_sampling_clip_min, args.vllm_importance_sampling_clip_max)
+                        is_ratio = is_ratio[:, 0]  # (B,): one ratio per sequence
+                        sequence_loss = sequence_loss * is_ratio
                     if ref_model is not None and not args.kl_in_reward:
                         sequence_loss = sequence_loss + args.beta * (k3_kl(logprobs, ref_logprobs[mb, :Cm].to(device)) * cmask).sum(-1)
                     loss = (sequence_loss * sequence_weights[mb].to(device)).sum() * (0 if padding_pass else world_size)
@@ -862,24 +1277,37 @@ if __name__ == "__main__":
                     step_loss += loss.detach()  # summed on the device: no host sync per micro-batch
                     if padding_pass:
                         continue
+                    if use_vllm_is:
+                        is_stats["logp_difference"].append(logp_difference[cmask.bool()])
+                        is_stats["ratio"].append(is_ratio)
                     # metrics: clipped ratios per sequence (low with A < 0, high with A > 0), token-mean entropy
                     low, high = ((ratio < 1 - args.epsilon) & (A < 0)).float(), ((ratio > 1 + epsilon_high) & (A > 0)).float()
                     train_stats["entropy"].append(((entropy * cmask).sum() / cmask.sum().clamp(min=1)).detach())
                     train_stats["clip_ratio/low_mean"].append(low.mean())
                     train_stats["clip_ratio/high_mean"].append(high.mean())
                     train_stats["clip_ratio/region_mean"].append((low + high).clamp(max=1).mean())
+                t1 = clock()
                 grad_norm = clip_gradients(model, args.max_grad_norm)
                 optimizer.step()
                 scheduler.step()
                 global_step += 1
                 progress.update(1)
+                timing["timing/forward_backward"] += t1 - t0
+                timing["timing/optimizer"] += clock() - t1
 
-        # 6. push the new weights to vLLM before the next generation round
-        sync_time = 0.0
+        # 6. push the new weights to vLLM before the next generation round. --async-generation: once the round in
+        # flight is complete (on every rank), so that vLLM never switches weights in the middle of a round
         if args.use_vllm:
             t0 = time.perf_counter()
+            if next_round is not None:
+                next_round[2].result()
+                if world_size > 1:
+                    dist.barrier()
+            t1 = time.perf_counter()
+            timing["timing/generation_wait"] += t1 - t0
             vllm_utils.sync_weights(engine, model)
-            sync_time = time.perf_counter() - t0
+            weights_version = global_step
+            timing["timing/weight_sync"] = time.perf_counter() - t1
 
         # TRY NOT TO MODIFY: logging (TRL's metric names, over all ranks) and checkpoints
         lengths, train_means = torch.tensor(completion_lengths, dtype=torch.float), {k: torch.stack(v).mean() for k, v in train_stats.items() if v}
@@ -900,8 +1328,17 @@ if __name__ == "__main__":
             "advantages/mean_abs": abs_advantages.mean().item(),
             "grad_norm": grad_norm.item(), "learning_rate": scheduler.get_last_lr()[0], "loss": step_loss.item(),
             "num_tokens": global_sum(sum(prompt_lengths) + sum(completion_lengths), world_size, device),
-            "timing/generation": generation_time, "timing/weight_sync": sync_time, "step_time": time.perf_counter() - round_start,
+            **timing, "sampling/staleness": staleness, "step_time": time.perf_counter() - round_start,
         })
+        if device.type == "cuda":
+            metrics["memory/peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+        if use_vllm_is:
+            logp_difference, ratio = torch.cat(is_stats["logp_difference"]), torch.cat(is_stats["ratio"])
+            metrics["sampling/sampling_logp_difference/mean"] = logp_difference.mean().item()
+            metrics["sampling/sampling_logp_difference/max"] = logp_difference.max().item()
+            metrics["sampling/importance_sampling_ratio/min"] = ratio.min().item()
+            metrics["sampling/importance_sampling_ratio/mean"] = ratio.mean().item()
+            metrics["sampling/importance_sampling_ratio/max"] = ratio.max().item()
         for k, fn in enumerate(reward_fns):
             column = scores[:, k][~scores[:, k].isnan()]
             metrics[f"rewards/{fn.__name__}/mean"] = column.mean().item() if column.numel() else float("nan")
@@ -915,7 +1352,8 @@ if __name__ == "__main__":
             metrics_file.flush()
             if args.track:
                 wandb.log(metrics, step=global_step)
-        if args.save_steps and global_step % args.save_steps == 0 and global_step < args.max_steps:
+        preempted = global_sum(preemption.is_set(), world_size, device) > 0 and global_step < args.max_steps  # SIGTERM
+        if preempted or (args.save_steps and global_step % args.save_steps == 0 and global_step < args.max_steps):
             model_state, optimizer_state = full_state(model, optimizer, world_size)  # every rank takes part
             rng = (torch.get_rng_state(), torch.cuda.get_rng_state() if device.type == "cuda" else None)
             rng_states = [rng] * world_size
@@ -925,15 +1363,26 @@ if __name__ == "__main__":
             def write_checkpoint(tmp):
                 model.save_pretrained(tmp, state_dict=model_state)
                 tokenizer.save_pretrained(tmp)
+                # a round generated in the background is not trained yet: a resume generates it again
                 torch.save({"optimizer": optimizer_state, "scheduler": scheduler.state_dict(), "global_step": global_step,
-                            "prompts_consumed": prompts_consumed, "torch_rng": [r[0] for r in rng_states],
+                            "prompts_consumed": prompts_consumed - (args.prompts_per_step if next_round else 0),
+                            "torch_rng": [r[0] for r in rng_states],
                             "cuda_rng": [r[1] for r in rng_states] if device.type == "cuda" else None},
                            os.path.join(tmp, "trainer_state.pt"))
+                write_json(os.path.join(tmp, "run.json"), {**run, "script": "rloo.py", "global_step": global_step})
             if is_main:
                 save_atomically(os.path.join(args.output_dir, f"checkpoint-{global_step}"), write_checkpoint)
-                checkpoints = sorted((d for d in os.listdir(args.output_dir) if d.startswith("checkpoint-") and d[11:].isdigit()), key=lambda d: int(d[11:]))
-                for old in checkpoints[: -args.save_total_limit] if args.save_total_limit else []:
-                    shutil.rmtree(os.path.join(args.output_dir, old))
+                for old in run_checkpoints(args.output_dir, run["run_id"])[: -args.save_total_limit] if args.save_total_limit else []:
+                    shutil.rmtree(old)  # this run's older checkpoints only, never another run's
+            if preempted:
+                if is_main:
+                    print(f"SIGTERM: wrote checkpoint-{global_step} and stopped; the same command with "
+                          f"--resume-from-checkpoint latest continues the run", flush=True)
+                    if args.track:
+                        wandb.mark_preempting()
+                if world_size > 1:
+                    dist.destroy_process_group()
+                sys.exit(143)  # 128 + SIGTERM: stopped, not finished
 
     # final model + tokenizer, loadable with from_pretrained(output_dir)
     progress.close()

@@ -1,23 +1,13 @@
-"""vLLM for online RL: generation and weight sync, for grpo.py / rloo.py / online_dpo.py and their forks.
+"""vLLM for online RL, shared by grpo.py / rloo.py / online_dpo.py and their forks (README.md, "Using vLLM": the two
+modes, the supported vLLM versions, each failure and its fix). colocate: a `vllm.LLM` in the training process, fed new
+weights through vLLM's reload path; server: a stock `vllm serve` on other GPUs, sent concurrent token-id
+/v1/completions requests and, after each optimizer step, the weights over NCCL while paused. Both return completion
+token ids and vLLM's log-prob of each sampled token (after temperature). The entry points `start`, `generate`, `sleep`
+and `sync_weights` are built from small functions a fork can call directly; vLLM is imported only where needed."""
 
-Two ways to run vLLM next to a trainer (README.md, "Using vLLM"):
-
-* colocate: a `vllm.LLM` inside the training process, on the training GPU. New weights are copied in with the
-  model's own `load_weights` (full HF-named tensors). With sleep mode, vLLM frees its memory while the trainer
-  trains: level-2 sleep, then wake weights -> load every weight -> reset the prefix cache -> wake the KV cache ->
-  generate -> sleep.
-* server: a stock `vllm serve` on other GPUs, started with VLLM_SERVER_DEV_MODE=1 and
-  `--weight-transfer-config '{"backend": "nccl"}' --logprobs-mode processed_logprobs --max-logprobs -1`.
-  Generation goes through /v1/completions with token-id prompts; after each optimizer step the trainer broadcasts
-  its weights over NCCL (vLLM's packed protocol) while the server receives them in /update_weights.
-
-Both return completion token ids and vLLM's log-prob of each sampled token (after temperature and other
-processors: "processed_logprobs"), which the trainer uses to correct the vLLM/trainer mismatch.
-
-The entry points `start`, `generate`, `sleep` and `sync_weights` take the script's `Args` / the engine they return;
-every step they take is a small function below that a fork can call directly. vLLM is imported only inside functions
-that need it.
-"""
+import concurrent.futures
+import contextlib
+import importlib.util
 import os
 import socket
 import subprocess
@@ -27,14 +17,16 @@ import time
 import requests
 import torch
 
-GENERATION_TIMEOUT_S = 1800.0  # one /v1/completions call (a whole generation round)
-WEIGHT_SYNC_TIMEOUT_S = 300.0  # init of the NCCL group, and one full weight update
-PACKED_BUFFER_BYTES = 1 << 30  # vLLM's packed-broadcast chunk size; both sides must agree
-PACKED_NUM_BUFFERS = 2
+SUPPORTED_VLLM = ((0, 26), (0, 33))  # (major, minor), both ends tested as README.md "Using vLLM" says
+PACKED_NUM_BUFFERS = 2  # packed-broadcast chunks in flight on each side; both sides must agree
+# server-mode Args fields (README.md, "Options") and their defaults, for a fork whose Args predate them
+SERVER_OPTIONS = dict(vllm_group_port=None, vllm_generation_chunk_size=8, vllm_generation_timeout=1800.0)
+SERVER_OPTIONS.update(vllm_weight_sync_timeout=300.0, vllm_weight_sync_buffer_mb=1024)
+_restart = lambda model: f"Restart it as:\n  {serve_command(model)}"  # noqa: E731
 
 
 # ------------------------------------------------------------------------------------------------------------------
-# Weights: what is sent, in which order
+# Weights (what is sent, in which order, in which message format) and colocate: vllm.LLM in this process
 
 
 def _checkpoint_name(name):
@@ -43,12 +35,8 @@ def _checkpoint_name(name):
 
 
 def named_weights(model, dtype=torch.bfloat16):
-    """(HF name, tensor) for every parameter, cast to `dtype` (vLLM copies into its own dtype anyway; bf16 halves the
-    bytes sent). Tied embeddings appear once, as in the checkpoint; vLLM skips lm_head when it is tied.
-
-    A generator on purpose: with FSDP2 each parameter is gathered from the shards only when it is reached (a
-    collective: every rank must iterate, in the same order) and is dropped once the consumer has packed or loaded it,
-    so the whole unsharded model never sits on one GPU."""
+    """(HF name, tensor) per parameter, cast to `dtype` (bf16 halves the bytes sent), tied ones once. A generator: with
+    FSDP2 each is gathered (a collective: all ranks iterate alike) only when reached, and dropped once consumed."""
     for name, param in model.named_parameters():
         tensor = param.detach()
         if hasattr(tensor, "full_tensor"):  # FSDP2 DTensor: gather the full parameter
@@ -57,95 +45,93 @@ def named_weights(model, dtype=torch.bfloat16):
 
 
 def weight_metadata(model, dtype=torch.bfloat16):
-    """The `update_info` lists vLLM needs to receive `named_weights(model, dtype)`: the receiver allocates buffers from
-    these, so they must describe exactly the tensors streamed, in the same order. Read from the parameters without
-    gathering anything (an FSDP2 DTensor's shape is the full one)."""
+    """The lists vLLM allocates its receive buffers from: exactly the tensors `named_weights` streams, in its order.
+    Read from the parameters without gathering anything (an FSDP2 DTensor's shape is the full one)."""
     params = list(model.named_parameters())
-    return {
-        "names": [_checkpoint_name(name) for name, _ in params],
-        "dtype_names": [str(dtype).removeprefix("torch.")] * len(params),
-        "shapes": [list(param.shape) for _, param in params],
-    }
+    names, shapes = [_checkpoint_name(name) for name, _ in params], [list(param.shape) for _, param in params]
+    return {"names": names, "dtype_names": [str(dtype).removeprefix("torch.")] * len(params), "shapes": shapes}
 
 
-# ------------------------------------------------------------------------------------------------------------------
-# Colocate: vllm.LLM in this process
+def vllm_version(version=None, who=None):
+    """(major, minor) of a vLLM version string ("0.28.1.dev3+g12ab" -> (0, 28)), the installed vLLM's by default. With
+    `who`, refuse one outside SUPPORTED_VLLM: this file knows the weight-transfer messages of those versions only."""
+    from packaging.version import Version
+
+    if version is None:
+        from vllm import __version__ as version
+    low, high = (".".join(map(str, v)) for v in SUPPORTED_VLLM)
+    if who and not SUPPORTED_VLLM[0] <= Version(version).release[:2] <= SUPPORTED_VLLM[1]:
+        raise RuntimeError(f"{who} runs vLLM {version}, outside the supported range {low} to {high} (vllm==0.26.0)")
+    return Version(version).release[:2]
 
 
-def colocate_engine(model_path, gpu_memory_utilization=0.3, tensor_parallel_size=1, max_model_len=None,
-                    enable_sleep_mode=False, seed=0, max_num_seqs=256, dtype="bfloat16"):
-    """A vllm.LLM that lives in this (torchrun or plain) process and shares its GPU.
+def weight_sync_messages(server_version, init_info, update_info, buffer_bytes=1 << 30):
+    """(init_info, update_info) as a server running `server_version` takes them. The packed-broadcast geometry goes in
+    every update up to 0.27 (0.26 and 0.27 distributed/weight_transfer/nccl_engine.py, NCCLWeightTransferUpdateInfo)
+    and once in the init from 0.28 (0.28 nccl_common.py, NCCLWeightTransferInitInfo); each rejects it in the other."""
+    packed = {"packed": True, "packed_buffer_size_bytes": buffer_bytes, "packed_num_buffers": PACKED_NUM_BUFFERS}
+    if vllm_version(server_version) >= (0, 28):
+        return {**init_info, **packed}, update_info
+    return init_info, {**update_info, **packed}
 
-    external_launcher runs the engine's single worker inside this process (no subprocess), which is what lets the
-    trainer copy weights straight into it. Without torchrun, the env:// variables it needs are filled in."""
+
+def free_port():
+    """A TCP port that is free on this host now (the OS picks it)."""
+    with socket.create_server(("", 0)) as s:
+        return s.getsockname()[1]
+
+
+def colocate_engine(model_path, tensor_parallel_size=1, seed=0, **llm_args):
+    """A vllm.LLM in this (torchrun or plain) process, on its GPU; `llm_args` go to vllm.LLM. external_launcher runs
+    the engine's worker in this process, which lets the trainer hand it weights; env:// variables are filled in."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if world_size % tensor_parallel_size:
-        raise ValueError(f"--vllm-tensor-parallel-size {tensor_parallel_size} must divide the number of processes {world_size}")
+        raise ValueError(f"--vllm-tensor-parallel-size {tensor_parallel_size} must divide the {world_size} processes")
     if "MASTER_PORT" not in os.environ:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(s.getsockname()[1]))
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1"}.items():
         os.environ.setdefault(key, value)
     from vllm import LLM
 
-    rank = int(os.environ["RANK"])
-    extra = {}
+    fixed = {"distributed_executor_backend": "external_launcher", "logprobs_mode": "processed_logprobs"}
+    llm_args = {"gpu_memory_utilization": 0.3, "dtype": "bfloat16", **llm_args, **fixed}
     if tensor_parallel_size > 1 and os.environ.get("NCCL_NVLS_ENABLE") == "0":
         # With TP > 1, vLLM fuses all-reduce + RMSNorm through FlashInfer, whose default "mnnvl" workspace maps NVLink
         # multicast memory. A host that switched multicast off (NCCL_NVLS_ENABLE=0) must not get it: plain all-reduce.
-        extra["compilation_config"] = {"pass_config": {"fuse_allreduce_rms": False}}
-    return LLM(
-        model=model_path, tensor_parallel_size=tensor_parallel_size, gpu_memory_utilization=gpu_memory_utilization,
-        max_model_len=max_model_len, enable_sleep_mode=enable_sleep_mode, dtype=dtype, max_num_seqs=max_num_seqs,
-        distributed_executor_backend="external_launcher", logprobs_mode="processed_logprobs",
-        seed=seed + rank // tensor_parallel_size,  # ranks of one TP group must sample identically
-        **extra,
-    )
+        llm_args["compilation_config"] = {"pass_config": {"fuse_allreduce_rms": False}}
+    seed += int(os.environ["RANK"]) // tensor_parallel_size  # ranks of one TP group must sample identically
+    return LLM(model=model_path, tensor_parallel_size=tensor_parallel_size, seed=seed, **llm_args)
 
 
 def sampling_fields(args):
-    """Sampling settings shared by both modes, every one explicit (a server would otherwise fill gaps from the
-    model's generation_config.json)."""
-    return {
-        "temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k if args.top_k > 0 else -1,
-        "min_p": args.min_p, "repetition_penalty": args.repetition_penalty, "max_tokens": args.max_completion_length,
-    }
+    """Both modes' sampling settings, all explicit (a server fills gaps from the model's generation_config.json)."""
+    top_k = args.top_k if args.top_k > 0 else -1
+    fields = {"temperature": args.temperature, "top_p": args.top_p, "top_k": top_k, "min_p": args.min_p}
+    return {**fields, "repetition_penalty": args.repetition_penalty, "max_tokens": args.max_completion_length}
 
 
 def colocate_generate(llm, prompt_ids, n, fields):
-    """Sample n completions per prompt with an in-process engine: (completion ids, sampled-token log-probs), both
-    prompt-major lists (completion k belongs to prompt k // n)."""
+    """n completions per prompt from an in-process engine: (completion ids, sampled-token log-probs), prompt-major."""
     from vllm import SamplingParams
 
     params = SamplingParams(n=n, logprobs=0, **fields)
     outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], params, use_tqdm=False)
-    completion_ids, logprobs = [], []
-    for output in outputs:
-        for sample in output.outputs:
-            completion_ids.append(list(sample.token_ids))
-            logprobs.append([step[token].logprob for token, step in zip(sample.token_ids, sample.logprobs)])
-    return completion_ids, logprobs
+    samples = [sample for output in outputs for sample in output.outputs]
+    logprobs = [[step[token].logprob for token, step in zip(s.token_ids, s.logprobs)] for s in samples]
+    return [list(sample.token_ids) for sample in samples], logprobs
 
 
 def tensor_parallel_group(tensor_parallel_size):
-    """With torchrun and a colocated engine split over tensor_parallel_size GPUs, consecutive ranks form one engine
-    and must submit the same prompts: the process group of this rank's engine (None without tensor parallelism)."""
+    """The process group of this rank's tensor-parallel engine (consecutive ranks, same prompts), None without TP."""
     if tensor_parallel_size == 1 or not torch.distributed.is_initialized():
         return None
-    world_size, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
-    mine = None
-    for start in range(0, world_size, tensor_parallel_size):  # every rank creates every group, in the same order
-        ranks = list(range(start, start + tensor_parallel_size))
-        group = torch.distributed.new_group(ranks)
-        mine = group if rank in ranks else mine
-    return mine
+    return torch.distributed.new_subgroups(tensor_parallel_size)[0]  # every rank creates every group, in order
 
 
 def colocate_load_weights(llm, weights):
-    """Copy (name, tensor) pairs into the engine's model in place (CUDA graphs stay valid); each TP rank slices its
-    own shard from the full tensors. Fine for bf16/fp16 engines (online-quantized ones need reload_weights)."""
-    llm.llm_engine.model_executor.driver_worker.model_runner.model.load_weights(weights)
+    """Load (name, full tensor) pairs through vLLM's layerwise reload: it reruns the post-load processing (MLA, MoE
+    repacking, fp8) a plain load_weights skips; same storage (CUDA graphs stay valid); each TP rank takes its shard."""
+    llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True})
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -154,21 +140,20 @@ def colocate_load_weights(llm, weights):
 
 def serve_command(model, host="0.0.0.0", port=8000, gpus="1"):
     """The command that starts a server this codebase can train against."""
-    return (f"CUDA_VISIBLE_DEVICES={gpus} VLLM_SERVER_DEV_MODE=1 vllm serve {model} --host {host} --port {port} "
-            "--weight-transfer-config '{\"backend\": \"nccl\"}' --logprobs-mode processed_logprobs --max-logprobs -1")
+    return (
+        f"CUDA_VISIBLE_DEVICES={gpus} VLLM_SERVER_DEV_MODE=1 vllm serve {model} --host {host} --port {port} "
+        '--weight-transfer-config \'{"backend": "nccl"}\' --logprobs-mode processed_logprobs --max-logprobs -1'
+    )
 
 
 def wait_for_server(base_url, timeout, model):
     """Poll GET /health until it answers 200; after `timeout` seconds raise with the command that starts it."""
-    deadline = time.monotonic() + timeout
+    deadline, port = time.monotonic() + timeout, base_url.rsplit(":", 1)[1]
     while True:
-        try:
+        with contextlib.suppress(requests.RequestException):
             if requests.get(f"{base_url}/health", timeout=5).status_code == 200:
                 return
-        except requests.RequestException:
-            pass
         if time.monotonic() > deadline:
-            host, port = base_url.removeprefix("http://").rsplit(":", 1)
             raise ConnectionError(
                 f"no vLLM server answered at {base_url}/health within {timeout:.0f} s (--vllm-server-timeout). "
                 f"Start one on GPUs the trainer does not use, e.g.\n  {serve_command(model, port=port)}\n"
@@ -177,57 +162,83 @@ def wait_for_server(base_url, timeout, model):
         time.sleep(2)
 
 
-def check_server(base_url, model):
-    """Fail early, with the fix, when the server cannot do RL: no dev mode, no NCCL weight transfer, or a vLLM version
-    other than the trainer's (both sides of the NCCL protocol are version-specific). Returns (model id, max_model_len)."""
-    import vllm
+def probe_server(base_url, model, timeout=10.0):
+    """Whether the engine is paused: GET /is_paused, unlike /health, needs the engine's loop, which never runs again in
+    an engine blocked in an NCCL receive (its trainer died mid-broadcast)."""
+    try:
+        response = requests.get(f"{base_url}/is_paused", timeout=timeout)
+    except requests.Timeout:
+        raise RuntimeError(
+            f"the server at {base_url} answers /health but its engine not /is_paused within {timeout:.0f} s: it is "
+            f"likely stuck receiving a weight update whose trainer died (NCCL has no timeout). {_restart(model)}"
+        ) from None
+    return response.status_code == 200 and response.json().get("is_paused", False)
 
+
+def check_server(base_url, model):
+    """Fail early, with the fix, when the server cannot do RL (no dev mode or NCCL weight transfer, raw log-probs, a
+    vLLM outside SUPPORTED_VLLM, a stuck engine); resume one a dead trainer left paused. Returns its facts."""
     response = requests.get(f"{base_url}/server_info", params={"config_format": "json"}, timeout=30)
-    if response.status_code == 404:
-        raise RuntimeError(f"the server at {base_url} has no /server_info: it was started without VLLM_SERVER_DEV_MODE=1, "
-                           f"which the weight-sync endpoints need. Restart it as:\n  {serve_command(model)}")
+    if response.status_code == 404:  # the weight-sync endpoints need dev mode too
+        raise RuntimeError(f"the server at {base_url} was started without VLLM_SERVER_DEV_MODE=1. {_restart(model)}")
     response.raise_for_status()
     config = response.json()["vllm_config"]
     if not config.get("weight_transfer_config"):
-        raise RuntimeError(f"the server at {base_url} was started without --weight-transfer-config, so it cannot receive "
-                           f"weights. Restart it as:\n  {serve_command(model)}")
-    logprobs_mode = config.get("model_config", {}).get("logprobs_mode")
-    if logprobs_mode != "processed_logprobs":  # raw log-probs ignore the temperature: every importance ratio is biased
-        raise RuntimeError(f"the server at {base_url} returns {logprobs_mode} log-probs, which leave out the temperature "
-                           f"the trainer samples with, so the importance-sampling correction would be wrong. Restart it as:\n  {serve_command(model)}")
-    server_version = requests.get(f"{base_url}/version", timeout=30).json()["version"]
-    if server_version != vllm.__version__:
-        raise RuntimeError(f"the server runs vLLM {server_version} but the trainer has vLLM {vllm.__version__}; the NCCL "
-                           f"weight-transfer protocol differs between versions. Install the same version on both sides (pip install vllm=={vllm.__version__}).")
+        raise RuntimeError(f"the server at {base_url} has no --weight-transfer-config. {_restart(model)}")
+    model_config = config.get("model_config", {})
+    if (mode := model_config.get("logprobs_mode")) != "processed_logprobs":  # raw ones leave out the temperature
+        raise RuntimeError(f"the server at {base_url} returns {mode}, which biases every ratio. {_restart(model)}")
+    version = requests.get(f"{base_url}/version", timeout=30).json()["version"]
+    vllm_version(version, who=f"the server at {base_url}")  # any mix with the trainer's: messages follow the server
+    if probe_server(base_url, model):  # a trainer died between /pause and /resume
+        _post(base_url, "/resume", 30)
     served = requests.get(f"{base_url}/v1/models", timeout=30).json()["data"][0]
-    return served["id"], served.get("max_model_len")
+    info = {"model_id": served["id"], "max_model_len": served.get("max_model_len")}
+    return {**info, "version": version, "model_config": model_config}
+
+
+def check_same_model(server, model, model_path):
+    """Refuse a server that serves another model before any NCCL or /start_weight_update. No vLLM reports parameter
+    names (0.28+'s /weight_info: a version string), so the served model (/server_info's path, revision, hf_overrides)
+    is built on the meta device: it must have weight_metadata's names and shapes (dtypes may differ: vLLM casts)."""
+    import transformers
+
+    served = server["model_config"]
+    name, remote = served.get("model", server["model_id"]), {"trust_remote_code": bool(served.get("trust_remote_code"))}
+    try:  # the served model's HF parameters, built on the meta device (no memory)
+        config = transformers.AutoConfig.from_pretrained(name, revision=served.get("revision"), **remote)
+        config.update(served.get("hf_overrides") or {})
+        with torch.device("meta"):
+            params = transformers.AutoModelForCausalLM.from_config(config, **remote).named_parameters()
+            shapes = {key: list(param.shape) for key, param in params}
+    except (OSError, ValueError, TypeError, KeyError):
+        return print(f"vllm_utils: cannot build the served {name} here to compare it with the trainer's {model_path}")
+    sent = dict(zip(*(weight_metadata(model)[key] for key in ("names", "shapes"))))
+    first = next((key for key in [*sent, *shapes] if sent.get(key) != shapes.get(key)), None)
+    if first is not None:
+        got = f"{first} is {sent.get(first, 'not sent')} in the trainer, {shapes.get(first, 'absent')} on the server"
+        raise RuntimeError(f"the server serves {name}, not {model_path} ({got}); nothing sent. {_restart(model_path)}")
 
 
 def check_gpu_not_shared(base_url):
     """NCCL cannot put two ranks of one group on the same GPU: refuse to start when a local vLLM process already runs
     on the trainer's GPU (set CUDA_VISIBLE_DEVICES differently for the two)."""
-    host = base_url.removeprefix("http://").rsplit(":", 1)[0]
-    if host not in ("127.0.0.1", "localhost", "0.0.0.0", socket.gethostname()):
+    if base_url.split("//")[-1].rsplit(":", 1)[0] not in ("127.0.0.1", "localhost", "0.0.0.0", socket.gethostname()):
         return
     uuid = "GPU-" + str(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid)
+    query = ["nvidia-smi", "--query-compute-apps=gpu_uuid,pid", "--format=csv,noheader"]
     try:
-        out = subprocess.run(["nvidia-smi", "--query-compute-apps=gpu_uuid,pid", "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=30).stdout
+        out = subprocess.run(query, capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.TimeoutExpired):
         return
-    for line in out.splitlines():
-        gpu, pid = [part.strip() for part in line.split(",")]
-        if gpu == uuid and int(pid) != os.getpid():
-            try:
-                cmdline = open(f"/proc/{pid}/cmdline", "rb").read().replace(b"\0", b" ").decode(errors="replace")
-            except OSError:
-                continue
-            # a server's GPU process is its engine core, titled "VLLM::EngineCore..." (or "vllm serve ..." itself);
-            # a colocated engine inside another trainer is not a server and may share the GPU
-            if any(mark in cmdline for mark in ("VLLM::", "vllm serve", "vllm.entrypoints")):
-                raise RuntimeError(f"the vLLM server (pid {pid}) runs on the trainer's GPU {uuid}. Give them different "
-                                   f"GPUs, e.g. CUDA_VISIBLE_DEVICES=0 for the trainer and CUDA_VISIBLE_DEVICES=1 for "
-                                   f"`vllm serve`.")
+    for gpu, pid in (line.replace(" ", "").split(",") for line in out.splitlines()):
+        if gpu != uuid or int(pid) == os.getpid() or not os.path.exists(f"/proc/{pid}/cmdline"):
+            continue
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            cmdline = f.read().replace(b"\0", b" ")
+        # a server's GPU process is its engine core ("VLLM::EngineCore...") or `vllm serve`; a colocated engine is not
+        if any(mark in cmdline for mark in (b"VLLM::", b"vllm serve", b"vllm.entrypoints")):
+            raise RuntimeError(f"the vLLM server (pid {pid}) runs on the trainer's GPU {uuid}: use other GPUs for it")
 
 
 def _post(base_url, path, timeout, **kwargs):
@@ -239,10 +250,9 @@ def _post(base_url, path, timeout, **kwargs):
 
 
 def _run_beside(nccl_work, http_call, timeout):
-    """Run the trainer's NCCL side and the matching HTTP call (which blocks inside the server's side of the same
-    collective) side by side, each in a daemon thread; return the NCCL side's result. NCCL has no timeout, so the first
-    failure is raised at once and the other side is left behind rather than waited for. When both fail, the NCCL
-    side's error is raised (it is usually the cause: a taken --vllm-group-port, an out-of-memory while packing)."""
+    """Run the trainer's NCCL side and the HTTP call that blocks in the server's side of it, each in a daemon thread;
+    return the NCCL side's result. NCCL has no timeout: the first failure is raised at once, the other side left
+    behind; when both fail, the NCCL error (usually the cause: a taken port, an out-of-memory while packing)."""
     device = torch.cuda.current_device() if torch.cuda.is_available() else None
     outcome = {}  # side -> (ok, result or exception)
     failed = lambda side: outcome.get(side, (True,))[0] is False  # noqa: E731
@@ -255,8 +265,7 @@ def _run_beside(nccl_work, http_call, timeout):
         except BaseException as error:  # noqa: BLE001
             outcome[side] = (False, error)
 
-    nccl = threading.Thread(target=run, args=("nccl", nccl_work), daemon=True)
-    nccl.start()
+    (nccl := threading.Thread(target=run, args=("nccl", nccl_work), daemon=True)).start()
     threading.Thread(target=run, args=("http", http_call), daemon=True).start()
     http_done = None
     while True:  # the HTTP side ends by itself (requests' timeout); the NCCL side gets `timeout` s after it
@@ -276,146 +285,180 @@ def _run_beside(nccl_work, http_call, timeout):
         time.sleep(0.01)
 
 
-def server_init_weight_sync(base_url, group_port, master_address="127.0.0.1"):
-    """Form the NCCL group trainer (rank 0) + every server worker (ranks 1..W-1). The trainer hosts the rendezvous at
-    master_address:group_port, which the server must be able to reach."""
+def server_init_weight_sync(base_url, port=None, address="127.0.0.1", version=None, buffer_bytes=1 << 30, timeout=300):
+    """Form the NCCL group trainer (rank 0) + server workers, hosting the rendezvous at address:port (None: a free one).
+    `version`: the server's vLLM; vLLM's trainer_init and packed producer are the same on the wire from 0.26 to 0.33."""
     from vllm.distributed.weight_transfer.nccl_common import trainer_init
 
-    world_size = requests.get(f"{base_url}/get_world_size", timeout=30).json()["world_size"]
-    info = {"master_address": master_address, "master_port": group_port, "rank_offset": 1, "world_size": world_size + 1}
-    return _run_beside(lambda: trainer_init(info),
-                       lambda: _post(base_url, "/init_weight_transfer_engine", WEIGHT_SYNC_TIMEOUT_S, json={"init_info": info}),
-                       WEIGHT_SYNC_TIMEOUT_S)
+    world_size = requests.get(f"{base_url}/get_world_size", timeout=30).json()["world_size"] + 1
+    info = {"master_address": address, "master_port": port or free_port(), "rank_offset": 1, "world_size": world_size}
+    info = weight_sync_messages(version, info, {}, buffer_bytes)[0]
+    init = lambda: _post(base_url, "/init_weight_transfer_engine", timeout, json={"init_info": info})  # noqa: E731
+    return _run_beside(lambda: trainer_init(info), init, timeout)
 
 
-def server_sync_weights(base_url, group, model):
-    """Send the model's weights to the server: start -> packed broadcast beside /update_weights -> finish -> reset the
-    prefix cache (its KV was computed by the old weights). The weights are streamed (named_weights): gathered, cast
-    and packed a buffer at a time. Under torchrun the other ranks must iterate named_weights(model) meanwhile."""
-    from vllm.distributed.weight_transfer.packed_tensor import packed_nccl_broadcast_producer
+def restore_after_failed_update(base_url, model, timeout=30.0):
+    """Best effort after a failed update: finishing it gives layers that got nothing their weights back. A raising
+    /update_weights ends it itself (0.26-0.33 v1/worker/gpu_worker.py): start again (layers stay waiting), finish."""
+    try:
+        try:
+            _post(base_url, "/finish_weight_update", timeout, json={})
+        except RuntimeError:  # "without a matching start_weight_update"
+            for path in ("/start_weight_update", "/finish_weight_update"):
+                _post(base_url, path, timeout, json={})
+    except (RuntimeError, requests.RequestException) as error:  # a timeout: the engine is stuck in the NCCL receive
+        return f"could not be restored ({error}): it may serve garbage. {_restart(model)}"
+    return "was restored: layers that received nothing keep their previous weights (the next sync sends all)."
 
-    update_info = {**weight_metadata(model), "packed": True, "packed_buffer_size_bytes": PACKED_BUFFER_BYTES,
-                   "packed_num_buffers": PACKED_NUM_BUFFERS}
-    _post(base_url, "/start_weight_update", 60, json={})
 
-    # the optimizer step ran on this stream; the producer gathers, casts and packs on its own side streams
-    torch.cuda.current_stream().synchronize()
+def server_sync_weights(base_url, group, model, version=None, buffer_bytes=1 << 30, timeout=300.0, name="MODEL"):
+    """Probe -> /pause (wait: running requests end on the old weights) -> /start_weight_update -> named_weights' packed
+    broadcast beside /update_weights (other torchrun ranks iterate them too) -> finish -> reset the prefix cache ->
+    /resume; a failure restores what it can and resumes. `version`: the server's vLLM; `name`: the model."""
+    from vllm.distributed.weight_transfer.packed_tensor import packed_nccl_broadcast_producer as send
 
-    def broadcast():
-        packed_nccl_broadcast_producer(named_weights(model), group, 0, lambda item: item[1], PACKED_BUFFER_BYTES, PACKED_NUM_BUFFERS)
-        torch.cuda.synchronize()  # 0.26's producer does not drain its streams
+    update_info = weight_sync_messages(version, {}, weight_metadata(model), buffer_bytes)[1]
+    update = lambda: _post(base_url, "/update_weights", timeout, json={"update_info": update_info})  # noqa: E731
 
-    _run_beside(broadcast, lambda: _post(base_url, "/update_weights", WEIGHT_SYNC_TIMEOUT_S, json={"update_info": update_info}),
-                WEIGHT_SYNC_TIMEOUT_S)
-    _post(base_url, "/finish_weight_update", 60)
-    for _ in range(50):  # False while blocks are still held by running requests
-        if _post(base_url, "/reset_prefix_cache", 60).get("success", True):
-            return
-        time.sleep(0.1)
-    raise RuntimeError("the server's prefix cache could not be reset after a weight update")
+    def broadcast():  # the trainer's side of /update_weights
+        send(named_weights(model), group, 0, lambda item: item[1], buffer_bytes, PACKED_NUM_BUFFERS)
+
+    probe_server(base_url, name)  # a wedged engine is reported now, not after `timeout` s
+    _post(base_url, "/pause", timeout, params={"mode": "wait"})
+    try:
+        try:
+            _post(base_url, "/start_weight_update", 60, json={})
+        except RuntimeError as error:  # "already active" (0.26 to 0.33 v1/worker/gpu_worker.py): a trainer died in one
+            dead = "a previous trainer died inside a weight update: " if "already active" in str(error) else ""
+            raise RuntimeError(f"{dead}{error}\n{_restart(name)}") from error
+        try:
+            if torch.cuda.is_available():  # the optimizer step ran on this stream; the producer packs on its own
+                torch.cuda.current_stream().synchronize()
+            _run_beside(broadcast, update, timeout)
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()  # 0.26's producer does not drain its streams
+            _post(base_url, "/finish_weight_update", 60, json={})
+        except BaseException as error:
+            restored = restore_after_failed_update(base_url, name)
+            raise RuntimeError(f"the weight update failed: {error}\nThe server {restored}") from error
+        if not _post(base_url, "/reset_prefix_cache", 60).get("success", True):  # paused: no request holds blocks
+            raise RuntimeError("the server's prefix cache could not be reset after a weight update")
+    except BaseException:
+        with contextlib.suppress(RuntimeError, requests.RequestException):  # the error in flight is the one to report
+            _post(base_url, "/resume", 30)
+        raise
+    _post(base_url, "/resume", 60)
 
 
 def completions_request(model_id, prompt_ids, n, fields):
-    """Body of POST /v1/completions: one token-id prompt per entry (each sampled n times), every sampling field
-    explicit, the sampled token's log-prob, and token ids instead of text."""
-    return {"model": model_id, "prompt": prompt_ids, "n": n, **fields, "logprobs": 0, "return_token_ids": True,
-            "return_tokens_as_token_ids": True, "skip_special_tokens": False}
+    """Body of POST /v1/completions: token-id prompts, each sampled n times, the sampled tokens' ids and log-probs."""
+    ids = {"return_token_ids": True, "return_tokens_as_token_ids": True, "skip_special_tokens": False}
+    return {"model": model_id, "prompt": prompt_ids, "n": n, **fields, "logprobs": 0, **ids}
 
 
 def parse_completions(response, num_prompts, n):
     """Completion ids and per-token log-probs from a /v1/completions response. Choices come prompt-major (choice k
     belongs to prompt k // n); a stop on EOS leaves the EOS as the last token; a missing log-prob is None."""
-    choices = response["choices"]
+    choices = sorted(response["choices"], key=lambda choice: choice["index"])
     if len(choices) != num_prompts * n:
         raise RuntimeError(f"the server returned {len(choices)} completions for {num_prompts} prompts x {n}")
-    choices = sorted(choices, key=lambda choice: choice["index"])
     completion_ids = [list(choice["token_ids"]) for choice in choices]
     logprobs = [list(choice["logprobs"]["token_logprobs"]) for choice in choices]
-    for ids, lps in zip(completion_ids, logprobs):
-        if len(ids) != len(lps):
-            raise RuntimeError(f"the server returned {len(lps)} log-probs for {len(ids)} tokens")
+    if bad := next(((len(i), len(lp)) for i, lp in zip(completion_ids, logprobs) if len(i) != len(lp)), None):
+        raise RuntimeError(f"the server returned {bad[1]} log-probs for {bad[0]} tokens")
     return completion_ids, logprobs
 
 
-def server_generate(base_url, model_id, prompt_ids, n, fields):
-    """Sample n completions per prompt on the server: (completion ids, sampled-token log-probs), prompt-major."""
-    response = requests.post(f"{base_url}/v1/completions", json=completions_request(model_id, prompt_ids, n, fields),
-                             timeout=GENERATION_TIMEOUT_S)
-    if response.status_code != 200:
-        raise RuntimeError(f"/v1/completions failed with {response.status_code}: {response.text[:500]}")
-    return parse_completions(response.json(), len(prompt_ids), n)
+def server_generate(base_url, model_id, prompt_ids, n, fields, chunk_size=8, timeout=1800.0):
+    """Sample n completions per prompt on the server: (completion ids, log-probs), prompt-major, from concurrent
+    requests of `chunk_size` prompts (vLLM batches them; no response holds a round), each within `timeout` s."""
+
+    def complete(chunk):
+        body, deadline = completions_request(model_id, chunk, n, fields), time.monotonic() + timeout
+        post = lambda: requests.post(f"{base_url}/v1/completions", json=body, timeout=timeout)  # noqa: E731
+        while (response := post()).status_code == 503 and time.monotonic() < deadline:  # 0.33: 503 while paused
+            time.sleep(1)
+        if response.status_code != 200:
+            raise RuntimeError(f"/v1/completions failed with {response.status_code}: {response.text[:500]}")
+        return parse_completions(response.json(), len(chunk), n)
+
+    chunks = [prompt_ids[i : i + chunk_size] for i in range(0, len(prompt_ids), chunk_size)]
+    with concurrent.futures.ThreadPoolExecutor(max(1, len(chunks))) as pool:
+        parts = list(pool.map(complete, chunks))
+    return [ids for part in parts for ids in part[0]], [lps for part in parts for lps in part[1]]
 
 
 # ------------------------------------------------------------------------------------------------------------------
-# The three calls the training scripts make
+# The calls the training scripts make
+
+
+def setup_problems():
+    """Why vLLM cannot run in this process ([] if it can), each with its fix: the scripts ask before any model loads."""
+    if not torch.cuda.is_available():
+        return ["--use-vllm needs a CUDA GPU and none is visible: drop --use-vllm to sample with Hugging Face generate"]
+    return [] if importlib.util.find_spec("vllm") else ["--use-vllm needs vllm: pip install -r requirements.txt"]
 
 
 def start(args, model_path, max_prompt_length):
-    """Build the generator `args.vllm_mode` asks for; returns a dict handed back to generate / sync_weights."""
-    if not torch.cuda.is_available():
-        raise RuntimeError("--use-vllm needs a CUDA GPU; on the CPU use --no-use-vllm (Hugging Face generate)")
-    engine = {"mode": args.vllm_mode, "fields": sampling_fields(args), "n": args.num_generations}
+    """Build the generator `args.vllm_mode` asks for; returns a dict handed back to generate / sync_weights. Server
+    mode joins the NCCL group at the first sync_weights, once the model has been compared with the served one."""
+    vllm_version(None, who="this trainer")
+    engine = {"mode": args.vllm_mode, "fields": sampling_fields(args), "n": args.num_generations, "model": model_path}
+    max_len = max_prompt_length + args.max_completion_length
     if args.vllm_mode == "colocate":
-        t0 = time.perf_counter()
-        engine["llm"] = colocate_engine(
-            model_path, args.vllm_gpu_memory_utilization, args.vllm_tensor_parallel_size,
-            args.vllm_max_model_len or max_prompt_length + args.max_completion_length, args.vllm_enable_sleep_mode,
-            args.seed, max_num_seqs=args.prompts_per_step * args.num_generations, dtype="bfloat16" if args.bf16 else "auto")
+        dtype, seqs = ("bfloat16" if args.bf16 else "auto"), args.prompts_per_step * engine["n"]
+        llm_args = dict(max_model_len=args.vllm_max_model_len or max_len, enable_sleep_mode=args.vllm_enable_sleep_mode)
+        llm_args.update(gpu_memory_utilization=args.vllm_gpu_memory_utilization, dtype=dtype, max_num_seqs=seqs)
+        engine["llm"] = colocate_engine(model_path, args.vllm_tensor_parallel_size, args.seed, **llm_args)
         engine["sleep"] = args.vllm_enable_sleep_mode  # starts awake with the checkpoint's weights (model_path)
         engine["tp_group"] = tensor_parallel_group(args.vllm_tensor_parallel_size)
-        engine["startup_s"] = time.perf_counter() - t0
         return engine
-    base_url = f"http://{args.vllm_server_host}:{args.vllm_server_port}"
-    t0 = time.perf_counter()
+    engine["base_url"] = base_url = f"http://{args.vllm_server_host}:{args.vllm_server_port}"
     wait_for_server(base_url, args.vllm_server_timeout, model_path)
-    engine["model_id"], max_model_len = check_server(base_url, model_path)
-    if max_model_len and max_prompt_length + args.max_completion_length > max_model_len:
-        raise ValueError(f"the longest prompt ({max_prompt_length} tokens) + --max-completion-length "
-                         f"{args.max_completion_length} exceeds the server's --max-model-len {max_model_len}")
-    engine["startup_s"] = time.perf_counter() - t0
-    engine["base_url"] = base_url
-    if _rank() != 0:  # with torchrun every rank generates through HTTP, rank 0 alone sends the weights
-        return engine
-    check_gpu_not_shared(base_url)
-    # the server's workers connect to this address: loopback for a local server, else this host's routable IP
-    # (vLLM's get_ip honours VLLM_HOST_IP, the override for hosts with several interfaces)
-    if args.vllm_server_host in ("127.0.0.1", "localhost"):
-        master_address = "127.0.0.1"
-    else:
+    engine["server"] = server = check_server(base_url, model_path)
+    if server["max_model_len"] and max_len > server["max_model_len"]:
+        raise ValueError(
+            f"the longest prompt ({max_prompt_length} tokens) + --max-completion-length "
+            f"{args.max_completion_length} exceeds the server's --max-model-len {server['max_model_len']}"
+        )
+    engine.update({key: getattr(args, key, default) for key, default in SERVER_OPTIONS.items()})
+    if _rank() == 0:  # with torchrun every rank generates through HTTP, rank 0 alone sends the weights
+        check_gpu_not_shared(base_url)
+        # the server's workers connect to this address: loopback for a local server, else this host's routable IP
+        # (vLLM's get_ip honours VLLM_HOST_IP, the override for hosts with several interfaces)
         from vllm.utils.network_utils import get_ip
 
-        master_address = get_ip()
-    engine["group"] = server_init_weight_sync(base_url, args.vllm_group_port, master_address)
-    engine["startup_s"] = time.perf_counter() - t0
+        engine["master_address"] = "127.0.0.1" if args.vllm_server_host in ("127.0.0.1", "localhost") else get_ip()
     return engine
 
 
-def generate(engine, prompt_ids, args=None):
+def generate(engine, prompt_ids):
     """(completion ids, vLLM log-probs), prompt-major, num_generations per prompt."""
+    n, fields = engine["n"], engine["fields"]
     if engine["mode"] == "server":
-        return server_generate(engine["base_url"], engine["model_id"], prompt_ids, engine["n"], engine["fields"])
+        chunking = engine["vllm_generation_chunk_size"], engine["vllm_generation_timeout"]
+        return server_generate(engine["base_url"], engine["server"]["model_id"], prompt_ids, n, fields, *chunking)
     llm, group = engine["llm"], engine["tp_group"]
     if engine.get("weights_asleep"):
         raise RuntimeError("the colocated engine's weights are asleep (level 2 discards them): call sync_weights first")
     if engine.get("kv_asleep"):
+        torch.cuda.empty_cache()  # the blocks the weight load cached go back before vLLM maps its KV cache
         llm.wake_up(tags=["kv_cache"])  # scheduling resumes once weights and KV cache are both awake
         engine["kv_asleep"] = False
     if group is None:
-        out = colocate_generate(llm, prompt_ids, engine["n"], engine["fields"])
-    else:  # the ranks of one tensor-parallel engine generate everyone's prompts together, then keep their own
-        parts = [None] * torch.distributed.get_world_size(group)
-        torch.distributed.all_gather_object(parts, prompt_ids, group=group)
-        completion_ids, logprobs = colocate_generate(llm, [p for part in parts for p in part], engine["n"], engine["fields"])
-        start = sum(len(part) for part in parts[: torch.distributed.get_rank(group)]) * engine["n"]
-        mine = slice(start, start + len(prompt_ids) * engine["n"])  # this rank's prompts, prompt-major
-        out = completion_ids[mine], logprobs[mine]
-    return out
+        return colocate_generate(llm, prompt_ids, n, fields)
+    # the ranks of one tensor-parallel engine generate everyone's prompts together, then keep their own
+    parts = [None] * torch.distributed.get_world_size(group)
+    torch.distributed.all_gather_object(parts, prompt_ids, group=group)
+    completion_ids, logprobs = colocate_generate(llm, [p for part in parts for p in part], n, fields)
+    start = sum(len(part) for part in parts[: torch.distributed.get_rank(group)]) * n
+    mine = slice(start, start + len(prompt_ids) * n)  # this rank's prompts, prompt-major
+    return completion_ids[mine], logprobs[mine]
 
 
 def sleep(engine):
-    """Colocate with sleep mode: free vLLM's GPU memory (weights and KV cache, level 2) for training. Call it once the
-    step's generation is done; sync_weights wakes and refills the weights, generate wakes the KV cache. No-op
-    otherwise."""
+    """Colocate with sleep mode: free vLLM's GPU memory (weights and KV cache, level 2) for training, once the step's
+    generation is done; sync_weights wakes and refills the weights, generate wakes the KV cache. No-op otherwise."""
     if engine["mode"] == "colocate" and engine["sleep"] and not engine.get("weights_asleep"):
         engine["llm"].sleep(level=2)
         engine["weights_asleep"] = engine["kv_asleep"] = True
@@ -426,11 +469,21 @@ def _rank():
 
 
 def sync_weights(engine, model):
-    """Push the trainer's current weights to vLLM (call after each optimizer step, before generating). With torchrun
-    every rank must call it: gathering FSDP2-sharded weights is a collective."""
+    """Push the trainer's weights to vLLM after each optimizer step (every torchrun rank: FSDP2 gathers are collective).
+    Colocate with sleep mode drops the gradients (the next step recomputes them) so that vLLM can map its memory."""
     if engine["mode"] == "server":
+        if not engine.get("model_checked"):  # on every rank, so that all stop together
+            check_same_model(engine["server"], model, engine["model"])
+            engine["model_checked"] = True
         if _rank() == 0:
-            server_sync_weights(engine["base_url"], engine["group"], model)
+            sync = {"version": engine["server"]["version"], "timeout": engine["vllm_weight_sync_timeout"]}
+            sync["buffer_bytes"] = engine["vllm_weight_sync_buffer_mb"] << 20
+            if engine.get("group") is None:
+                where = engine["vllm_group_port"], engine["master_address"]
+                engine["group"] = server_init_weight_sync(engine["base_url"], *where, **sync)
+            group = engine.pop("group")  # a failed update leaves it unusable: a retry forms a new one
+            server_sync_weights(engine["base_url"], group, model, name=engine["model"], **sync)
+            engine["group"] = group
         else:  # take part in each parameter's FSDP2 gather, in rank 0's order, and drop the result
             for _ in named_weights(model):
                 pass
@@ -439,6 +492,7 @@ def sync_weights(engine, model):
         return
     llm = engine["llm"]
     if engine.get("weights_asleep"):
+        model.zero_grad(set_to_none=True)  # the step is done: its gradients would hold memory vLLM is about to map
         torch.cuda.empty_cache()  # give the trainer's cached blocks back so that vLLM can map its weights again
         llm.wake_up(tags=["weights"])  # level 2 left garbage: every weight is reloaded below
         engine["weights_asleep"] = False

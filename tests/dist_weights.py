@@ -2,6 +2,7 @@
 streams the weights to the server from a side thread (as server_sync_weights does) while rank 1 takes part in every
 parameter's gather; in colocate mode every rank loads the full weights into its own engine. Both must deliver exactly
 the unsharded model's weights, in the order and shapes that weight_metadata announced before anything was gathered."""
+
 import os
 import sys
 import threading
@@ -37,7 +38,7 @@ def check(received, where):
 received = {}
 
 
-def fake_server_sync_weights(base_url, group, model_):
+def fake_server_sync_weights(base_url, group, model_, *options, **named_options):
     thread = threading.Thread(target=lambda: received.update(vllm_utils.named_weights(model_)))
     thread.start()
     thread.join(120)
@@ -45,7 +46,17 @@ def fake_server_sync_weights(base_url, group, model_):
 
 
 vllm_utils.server_sync_weights = fake_server_sync_weights
-vllm_utils.sync_weights({"mode": "server", "base_url": "http://unused", "group": None}, model)
+engine = {
+    "mode": "server",
+    "base_url": "http://unused",
+    "group": "joined",
+    "model_checked": True,
+    "model": "m",
+    "server": {"version": "0.26.0"},
+    "vllm_weight_sync_timeout": 1,
+    "vllm_weight_sync_buffer_mb": 1,
+}
+vllm_utils.sync_weights(engine, model)
 if rank == 0:
     check(received, "server")
 else:
@@ -53,8 +64,10 @@ else:
 
 # colocate mode: every rank's engine loads every full weight
 loaded = {}
-worker = SimpleNamespace(model_runner=SimpleNamespace(model=SimpleNamespace(load_weights=loaded.update)))
-llm = SimpleNamespace(reset_prefix_cache=lambda: None, llm_engine=SimpleNamespace(model_executor=SimpleNamespace(driver_worker=worker)))
+llm = SimpleNamespace(
+    reset_prefix_cache=lambda: None,
+    collective_rpc=lambda method, kwargs: method == "reload_weights" and loaded.update(kwargs["weights_iterator"]),
+)
 vllm_utils.sync_weights({"mode": "colocate", "llm": llm}, model)
 check(loaded, "colocate")
 dist.barrier()

@@ -129,11 +129,12 @@ def test_error_prompt_longer_than_context(tmp_path):
     assert "exceeds the model's context of 512 tokens" in err and "--max-prompt-length" in err
 
 
-def test_error_reward_function_raises(tmp_path):
-    # keyword_reward reads a `keyword` column; a dataset without one makes it raise
-    data = write_jsonl(tmp_path / "d.jsonl", [{"prompt": p} for p in PROMPTS])
-    err = failing(*SMALL, "--dataset-name", data, "--output-dir", tmp_path / "run")
-    assert "RuntimeError" in err and "reward function 'keyword_reward' raised" in err and "keyword" in err
+def test_error_reward_function_raises(tmp_path, stories_jsonl):
+    # soft_overlong_punishment raises on a buffer longer than --max-completion-length (8): named with its error
+    err = failing(*SMALL, "--dataset-name", stories_jsonl, "--output-dir", tmp_path / "run", "--reward-funcs",
+                  "soft_overlong_punishment", "--reward-kwargs", "overlong_buffer_length", 100)
+    assert "RuntimeError" in err and "reward function 'soft_overlong_punishment' raised ValueError" in err
+    assert "overlong_buffer_length" in err
 
 
 def test_error_missing_dataset_file(tmp_path):

@@ -172,11 +172,11 @@ def test_error_unknown_reward(tmp_path, stories_jsonl):
     assert "unknown reward function 'no_such_reward'" in err and "'keyword_reward'" in err
 
 
-def test_error_reward_function_raises(tmp_path):
-    # keyword_reward reads a `keyword` column; a dataset without one makes it raise
-    data = write_jsonl(tmp_path / "d.jsonl", [{"prompt": p} for p in PROMPTS])
-    err = failing(*SMALL, "--reward-funcs", "keyword_reward", "--dataset-name", data, "--output-dir", tmp_path / "run")
-    assert "reward function 'keyword_reward' raised" in err and "keyword" in err
+def test_error_reward_function_raises(tmp_path, stories_jsonl):
+    # soft_overlong_punishment raises on a buffer longer than --max-completion-length (8): named with its error
+    err = failing(*SMALL, "--reward-funcs", "soft_overlong_punishment", "--reward-kwargs", "overlong_buffer_length", 100,
+                  "--dataset-name", stories_jsonl, "--output-dir", tmp_path / "run")
+    assert "reward function 'soft_overlong_punishment' raised ValueError" in err and "overlong_buffer_length" in err
 
 
 def test_error_no_reward_or_both(tmp_path, stories_jsonl):

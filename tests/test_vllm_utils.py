@@ -1,5 +1,7 @@
 """CPU tests of vllm_utils.py: the request sent to /v1/completions, how its response is read back, the weight
 metadata, and the errors a misconfigured server gets. A small HTTP server on 127.0.0.1 plays `vllm serve`."""
+
+import contextlib
 import json
 import threading
 import time
@@ -14,27 +16,45 @@ import vllm_utils
 
 
 def test_completions_request_sends_every_sampling_field():
-    args = SimpleNamespace(temperature=0.7, top_p=0.9, top_k=0, min_p=0.05, repetition_penalty=1.1, max_completion_length=64)
+    args = SimpleNamespace(
+        temperature=0.7, top_p=0.9, top_k=0, min_p=0.05, repetition_penalty=1.1, max_completion_length=64
+    )
     fields = vllm_utils.sampling_fields(args)
     body = vllm_utils.completions_request("m", [[1, 2, 3], [4, 5]], 4, fields)
     assert body["prompt"] == [[1, 2, 3], [4, 5]] and body["n"] == 4 and body["model"] == "m"
     # a server fills any missing field from the model's generation_config.json, so none may be missing
     assert {k: body[k] for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_tokens")} == {
-        "temperature": 0.7, "top_p": 0.9, "top_k": -1, "min_p": 0.05, "repetition_penalty": 1.1, "max_tokens": 64}
+        "temperature": 0.7,
+        "top_p": 0.9,
+        "top_k": -1,
+        "min_p": 0.05,
+        "repetition_penalty": 1.1,
+        "max_tokens": 64,
+    }
     assert body["logprobs"] == 0 and body["return_token_ids"] is True
     assert json.loads(json.dumps(body)) == body  # JSON-serialisable as is
 
 
 def _response(choices):
-    return {"choices": [{"index": i, "token_ids": ids, "logprobs": {"token_logprobs": lps}, "finish_reason": fr}
-                        for i, (ids, lps, fr) in enumerate(choices)]}
+    return {
+        "choices": [
+            {"index": i, "token_ids": ids, "logprobs": {"token_logprobs": lps}, "finish_reason": fr}
+            for i, (ids, lps, fr) in enumerate(choices)
+        ]
+    }
 
 
 def test_parse_completions_prompt_major_eos_last_and_alignment():
     eos = 2
     # 2 prompts x n=2; choice k belongs to prompt k // 2; a stop on EOS keeps the EOS as the last token
-    response = _response([([5, 6, eos], [-0.1, -0.2, -0.3], "stop"), ([7], [-1.0], "length"),
-                          ([8, eos], [-0.5, None], "stop"), ([9, 9, 9], [-0.1, -0.1, -0.1], "length")])
+    response = _response(
+        [
+            ([5, 6, eos], [-0.1, -0.2, -0.3], "stop"),
+            ([7], [-1.0], "length"),
+            ([8, eos], [-0.5, None], "stop"),
+            ([9, 9, 9], [-0.1, -0.1, -0.1], "length"),
+        ]
+    )
     response["choices"] = response["choices"][::-1]  # order on the wire does not matter: `index` does
     ids, lps = vllm_utils.parse_completions(response, num_prompts=2, n=2)
     assert ids == [[5, 6, eos], [7], [8, eos], [9, 9, 9]]
@@ -51,8 +71,15 @@ def test_parse_completions_rejects_wrong_count_and_misaligned_logprobs():
 
 def test_weight_metadata_describes_exactly_the_streamed_tensors():
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
-                         num_key_value_heads=1, tie_word_embeddings=True)
+    config = LlamaConfig(
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        tie_word_embeddings=True,
+    )
     model = LlamaForCausalLM(config)
     meta = vllm_utils.weight_metadata(model, torch.bfloat16)  # known before any tensor is gathered
     weights = list(vllm_utils.named_weights(model, torch.bfloat16))
@@ -66,25 +93,37 @@ def test_weight_metadata_describes_exactly_the_streamed_tensors():
     assert torch.equal(weights[0][1], params[0][1].detach().to(torch.bfloat16))
     # packed sizes the receiver derives from the metadata equal the bytes the sender packs
     sent = sum(t.numel() * t.element_size() for _, t in weights)
-    derived = sum(torch.Size(s).numel() * getattr(torch, d).itemsize for s, d in zip(meta["shapes"], meta["dtype_names"]))
+    derived = sum(
+        torch.Size(s).numel() * getattr(torch, d).itemsize for s, d in zip(meta["shapes"], meta["dtype_names"])
+    )
     assert sent == derived
 
 
 class FakeServer:
-    """Answers GET/POST paths from a dict {path: (status, json body)}."""
+    """Plays `vllm serve`: answers each path from `routes`, {path: (status, json body)}, where a route may also be a
+    list of answers (one per call, the last one repeats) or a function of the request's JSON body returning one.
+    Every request is recorded in `calls` as (path, query string, JSON body)."""
 
     def __init__(self, routes):
-        routes_ = routes
+        calls = self.calls = []
 
         class Handler(BaseHTTPRequestHandler):
             def _answer(self):
-                status, body = routes_.get(self.path.split("?")[0], (404, {"detail": "Not Found"}))
-                data = json.dumps(body).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
+                path, _, query = self.path.partition("?")
+                length = int(self.headers.get("Content-Length") or 0)
+                body = json.loads(self.rfile.read(length)) if length else None
+                calls.append((path, query, body))
+                route = routes.get(path, (404, {"detail": "Not Found"}))
+                if isinstance(route, list):
+                    route = route.pop(0) if len(route) > 1 else route[0]
+                status, answer = route(body) if callable(route) else route
+                data = json.dumps(answer).encode()
+                with contextlib.suppress(OSError):  # a client that gave up (a probe's timeout) has closed the socket
+                    self.send_response(status)
+                    self.send_header("Content-Type", "application/json")
+                    self.send_header("Content-Length", str(len(data)))
+                    self.end_headers()
+                    self.wfile.write(data)
 
             do_GET = do_POST = _answer
 
@@ -95,42 +134,99 @@ class FakeServer:
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
         threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
 
+    def paths(self):
+        return [path for path, _, _ in self.calls]
+
     def close(self):
         self.httpd.shutdown()
 
 
-def _routes(weight_transfer={"backend": "nccl"}, version=None, logprobs_mode="processed_logprobs"):
+@pytest.fixture
+def serve():
+    """serve(routes) -> a running FakeServer, closed after the test."""
+    servers = []
+    yield lambda routes: servers.append(FakeServer(routes)) or servers[-1]
+    for server in servers:
+        server.close()
+
+
+def _routes(weight_transfer={"backend": "nccl"}, version=None, logprobs_mode="processed_logprobs", model="m"):
     import vllm
 
-    return {"/health": (200, {}), "/version": (200, {"version": version or vllm.__version__}),
-            "/v1/models": (200, {"data": [{"id": "served-model", "max_model_len": 2048}]}),
-            "/server_info": (200, {"vllm_config": {"weight_transfer_config": weight_transfer,
-                                                   "model_config": {"logprobs_mode": logprobs_mode}}})}
+    model_config = {"model": model, "logprobs_mode": logprobs_mode}
+    return {
+        "/health": (200, {}),
+        "/version": (200, {"version": version or vllm.__version__}),
+        "/is_paused": (200, {"is_paused": False}),
+        "/v1/models": (200, {"data": [{"id": "served-model", "max_model_len": 2048}]}),
+        "/server_info": (
+            200,
+            {"vllm_config": {"weight_transfer_config": weight_transfer, "model_config": model_config}},
+        ),
+    }
 
 
-def test_check_server_accepts_a_correct_server():
-    server = FakeServer(_routes())
-    try:
-        assert vllm_utils.check_server(server.url, "m") == ("served-model", 2048)
-    finally:
-        server.close()
+def test_check_server_accepts_a_correct_server(serve):
+    server = serve(_routes(model="/models/m"))
+    info = vllm_utils.check_server(server.url, "m")
+    assert (info["model_id"], info["max_model_len"], info["model_config"]["model"]) == (
+        "served-model",
+        2048,
+        "/models/m",
+    )
+    assert "/is_paused" in server.paths() and "/resume" not in server.paths()  # probed, and not paused
 
 
-@pytest.mark.parametrize("routes, message", [
-    ({**_routes(), "/server_info": (404, {})}, "VLLM_SERVER_DEV_MODE=1"),
-    (_routes(weight_transfer=None), "--weight-transfer-config"),
-    (_routes(version="0.1.0"), "vLLM 0.1.0 but the trainer has vLLM"),
-    (_routes(logprobs_mode="raw_logprobs"), "returns raw_logprobs log-probs, which leave out the temperature"),
-])
-def test_check_server_names_the_problem_and_the_fix(routes, message):
-    server = FakeServer(routes)
-    try:
-        with pytest.raises(RuntimeError, match=message) as error:
-            vllm_utils.check_server(server.url, "my/model")
-        if "0.1.0" not in message:
-            assert "vllm serve my/model" in str(error.value)  # the exact command to restart it
-    finally:
-        server.close()
+@pytest.mark.parametrize(
+    "routes, message",
+    [
+        ({**_routes(), "/server_info": (404, {})}, "VLLM_SERVER_DEV_MODE=1"),
+        (_routes(weight_transfer=None), "--weight-transfer-config"),
+        (_routes(version="0.25.1"), "vLLM 0.25.1, outside the supported range 0.26 to 0.33"),
+        (_routes(version="0.34.0"), "vLLM 0.34.0, outside the supported range 0.26 to 0.33"),
+        (_routes(logprobs_mode="raw_logprobs"), "returns raw_logprobs"),
+    ],
+)
+def test_check_server_names_the_problem_and_the_fix(serve, routes, message):
+    with pytest.raises(RuntimeError, match=message) as error:
+        vllm_utils.check_server(serve(routes).url, "my/model")
+    if "range" not in message:
+        assert "vllm serve my/model" in str(error.value)  # the exact command to restart it
+
+
+@pytest.mark.parametrize("version", ["0.26.0", "0.26.1", "0.27.1", "0.28.0", "0.30.2", "0.33.0", "0.33.1.dev7+g1a2b"])
+def test_any_server_version_in_the_tested_range_is_accepted_whatever_the_trainer_has(serve, version):
+    """The trainer (0.26.0 here) used to demand the server's exact version; 0.26.1 or 0.33 must now be accepted."""
+    assert vllm_utils.check_server(serve(_routes(version=version)).url, "m")["version"] == version
+
+
+@pytest.mark.parametrize(
+    "version, ok", [("0.26.0", True), ("0.33.9", True), ("0.25.9", False), ("0.34.0", False), ("1.0.0", False)]
+)
+def test_vllm_version_refuses_outside_the_range_and_names_it(version, ok):
+    if ok:
+        assert vllm_utils.vllm_version(version, who="the trainer") == tuple(int(x) for x in version.split(".")[:2])
+    else:
+        with pytest.raises(
+            RuntimeError, match=f"the trainer runs vLLM {version}, outside the supported range 0.26 to 0.33"
+        ):
+            vllm_utils.vllm_version(version, who="the trainer")
+
+
+def test_a_server_left_paused_by_a_dead_trainer_is_resumed(serve):
+    server = serve({**_routes(), "/is_paused": (200, {"is_paused": True}), "/resume": (200, {"status": "resumed"})})
+    vllm_utils.check_server(server.url, "m")
+    assert server.paths()[-2:] == ["/resume", "/v1/models"]
+
+
+def test_an_engine_stuck_behind_a_healthy_api_is_reported_within_seconds(serve):
+    """/health answers, but the engine is blocked (in an NCCL receive whose trainer died): the probe says so at once
+    instead of the next call waiting out a long read timeout."""
+    server = serve({**_routes(), "/is_paused": lambda body: time.sleep(20) or (200, {"is_paused": False})})
+    t0 = time.perf_counter()
+    with pytest.raises(RuntimeError, match="answers /health but its engine not /is_paused within 1 s") as error:
+        vllm_utils.probe_server(server.url, "my/model", timeout=1)
+    assert time.perf_counter() - t0 < 5 and "vllm serve my/model" in str(error.value)
 
 
 def test_unreachable_server_error_prints_the_serve_command():
@@ -138,42 +234,35 @@ def test_unreachable_server_error_prints_the_serve_command():
         vllm_utils.wait_for_server("http://127.0.0.1:9", timeout=0, model="Qwen/Qwen2.5-0.5B-Instruct")
     message = str(error.value)
     assert "--vllm-server-timeout" in message
-    assert ("VLLM_SERVER_DEV_MODE=1 vllm serve Qwen/Qwen2.5-0.5B-Instruct --host 0.0.0.0 --port 9 "
-            "--weight-transfer-config '{\"backend\": \"nccl\"}' --logprobs-mode processed_logprobs --max-logprobs -1") in message
+    assert (
+        "VLLM_SERVER_DEV_MODE=1 vllm serve Qwen/Qwen2.5-0.5B-Instruct --host 0.0.0.0 --port 9 "
+        '--weight-transfer-config \'{"backend": "nccl"}\' --logprobs-mode processed_logprobs --max-logprobs -1'
+    ) in message
 
 
-def test_weight_endpoint_failure_is_raised_not_retried():
-    calls = []
-    server = FakeServer({"/update_weights": (500, {"error": "bad metadata"})})
-    original = server.httpd.RequestHandlerClass.do_POST
-
-    def counting(handler):
-        calls.append(handler.path)
-        original(handler)
-
-    server.httpd.RequestHandlerClass.do_POST = counting
-    try:
-        with pytest.raises(RuntimeError, match="500.*bad metadata"):
-            vllm_utils._post(server.url, "/update_weights", 5, json={})
-        assert calls == ["/update_weights"]
-    finally:
-        server.close()
+def test_weight_endpoint_failure_is_raised_not_retried(serve):
+    server = serve({"/update_weights": (500, {"error": "bad metadata"})})
+    with pytest.raises(RuntimeError, match="500.*bad metadata"):
+        vllm_utils._post(server.url, "/update_weights", 5, json={})
+    assert server.paths() == ["/update_weights"]
 
 
 class FakeLLM:
-    """Records the calls a colocated engine gets; generates one token per prompt and sample."""
+    """Records the calls a colocated engine gets (and whether `model` still held gradients when vLLM woke up);
+    generates one token per prompt and sample."""
 
-    def __init__(self):
-        self.calls = []
-        model = SimpleNamespace(load_weights=lambda weights: self.calls.append(("load", len(list(weights)))))
-        worker = SimpleNamespace(model_runner=SimpleNamespace(model=model))
-        self.llm_engine = SimpleNamespace(model_executor=SimpleNamespace(driver_worker=worker))
+    def __init__(self, model=None):
+        self.calls, self.model = [], model
 
     def sleep(self, level):
         self.calls.append(("sleep", level))
 
     def wake_up(self, tags):
-        self.calls.append(("wake_up", tuple(tags)))
+        holds_grads = any(p.grad is not None for p in self.model.parameters())
+        self.calls.append(("wake_up", tuple(tags), "with gradients" if holds_grads else "without gradients"))
+
+    def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
+        self.calls.append((method, len(list(kwargs["weights_iterator"])), kwargs["is_checkpoint_format"]))
 
     def reset_prefix_cache(self):
         self.calls.append(("reset_prefix_cache",))
@@ -184,24 +273,69 @@ class FakeLLM:
         return [SimpleNamespace(outputs=[sample] * params.n) for _ in prompts]
 
 
-def test_colocate_sleep_mode_order():
-    # generate -> sleep (training) -> sync: wake weights, load all, reset cache -> generate: wake KV cache first
-    llm = FakeLLM()
-    engine = {"mode": "colocate", "sleep": True, "llm": llm, "tp_group": None, "n": 2,
-              "fields": {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0, "max_tokens": 4}}
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                                         num_attention_heads=2, num_key_value_heads=1))
+def _tiny_llama(**overrides):
+    config = dict(
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+    )
+    return LlamaForCausalLM(LlamaConfig(**{**config, **overrides}))
+
+
+def test_colocate_sleep_mode_order(monkeypatch):
+    """generate -> sleep (training) -> sync: drop gradients, empty the allocator cache, wake weights, reload all through
+    vLLM's reload path (post-load processing included), reset cache -> generate: empty the cache, wake the KV cache."""
+    model = _tiny_llama()
+    llm = FakeLLM(model)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: llm.calls.append(("empty_cache",)))
+    engine = {
+        "mode": "colocate",
+        "sleep": True,
+        "llm": llm,
+        "tp_group": None,
+        "n": 2,
+        "fields": {
+            "temperature": 1.0,
+            "top_p": 1.0,
+            "top_k": -1,
+            "min_p": 0.0,
+            "repetition_penalty": 1.0,
+            "max_tokens": 4,
+        },
+    }
     ids, lps = vllm_utils.generate(engine, [[1, 2], [3]])
     assert ids == [[7]] * 4 and lps == [[-0.5]] * 4
     vllm_utils.sleep(engine)
     vllm_utils.sleep(engine)  # a second call is a no-op
     with pytest.raises(RuntimeError, match="call sync_weights first"):  # level 2 discarded the weights
         vllm_utils.generate(engine, [[1]])
+    model(torch.tensor([[1, 2]]), labels=torch.tensor([[1, 2]])).loss.backward()  # the training step's gradients
     vllm_utils.sync_weights(engine, model)
     vllm_utils.generate(engine, [[1]])
     n_params = len(list(model.parameters()))
-    assert llm.calls == [("generate", 2), ("sleep", 2), ("wake_up", ("weights",)), ("load", n_params),
-                         ("reset_prefix_cache",), ("wake_up", ("kv_cache",)), ("generate", 1)]
+    assert llm.calls == [
+        ("generate", 2),
+        ("sleep", 2),
+        ("empty_cache",),
+        ("wake_up", ("weights",), "without gradients"),
+        ("reload_weights", n_params, True),
+        ("reset_prefix_cache",),
+        ("empty_cache",),
+        ("wake_up", ("kv_cache",), "without gradients"),
+        ("generate", 1),
+    ]
+
+
+def test_colocate_without_sleep_mode_reloads_and_keeps_gradients():
+    model = _tiny_llama()
+    llm = FakeLLM(model)
+    model(torch.tensor([[1, 2]]), labels=torch.tensor([[1, 2]])).loss.backward()
+    vllm_utils.sync_weights({"mode": "colocate", "sleep": False, "llm": llm, "tp_group": None}, model)
+    assert llm.calls == [("reload_weights", len(list(model.parameters())), True), ("reset_prefix_cache",)]
+    assert all(p.grad is not None for p in model.parameters())
 
 
 @pytest.mark.parametrize("nvls, tp, fused", [("0", 2, False), ("0", 1, True), (None, 2, True)])
@@ -226,25 +360,51 @@ def test_colocate_engine_keeps_multicast_off_where_the_host_turned_it_off(monkey
 
 
 def test_every_rank_generates_through_the_server_and_only_rank_0_joins_the_weight_sync(monkeypatch):
-    """Under torchrun, ranks other than 0 skip the NCCL group but must still know where to send their prompts."""
+    """Under torchrun, ranks other than 0 skip the NCCL group but must still know where to send their prompts. The group
+    is formed at the first sync_weights (after the model check), on a free port unless --vllm-group-port is given."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(vllm_utils, "wait_for_server", lambda *a: None)
-    monkeypatch.setattr(vllm_utils, "check_server", lambda *a: ("served-model", 2048))
+    server = {"model_id": "served-model", "max_model_len": 2048, "version": "0.26.0", "model_config": {}}
+    monkeypatch.setattr(vllm_utils, "check_server", lambda *a: server)
     monkeypatch.setattr(vllm_utils, "check_gpu_not_shared", lambda *a: None)
-    joined, sent = [], []
-    monkeypatch.setattr(vllm_utils, "server_init_weight_sync", lambda *a: joined.append(a) or "group")
-    monkeypatch.setattr(vllm_utils, "server_generate", lambda url, model_id, prompts, n, fields: sent.append(url) or ([[1]], [[-0.1]]))
-    args = SimpleNamespace(vllm_mode="server", vllm_server_host="10.0.0.7", vllm_server_port=8001, vllm_server_timeout=1,
-                           vllm_group_port=51216, num_generations=1, max_completion_length=8, temperature=1.0, top_p=1.0,
-                           top_k=0, min_p=0.0, repetition_penalty=1.0)
+    monkeypatch.setattr(vllm_utils, "check_same_model", lambda *a: None)
+    joined, synced, sent = [], [], []
+    monkeypatch.setattr(vllm_utils, "server_init_weight_sync", lambda *a, **k: joined.append((a, k)) or "group")
+    monkeypatch.setattr(vllm_utils, "server_sync_weights", lambda *a, **k: synced.append((a, k)))
+    monkeypatch.setattr(
+        vllm_utils,
+        "server_generate",
+        lambda url, model_id, prompts, n, fields, chunk, timeout: (
+            sent.append((url, chunk, timeout)) or ([[1]], [[-0.1]])
+        ),
+    )
+    args = SimpleNamespace(
+        vllm_mode="server",
+        vllm_server_host="10.0.0.7",
+        vllm_server_port=8001,
+        vllm_server_timeout=1,
+        num_generations=1,
+        max_completion_length=8,
+        temperature=1.0,
+        top_p=1.0,
+        top_k=0,
+        min_p=0.0,
+        repetition_penalty=1.0,
+        vllm_generation_chunk_size=3,
+    )  # an older Args: no vllm_group_port
+    model = _tiny_llama()
     for rank in (1, 0):
         monkeypatch.setattr(vllm_utils, "_rank", lambda: rank)
         monkeypatch.setattr("vllm.utils.network_utils.get_ip", lambda: "10.0.0.1")
         engine = vllm_utils.start(args, "m", max_prompt_length=10)
         assert vllm_utils.generate(engine, [[5, 6]]) == ([[1]], [[-0.1]])
+        vllm_utils.sync_weights(engine, model)
+        vllm_utils.sync_weights(engine, model)
         assert ("group" in engine) == (rank == 0)
-    assert sent == ["http://10.0.0.7:8001"] * 2
-    assert len(joined) == 1 and joined[0][2] == "10.0.0.1"  # rank 0 alone, advertising its routable address
+    assert sent == [("http://10.0.0.7:8001", 3, 1800.0)] * 2  # chunk size from Args, the timeout's default
+    assert len(joined) == 1 and joined[0][0] == ("http://10.0.0.7:8001", None, "10.0.0.1")  # once, rank 0, free port
+    assert joined[0][1] == {"version": "0.26.0", "timeout": 300.0, "buffer_bytes": 1 << 30}
+    assert len(synced) == 2 and synced[0][0] == ("http://10.0.0.7:8001", "group", model)
 
 
 def _sleep_then(seconds, result=None, error=None):
@@ -253,16 +413,30 @@ def _sleep_then(seconds, result=None, error=None):
         if error:
             raise error
         return result
+
     return work
 
 
-@pytest.mark.parametrize("nccl, http, expected, within", [
-    (_sleep_then(0.1, result="group"), _sleep_then(0.2), "group", 5),  # both succeed: the NCCL side's result
-    (_sleep_then(0, error=OSError("port 51216 in use")), _sleep_then(30), OSError, 5),  # NCCL fails: raised at once
-    (_sleep_then(0, error=OSError("port 51216 in use")), _sleep_then(0.1, error=TimeoutError("read timed out")), OSError, 5),
-    (_sleep_then(30), _sleep_then(0, error=RuntimeError("POST /update_weights failed")), RuntimeError, 5),  # HTTP fails
-    (_sleep_then(30), _sleep_then(0), TimeoutError, 5),  # the server finished, the trainer's side never does
-])
+@pytest.mark.parametrize(
+    "nccl, http, expected, within",
+    [
+        (_sleep_then(0.1, result="group"), _sleep_then(0.2), "group", 5),  # both succeed: the NCCL side's result
+        (_sleep_then(0, error=OSError("port 51216 in use")), _sleep_then(30), OSError, 5),  # NCCL fails: raised at once
+        (
+            _sleep_then(0, error=OSError("port 51216 in use")),
+            _sleep_then(0.1, error=TimeoutError("read timed out")),
+            OSError,
+            5,
+        ),
+        (
+            _sleep_then(30),
+            _sleep_then(0, error=RuntimeError("POST /update_weights failed")),
+            RuntimeError,
+            5,
+        ),  # HTTP fails
+        (_sleep_then(30), _sleep_then(0), TimeoutError, 5),  # the server finished, the trainer's side never does
+    ],
+)
 def test_run_beside_raises_the_first_failure_and_prefers_the_nccl_cause(nccl, http, expected, within):
     t0 = time.perf_counter()
     if isinstance(expected, str):
@@ -271,3 +445,358 @@ def test_run_beside_raises_the_first_failure_and_prefers_the_nccl_cause(nccl, ht
         with pytest.raises(expected):
             vllm_utils._run_beside(nccl, http, timeout=0.5)
     assert time.perf_counter() - t0 < within
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# The weight-transfer messages of each vLLM version
+
+INIT = {"master_address": "10.0.0.1", "master_port": 40000, "rank_offset": 1, "world_size": 3}
+META = {"names": ["a.weight"], "dtype_names": ["bfloat16"], "shapes": [[4, 2]]}
+PACKED = {"packed": True, "packed_buffer_size_bytes": 1 << 20, "packed_num_buffers": 2}
+
+
+def test_the_installed_vllm_026_parses_the_messages_sent_to_a_026_server():
+    """vLLM 0.26's own parsers (WeightTransferEngine.parse_init_info / parse_update_info) take the messages, with the
+    packed geometry the trainer broadcasts with; 0.28's format would be rejected by them."""
+    import vllm
+    from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferEngine
+
+    assert vllm.__version__.startswith("0.26."), "this test reads the installed vLLM, pinned to 0.26 (requirements.txt)"
+    parser = SimpleNamespace(
+        init_info_cls=NCCLWeightTransferEngine.init_info_cls, update_info_cls=NCCLWeightTransferEngine.update_info_cls
+    )
+    init, update = vllm_utils.weight_sync_messages("0.26.0", INIT, META, 1 << 20)
+    init = NCCLWeightTransferEngine.parse_init_info(parser, init)
+    update = NCCLWeightTransferEngine.parse_update_info(parser, update)
+    assert (init.master_address, init.master_port, init.rank_offset, init.world_size) == ("10.0.0.1", 40000, 1, 3)
+    assert (update.names, update.shapes, update.packed, update.packed_buffer_size_bytes, update.packed_num_buffers) == (
+        ["a.weight"],
+        [[4, 2]],
+        True,
+        1 << 20,
+        vllm_utils.PACKED_NUM_BUFFERS,
+    )
+    with pytest.raises(ValueError, match="Invalid init_info"):  # what a 0.28-style message gets from a 0.26 server
+        NCCLWeightTransferEngine.parse_init_info(parser, vllm_utils.weight_sync_messages("0.28.0", INIT, META)[0])
+
+
+# Fields of the message dataclasses in each vLLM wheel (pip download --no-deps vllm==X, read with unzip):
+#   init:   vllm/distributed/weight_transfer/nccl_common.py, class NCCLWeightTransferInitInfo
+#   update: vllm/distributed/weight_transfer/nccl_engine.py, class NCCLWeightTransferUpdateInfo
+# as (fields without a default, fields with one). 0.29 to 0.32 have 0.28's update fields, and 0.28's (0.29) or
+# 0.33's (0.30 to 0.32) init fields.
+WHEEL_FIELDS = {
+    "0.27.1": {
+        "init": ({"master_address", "master_port", "rank_offset", "world_size"}, set()),
+        "update": ({"names", "dtype_names", "shapes"}, set(PACKED)),
+    },
+    "0.28.0": {
+        "init": ({"master_address", "master_port", "rank_offset", "world_size"}, set(PACKED)),
+        "update": ({"names", "dtype_names", "shapes"}, set()),
+    },
+    # 0.33.0's init is kw_only; its __post_init__ wants master_address + master_port or nccl_unique_id_b64
+    "0.33.0": {
+        "init": ({"rank_offset", "world_size"}, {"master_address", "master_port", "nccl_unique_id_b64", *PACKED}),
+        "update": (set(), {"names", "dtype_names", "shapes"}),
+    },
+}
+
+
+@pytest.mark.parametrize("version", WHEEL_FIELDS)
+def test_messages_have_exactly_the_fields_of_that_versions_classes(version):
+    """Field by field against the wheel's classes: nothing they lack (an unknown key is "Invalid init_info/update_info",
+    raised after /start_weight_update for the update), nothing required missing, and the packed geometry where that
+    version reads it (a 0.28+ worker whose init lacks it would receive unpacked while the trainer sends packed)."""
+    messages = dict(zip(("init", "update"), vllm_utils.weight_sync_messages(version, INIT, META, 1 << 20)))
+    for kind, message in messages.items():
+        required, optional = WHEEL_FIELDS[version][kind]
+        assert required <= message.keys() <= required | optional, (version, kind, sorted(message))
+    packed_in = "init" if version >= "0.28" else "update"
+    assert {key: messages[packed_in][key] for key in PACKED} == PACKED
+    assert messages["init"]["master_address"] and messages["init"]["master_port"]  # 0.33: the TCP rendezvous
+
+
+def test_server_init_joins_on_a_free_port_unless_one_is_given(serve, monkeypatch):
+    """Two runs on one host each get a port of their own (the old fixed 51216 collided); the init message follows the
+    server's version."""
+    from vllm.distributed.weight_transfer import nccl_common
+
+    trainer_sides = []
+    monkeypatch.setattr(nccl_common, "trainer_init", lambda info: trainer_sides.append(info) or "group")
+    server = serve({"/get_world_size": (200, {"world_size": 2}), "/init_weight_transfer_engine": (200, {})})
+    for port, version in ((None, "0.26.0"), (None, "0.28.0"), (51216, "0.26.0")):
+        assert vllm_utils.server_init_weight_sync(server.url, port, "127.0.0.1", version, 1 << 20, timeout=5) == "group"
+    sent = [body["init_info"] for path, _, body in server.calls if path == "/init_weight_transfer_engine"]
+    assert sent == trainer_sides and [info["world_size"] for info in sent] == [3, 3, 3]
+    assert all(isinstance(info["master_port"], int) for info in sent) and sent[2]["master_port"] == 51216
+    assert "packed" not in sent[0] and sent[1]["packed"] is True
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# A weight update against a server: order, pause, failures
+
+
+def _sync_routes(**overrides):
+    ok = (200, {})
+    routes = {
+        "/is_paused": (200, {"is_paused": False}),
+        "/pause": ok,
+        "/resume": ok,
+        "/start_weight_update": ok,
+        "/update_weights": ok,
+        "/finish_weight_update": ok,
+        "/reset_prefix_cache": (200, {"success": True}),
+    }
+    return {**routes, **overrides}
+
+
+@pytest.fixture
+def no_nccl(monkeypatch):
+    """The trainer's NCCL side of an update, replaced by a record of its calls."""
+    from vllm.distributed.weight_transfer import packed_tensor
+
+    sent = []
+    producer = lambda weights, group, src, post_iter, size, buffers: sent.append(
+        (len(list(weights)), group, size, buffers)
+    )  # noqa: E731
+    monkeypatch.setattr(packed_tensor, "packed_nccl_broadcast_producer", producer)
+    return sent
+
+
+@pytest.mark.parametrize("version, packed_in_update", [("0.26.0", True), ("0.27.1", True), ("0.33.0", False)])
+def test_an_update_pauses_the_server_waiting_for_running_requests_and_resumes_it(
+    serve, no_nccl, version, packed_in_update
+):
+    server = serve(_sync_routes())
+    vllm_utils.server_sync_weights(server.url, "group", _tiny_llama(), version, 1 << 20, timeout=5)
+    assert server.paths() == [
+        "/is_paused",
+        "/pause",
+        "/start_weight_update",
+        "/update_weights",
+        "/finish_weight_update",
+        "/reset_prefix_cache",
+        "/resume",
+    ]
+    assert server.calls[1][1] == "mode=wait"  # never abort: running requests finish on the old weights
+    update_info = server.calls[3][2]["update_info"]
+    assert ("packed" in update_info) == packed_in_update
+    assert no_nccl == [(len(update_info["names"]), "group", 1 << 20, vllm_utils.PACKED_NUM_BUFFERS)]  # every weight
+
+
+def _vllm_error(message):
+    # what vLLM's API server answers when a worker raised (entrypoints/serve/utils/server_utils.py, exception_handler)
+    return 500, {
+        "error": {"message": f"Call to update_weights method failed: {message}", "type": "InternalServerError"}
+    }
+
+
+@pytest.mark.parametrize(
+    "finish_answers, restore_calls",
+    [
+        # vLLM ended the update itself when /update_weights raised: a new start keeps the waiting layers, finish restores
+        (
+            [_vllm_error("finish_weight_update called without a matching start_weight_update."), (200, {})],
+            ["/finish_weight_update", "/start_weight_update", "/finish_weight_update"],
+        ),
+        ([(200, {})], ["/finish_weight_update"]),  # the update was still open: finishing it restores
+    ],
+)
+def test_a_failed_update_restores_the_server_and_resumes_it(serve, no_nccl, finish_answers, restore_calls):
+    """/update_weights fails (here: a message the server rejects) after /start_weight_update moved the layers to the
+    meta device; the trainer finishes the update so that they get their weights back, resumes, then raises."""
+    server = serve(
+        _sync_routes(
+            **{
+                "/update_weights": _vllm_error("Invalid update_info for NCCLWeightTransferEngine"),
+                "/finish_weight_update": finish_answers,
+            }
+        )
+    )
+    with pytest.raises(RuntimeError, match="(?s)Invalid update_info.*The server was restored"):
+        vllm_utils.server_sync_weights(
+            server.url, "group", _tiny_llama(), "0.26.0", 1 << 20, timeout=5, name="my/model"
+        )
+    paths = server.paths()
+    assert paths[:4] == ["/is_paused", "/pause", "/start_weight_update", "/update_weights"]
+    assert paths[4:] == [*restore_calls, "/resume"]
+
+
+def test_a_server_that_cannot_be_restored_is_reported_with_the_restart_command(serve, no_nccl):
+    broken = _vllm_error("CUDA error")
+    server = serve(
+        _sync_routes(
+            **{"/update_weights": broken, "/finish_weight_update": broken, "/start_weight_update": [(200, {}), broken]}
+        )
+    )
+    with pytest.raises(RuntimeError, match="could not be restored") as error:
+        vllm_utils.server_sync_weights(
+            server.url, "group", _tiny_llama(), "0.26.0", 1 << 20, timeout=5, name="my/model"
+        )
+    assert "vllm serve my/model" in str(error.value) and server.paths()[-1] == "/resume"
+
+
+def test_an_update_left_active_by_a_dead_trainer_is_explained(serve, no_nccl):
+    """A trainer killed between /start_weight_update and its end leaves the update active: the next one is told why and
+    how to recover instead of a bare 500, and nothing is sent."""
+    active = _vllm_error(
+        "start_weight_update called while a weight update is already active. Call finish_weight_update first."
+    )
+    server = serve(_sync_routes(**{"/start_weight_update": active}))
+    with pytest.raises(RuntimeError, match="a previous trainer died inside a weight update") as error:
+        vllm_utils.server_sync_weights(
+            server.url, "group", _tiny_llama(), "0.26.0", 1 << 20, timeout=5, name="my/model"
+        )
+    assert "vllm serve my/model" in str(error.value)
+    assert server.paths() == ["/is_paused", "/pause", "/start_weight_update", "/resume"] and no_nccl == []
+
+
+def test_a_stuck_server_is_reported_before_anything_is_sent(serve, no_nccl, monkeypatch):
+    monkeypatch.setattr(vllm_utils.probe_server, "__defaults__", (1.0,))
+    server = serve(_sync_routes(**{"/is_paused": lambda body: time.sleep(20) or (200, {"is_paused": False})}))
+    t0 = time.perf_counter()
+    with pytest.raises(RuntimeError, match="answers /health but its engine not /is_paused"):
+        vllm_utils.server_sync_weights(server.url, "group", _tiny_llama(), "0.26.0", 1 << 20, timeout=300)
+    assert time.perf_counter() - t0 < 5 and server.paths() == ["/is_paused"] and no_nccl == []
+
+
+def test_a_server_serving_another_model_is_refused_before_any_nccl(serve, monkeypatch, tmp_path):
+    """The served model's config (read from /server_info's model path) describes other parameter shapes: the first
+    sync names both models and the first parameter that differs, and neither joins NCCL nor starts an update."""
+    _tiny_llama(hidden_size=32).config.save_pretrained(tmp_path / "served")
+    _tiny_llama().config.save_pretrained(tmp_path / "same")
+    joined = []
+    monkeypatch.setattr(vllm_utils, "server_init_weight_sync", lambda *a, **k: joined.append(a) or "group")
+    monkeypatch.setattr(vllm_utils, "server_sync_weights", lambda *a, **k: joined.append(a))
+    for served, fails in (("served", True), ("same", False), ("not-on-this-machine", False)):
+        server = serve(_routes(model=str(tmp_path / served)))
+        engine = {
+            "mode": "server",
+            "base_url": server.url,
+            "server": vllm_utils.check_server(server.url, "trainer/model"),
+            "model": "trainer/model",
+            "master_address": "127.0.0.1",
+            **vllm_utils.SERVER_OPTIONS,
+        }
+        if fails:
+            with pytest.raises(RuntimeError) as error:
+                vllm_utils.sync_weights(engine, _tiny_llama())
+            message = str(error.value)
+            assert str(tmp_path / "served") in message and "trainer/model" in message
+            assert "model.embed_tokens.weight is [64, 16] in the trainer, [64, 32] on the server" in message
+            assert joined == [] and "/start_weight_update" not in server.paths()
+        else:  # the same model, or one whose config cannot be read here (the check is skipped, with a message)
+            joined.clear()
+            vllm_utils.sync_weights(engine, _tiny_llama())
+            assert len(joined) == 2  # NCCL group, then the update
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Generation against a server
+
+
+def _echo_completions(concurrency, delays):
+    """/v1/completions that answers each prompt with its own first token, n times, after the next of `delays`;
+    concurrency["max"] is the most requests it held at once."""
+    lock = threading.Lock()
+
+    def answer(body):
+        with lock:
+            concurrency["now"] = concurrency.get("now", 0) + 1
+            concurrency["max"] = max(concurrency.get("max", 0), concurrency["now"])
+            delay = delays.pop(0) if delays else 0
+        time.sleep(delay)
+        with lock:
+            concurrency["now"] -= 1
+        return 200, _response([([prompt[0]], [-0.5], "length") for prompt in body["prompt"] for _ in range(body["n"])])
+
+    return answer
+
+
+def test_server_generation_splits_a_round_into_concurrent_chunks_and_keeps_prompt_order(serve):
+    """No response holds a whole round: 10 prompts x n=2 go out as requests of 3 prompts, all at once, and the rows come
+    back in prompt order even though the later requests answer first."""
+    concurrency = {}
+    server = serve({"/v1/completions": _echo_completions(concurrency, delays=[0.6, 0.4, 0.2, 0.0])})
+    prompts = [[100 + i, 1] for i in range(10)]
+    ids, lps = vllm_utils.server_generate(server.url, "m", prompts, 2, {"max_tokens": 1}, chunk_size=3, timeout=10)
+    assert ids == [[100 + i] for i in range(10) for _ in range(2)] and lps == [[-0.5]] * 20
+    assert sorted(len(body["prompt"]) for _, _, body in server.calls) == [1, 3, 3, 3]
+    assert concurrency["max"] > 1  # concurrent, not one after the other
+
+
+def test_server_generation_waits_out_a_paused_server(serve):
+    """vLLM 0.33 answers 503 to new requests while a weight update has it paused: the request is sent again."""
+    server = serve({"/v1/completions": [(503, {"error": "paused"}), (200, _response([([5], [-0.1], "length")]))]})
+    assert vllm_utils.server_generate(server.url, "m", [[1]], 1, {}, timeout=10) == ([[5]], [[-0.1]])
+    assert server.paths() == ["/v1/completions"] * 2
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# The options each script exposes
+
+
+@pytest.mark.parametrize("script", ["grpo.py", "rloo.py", "online_dpo.py"])
+def test_every_script_has_the_server_options_with_the_same_defaults_and_docs(script):
+    """vllm_utils reads these Args fields (with these defaults for older Args); each script and the README's option
+    table must offer them, documented alike."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    args = next(
+        node for node in ast.walk(ast.parse((root / script).read_text())) if getattr(node, "name", "") == "Args"
+    )
+    body = args.body
+    fields = {
+        node.target.id: (ast.literal_eval(node.value), body[i + 1].value.value)
+        for i, node in enumerate(body)
+        if isinstance(node, ast.AnnAssign) and node.target.id in vllm_utils.SERVER_OPTIONS
+    }
+    assert {name: default for name, (default, _) in fields.items()} == vllm_utils.SERVER_OPTIONS
+    grpo_args = next(n for n in ast.walk(ast.parse((root / "grpo.py").read_text())) if getattr(n, "name", "") == "Args")
+    grpo_docs = {
+        node.target.id: grpo_args.body[i + 1].value.value
+        for i, node in enumerate(grpo_args.body)
+        if isinstance(node, ast.AnnAssign)
+    }
+    readme = (root / "README.md").read_text()
+    for name, (_, doc) in fields.items():
+        assert doc == grpo_docs[name]
+        assert f"| `--{name.replace('_', '-')}` |" in readme
+
+
+def test_a_failed_sync_forms_a_new_nccl_group_on_the_next_one(monkeypatch):
+    """A failed update can leave a broadcast pending in the group (NCCL has no timeout): a caller that retries must not
+    reuse it, or the server would receive the stale broadcast."""
+    joined, outcomes = [], [RuntimeError("the weight update failed"), None]
+    monkeypatch.setattr(
+        vllm_utils, "server_init_weight_sync", lambda *a, **k: joined.append(a) or f"group{len(joined)}"
+    )
+
+    def sync(url, group, model, **options):
+        if outcome := outcomes.pop(0):
+            raise outcome
+
+    monkeypatch.setattr(vllm_utils, "server_sync_weights", sync)
+    engine = {
+        "mode": "server",
+        "base_url": "http://s",
+        "model_checked": True,
+        "model": "m",
+        "master_address": "h",
+        "server": {"version": "0.26.0"},
+        **vllm_utils.SERVER_OPTIONS,
+    }
+    with pytest.raises(RuntimeError, match="the weight update failed"):
+        vllm_utils.sync_weights(engine, _tiny_llama())
+    vllm_utils.sync_weights(engine, _tiny_llama())
+    assert len(joined) == 2 and engine["group"] == "group2"
+
+
+def test_a_refused_prefix_cache_reset_is_an_error_raised_at_once_and_the_server_resumed(serve, no_nccl):
+    """While paused (mode wait) no request holds blocks, so a refused reset is an error, not something to retry."""
+    server = serve(_sync_routes(**{"/reset_prefix_cache": (200, {"success": False})}))
+    with pytest.raises(RuntimeError, match="prefix cache could not be reset"):
+        vllm_utils.server_sync_weights(server.url, "group", _tiny_llama(), "0.26.0", 1 << 20, timeout=5)
+    assert server.paths()[-2:] == ["/reset_prefix_cache", "/resume"]

@@ -1,0 +1,67 @@
+"""The trainer's share of a bench-0.5b step, without generation: one GRPO optimizer step on a synthetic round (256
+completions of 256 tokens after ~70-token prompts, like the bench) through grpo.py's own functions, timed per variant,
+plus a torch.profiler table of the default one. Usage (GPU host): python benchmarks/profile_train.py MODEL OUT.txt"""
+
+import os
+import sys
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+from transformers import AutoModelForCausalLM
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import grpo  # noqa: E402
+
+model_path, out = sys.argv[1], sys.argv[2]
+device = torch.device("cuda")
+model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).to(device)
+optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6, fused=True)
+g = torch.Generator().manual_seed(0)
+prompts = [torch.randint(0, 150000, (70,), generator=g).tolist() for _ in range(32) for _ in range(8)]
+completions = [torch.randint(0, 150000, (256,), generator=g).tolist() for _ in range(256)]
+advantages = torch.randn(256, device=device)
+
+
+def step(budget=11520, chunk_tokens=1024, with_entropy=True, forward_only=False):
+    batches = grpo.token_budget_batches(range(256), [70] * 256, [256] * 256, budget)
+    optimizer.zero_grad(set_to_none=True)
+    for mb in batches:
+        ids, attn, pos, cmask, P = grpo.collate([prompts[i] for i in mb], [completions[i] for i in mb], device, 0)
+        with torch.autocast("cuda", torch.bfloat16), torch.set_grad_enabled(not forward_only):
+            out = grpo.per_token_logprobs(model, ids, attn, pos, cmask, P, 1.0, chunk_tokens, with_entropy)
+            logprobs = out[0] if with_entropy else out
+            if forward_only:
+                continue
+            loss = -(torch.exp(logprobs - logprobs.detach()) * advantages[mb, None] * cmask).sum() / 65536
+        loss.backward()
+    if not forward_only:
+        optimizer.step()
+
+
+def timed(name, **kwargs):
+    for _ in range(2):
+        step(**kwargs)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    for _ in range(3):
+        step(**kwargs)
+    torch.cuda.synchronize()
+    line = f"{name}: {(time.perf_counter() - t0) / 3:.3f} s/step, peak {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB"
+    print(line, flush=True)
+    return line
+
+
+lines = [timed("default (budget 11520, chunk 1024, entropy)"), timed("no entropy", with_entropy=False),
+         timed("chunk 4096", chunk_tokens=4096), timed("budget 23040", budget=23040),
+         timed("forward only, no grad", forward_only=True)]
+model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+lines.append(timed("gradient checkpointing"))
+model.gradient_checkpointing_disable()
+with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    step()
+    torch.cuda.synchronize()
+table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=35, max_name_column_width=60)
+open(out, "w").write("\n".join(lines) + "\n\n" + table)
+print(table)

@@ -1,0 +1,74 @@
+#!/usr/bin/env bash
+# Side-by-side step times against TRL 1.16 on ONE host, at one sitting: the only fair speed comparison (absolute times
+# drift between hosts and days). On a host prepared by the project's GPU notes (source .gpu/setup.sh; TRL 1.16 on the
+# path). Each phase fits a 10-minute call; runs alternate which goes first, two pairs per mode.
+# Usage: bash benchmarks/vs_trl.sh server|colocate|learn_async OUT_DIR; then python benchmarks/ratios.py OUT_DIR
+#   server:      bench-0.5b, trainer on GPU 0 and one `vllm serve` on GPU 1 shared by all runs (each pushes its own
+#                weights first): PAIR=1 runs TRL, ours, ours --async-generation; PAIR=2 the same in reverse order.
+#   colocate:    bench-0.5b on GPU 0, vLLM at 0.3 of the GPU, no sleep: TRL, ours, ours, TRL.
+#   learn_async: the addition task with SmolLM2-135M-Instruct, --async-generation, grpo.py / rloo.py / online_dpo.py.
+# Extra flags for our bench runs (e.g. --gradient-checkpointing) go in $OURS_EXTRA.
+set -u
+PHASE=$1; OUT=$2; mkdir -p "$OUT"
+python3 benchmarks/make_tasks.py /tmp/tasks > /dev/null
+export WANDB_MODE=offline PYTHONUNBUFFERED=1
+BENCH="--model-name-or-path /tmp/bench-qwen05b --dataset-name /tmp/tasks/bench.jsonl --prompt-column prompt
+       --answer-column '' --no-use-chat-template --reward-funcs keyword_reward --prompts-per-step 32 --num-generations 8
+       --max-completion-length 256 --micro-batch-tokens 11520 --beta 0 --learning-rate 1e-6 --max-steps 8 --use-vllm
+       ${OURS_EXTRA:-}"
+ADD="--model-name-or-path /tmp/smol --dataset-name /tmp/tasks/addition.jsonl --prompt-column prompt --answer-column answer
+     --reward-funcs gsm8k_accuracy --max-completion-length 32 --learning-rate 1e-5 --max-steps 100 --use-vllm
+     --vllm-mode server --async-generation"
+
+serve() {  # serve MODEL PORT [ARGS]: `vllm serve` on GPU 1 in its own session, so that it outlives this call
+  local model=$1 port=$2; shift 2
+  pgrep -f "serve $model --port $port" > /dev/null && return
+  CUDA_VISIBLE_DEVICES=1 VLLM_SERVER_DEV_MODE=1 setsid python3 -m vllm.entrypoints.cli.main serve "$model" --port "$port" "$@" \
+    --weight-transfer-config '{"backend": "nccl"}' --logprobs-mode processed_logprobs --max-logprobs -1 \
+    > "$OUT/server_$port.log" 2>&1 &
+}
+wait_server() { python3 -c "import vllm_utils; vllm_utils.wait_for_server('http://127.0.0.1:$1', 600, 'server')"; }
+stop_servers() {
+  for pid in $(pgrep -f "vllm.entrypoints.cli.main serve"); do kill -- -"$(ps -o sid= -p "$pid" | tr -d ' ')"; done
+  sleep 5
+}
+ours() {  # ours NAME TIMEOUT SCRIPT ARGS...
+  local name=$1 limit=$2 script=$3; shift 3
+  echo "== $name: python $script $*" | tee "$OUT/$name.log"
+  eval timeout "$limit" python3 "$script" --output-dir "/tmp/vs_trl/$name" "$@" >> "$OUT/$name.log" 2>&1
+  echo "== $name exit $?" | tee -a "$OUT/$name.log"
+  mkdir -p "$OUT/$name" && cp "/tmp/vs_trl/$name/metrics.jsonl" "$OUT/$name/" 2>/dev/null  # not the 1-2 GB model
+}
+trl() {  # trl NAME TIMEOUT MODE [PORT]
+  local name=$1 limit=$2; shift 2
+  echo "== $name: trl_bench.py $*" | tee "$OUT/$name.log"
+  timeout "$limit" python3 benchmarks/trl_bench.py "$1" "$OUT/$name" "${2:-8000}" >> "$OUT/$name.log" 2>&1
+  echo "== $name exit $?" | tee -a "$OUT/$name.log"
+}
+
+if [ "$PHASE" = server ]; then  # PAIR=1: TRL, ours, ours async; PAIR=2: the reverse order (one call each)
+  serve /tmp/bench-qwen05b 8001; wait_server 8001
+  S="--vllm-mode server --vllm-server-port 8001 --vllm-group-port 51301"
+  export CUDA_VISIBLE_DEVICES=0
+  P=${PAIR:-1}
+  [ "$P" = 1 ] && trl trl_server_1 200 server 8001
+  [ "$P" = 2 ] && ours ours_async_2 150 grpo.py $BENCH $S --async-generation
+  ours ours_server_$P 150 grpo.py $BENCH $S
+  [ "$P" = 1 ] && ours ours_async_1 150 grpo.py $BENCH $S --async-generation
+  [ "$P" = 2 ] && trl trl_server_2 200 server 8001
+fi
+if [ "$PHASE" = colocate ]; then
+  stop_servers
+  export CUDA_VISIBLE_DEVICES=0
+  trl trl_colocate_1 200 colocate
+  ours ours_colocate_1 180 grpo.py $BENCH --vllm-mode colocate
+  ours ours_colocate_2 180 grpo.py $BENCH --vllm-mode colocate
+  trl trl_colocate_2 200 colocate
+fi
+if [ "$PHASE" = learn_async ]; then
+  stop_servers; serve /tmp/smol 8000 --gpu-memory-utilization 0.5; wait_server 8000
+  export CUDA_VISIBLE_DEVICES=0
+  ours grpo_addition_async 200 grpo.py $ADD --prompts-per-step 16 --num-generations 8 --vllm-group-port 51311
+  ours rloo_addition_async 200 rloo.py $ADD --prompts-per-step 16 --num-generations 8 --vllm-group-port 51312
+  ours online_dpo_addition_async 200 online_dpo.py $ADD --prompts-per-step 64 --num-generations 4 --vllm-group-port 51313
+fi

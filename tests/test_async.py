@@ -1,0 +1,161 @@
+"""--async-generation, run through the scripts themselves on the CPU with a stand-in for the vLLM server.
+
+The stand-in replaces vllm_utils' start / generate / sync_weights / sleep. Like a real server it samples from the last
+weights it was sent (with the script's own Hugging Face sampler) and returns its log-probs of the sampled tokens; it
+records which weight version served each request and whether a weight update ever arrived while a request was being
+served. So a test can tell whether each round was generated one step behind, whether vLLM's log-probs sit on the rows
+they belong to (the trainer's log-probs match them exactly when no update came in between), and whether the run
+stopped with nothing in flight.
+"""
+
+import runpy
+import sys
+import threading
+import time
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+import vllm_utils
+from grpo_cli import ROOT, SMALL, read_metrics, run_script, write_jsonl
+
+PROMPTS = ["Once upon a time, there was a little girl named Lily.", "One day, a boy named Tim went to the park.",
+           "The cat sat on the mat and", "Sue had a red ball. She", "Tom and his mom went to the store to buy"]
+
+
+class StandInServer:
+    def __init__(self, monkeypatch, delay=0.2):
+        self.delay, self.version, self.in_flight, self.updates_while_serving = delay, 0, 0, 0
+        self.requests, self.lock = [], threading.Lock()
+        for name in ("start", "generate", "sync_weights", "sleep"):
+            monkeypatch.setattr(vllm_utils, name, getattr(self, name))
+        monkeypatch.setattr(vllm_utils, "setup_problems", lambda: [])  # no GPU or vLLM needed to stand in
+
+    def start(self, args, model_path, max_prompt_length):
+        self.args, self.model = args, AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+        return {"mode": "server"}
+
+    def generate(self, engine, prompt_ids):
+        import grpo
+
+        with self.lock:  # requests in the order they arrive
+            self.in_flight += 1
+            request = {"version": self.version, "prompts": prompt_ids}
+            self.requests.append(request)
+        time.sleep(self.delay)  # long enough that training runs meanwhile
+        eos = self.model.generation_config.eos_token_id
+        completions, _ = grpo.hf_generate(self.model, prompt_ids, self.args, [eos], 0)
+        logprobs = []
+        with torch.no_grad():
+            for k, completion in enumerate(completions):
+                prompt = prompt_ids[k // self.args.num_generations]
+                logits = self.model(torch.tensor([prompt + completion])).logits[0, len(prompt) - 1 : -1]
+                token_logprobs = (logits / self.args.temperature).log_softmax(-1)
+                logprobs.append(token_logprobs.gather(-1, torch.tensor(completion)[:, None]).squeeze(-1).tolist())
+        with self.lock:
+            self.in_flight -= 1
+            request["end_version"] = self.version
+        return completions, logprobs
+
+    def sync_weights(self, engine, model):
+        with self.lock:
+            self.updates_while_serving += self.in_flight > 0
+            self.model.load_state_dict(model.state_dict())
+            self.version += 1
+
+    def sleep(self, engine):
+        pass
+
+
+def run_in_process(script, monkeypatch, *args):
+    """Run a training script in this process (so that the stand-in is what it talks to), as `python script args`."""
+    monkeypatch.setattr(sys, "argv", [script, *map(str, args)])
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    runpy.run_path(str(ROOT / script), run_name="__main__")
+
+
+@pytest.fixture
+def data(tmp_path):
+    return write_jsonl(tmp_path / "stories.jsonl", [{"prompt": p, "keyword": "the"} for p in PROMPTS])
+
+
+ARGS = [*SMALL, "--use-vllm", "--vllm-mode", "server", "--seed", 3, "--max-completion-length", 12]
+
+
+@pytest.mark.parametrize("script", ["grpo.py", "rloo.py", "online_dpo.py"])
+@pytest.mark.parametrize("async_generation", [False, True])
+def test_async_generation_trains_on_rounds_one_step_behind(tmp_path, monkeypatch, data, script, async_generation):
+    server = StandInServer(monkeypatch)
+    flag = "--async-generation" if async_generation else "--no-async-generation"
+    run_in_process(script, monkeypatch, *ARGS, "--dataset-name", data, "--output-dir", tmp_path / "run",
+                   "--max-steps", 4, flag)
+    metrics = read_metrics(tmp_path / "run")
+    assert [m["step"] for m in metrics] == [1, 2, 3, 4]
+    # one round per step, none started for a step that never comes, none still running, no update while serving
+    assert len(server.requests) == 4 and server.in_flight == 0 and server.updates_while_serving == 0
+    assert all(r["version"] == r["end_version"] for r in server.requests)  # each round from one weight version
+    # the first push (version 1) holds the initial weights; after step s the server holds version s + 1 (online DPO
+    # pushes only after a step that updated the weights: this data gives pairs at every step)
+    versions = [r["version"] for r in server.requests]
+    staleness = [m["sampling/staleness"] for m in metrics]
+    if async_generation:  # round s+1 starts at step s, before step s's update: one step behind from step 2 on
+        assert versions == [1, 1, 2, 3] and staleness == [0, 1, 1, 1]
+    else:
+        assert versions == [1, 2, 3, 4] and staleness == [0, 0, 0, 0]
+    if script != "online_dpo.py":  # the importance-sampling correction sees vLLM's log-probs, on the right rows
+        mismatch = [m["sampling/sampling_logp_difference/mean"] for m in metrics]
+        if async_generation:  # those of the weights before the last step: a small difference (another row's tokens
+            assert mismatch[0] < 1e-5 and all(1e-5 < d < 0.5 for d in mismatch[1:]), mismatch  # would differ by nats)
+        else:
+            assert all(d < 1e-5 for d in mismatch), mismatch  # same weights, same rows: the log-probs agree exactly
+    for m in metrics:  # where a step goes (online DPO skips the update, and the push, on a step without pairs)
+        phases = ["generation", "generation_wait", "scoring"]
+        phases += ["forward_backward", "optimizer", "weight_sync"] if m.get("num_pairs", 1) else []
+        phases += [] if script == "online_dpo.py" else ["old_ref_logprobs"]
+        assert all(m[f"timing/{phase}"] >= 0 for phase in phases), (phases, m)
+    assert metrics[-1]["timing/generation"] >= server.delay
+
+
+@pytest.mark.parametrize("script", ["grpo.py", "rloo.py", "online_dpo.py"])
+def test_async_resume_generates_the_round_in_flight_again(tmp_path, monkeypatch, data, script):
+    server = StandInServer(monkeypatch, delay=0.0)
+    common = [*ARGS, "--dataset-name", data, "--async-generation", "--max-steps", 4, "--output-dir", tmp_path / "run"]
+    run_in_process(script, monkeypatch, *common, "--save-steps", 2)
+    full = [r["prompts"] for r in server.requests]
+    # at the checkpoint of step 2, round 3 was generating in the background: it is not counted as consumed...
+    state = torch.load(tmp_path / "run" / "checkpoint-2" / "trainer_state.pt", weights_only=False)
+    assert state["prompts_consumed"] == 2 * 2  # two rounds of 2 prompts trained
+    # ...so a resume generates it again, then round 4, and nothing more
+    server.requests.clear()
+    run_in_process(script, monkeypatch, *common, "--resume-from-checkpoint", tmp_path / "run" / "checkpoint-2")
+    assert [r["prompts"] for r in server.requests] == full[2:]
+    assert [m["step"] for m in read_metrics(tmp_path / "run")] == [1, 2, 3, 4]
+
+
+@pytest.mark.parametrize("script", ["grpo.py", "rloo.py", "online_dpo.py"])
+def test_async_generation_needs_a_server(tmp_path, data, script):
+    result = run_script(script, *SMALL, "--dataset-name", data, "--output-dir", tmp_path / "x", "--async-generation")
+    assert result.returncode != 0 and "--async-generation needs --use-vllm --vllm-mode server" in result.stderr
+
+
+@pytest.mark.parametrize("extra, steps, staleness", [
+    (["--steps-per-generation", 2], [2, 4], [0, 2]),  # one round per 2 optimizer steps: 2 steps behind
+    (["--num-iterations", 2], [2, 4], [0, 2]),
+    (["--dynamic-sampling", "--dynamic-sampling-max-rounds", 3], [1, 2, 3, 4], None),
+])
+def test_async_generation_with_rounds_of_several_steps_and_dynamic_sampling(tmp_path, monkeypatch, data, extra, steps,
+                                                                          staleness):
+    server = StandInServer(monkeypatch, delay=0.05)
+    run_in_process("grpo.py", monkeypatch, *ARGS, "--dataset-name", data, "--output-dir", tmp_path / "run",
+                   "--max-steps", 4, "--async-generation", *extra)
+    metrics = read_metrics(tmp_path / "run")
+    assert [m["step"] for m in metrics] == steps
+    assert server.in_flight == 0 and server.updates_while_serving == 0
+    assert all(r["version"] == r["end_version"] for r in server.requests)
+    if staleness is not None:
+        assert [m["sampling/staleness"] for m in metrics] == staleness
+        assert len(server.requests) == 2  # no round for optimizer steps that never come
+    else:  # refill rounds are generated by the current weights, the prefetched one by the previous: 0 <= mean <= 1
+        rounds = [m["dynamic_sampling/generation_rounds"] for m in metrics]
+        assert len(server.requests) == sum(rounds) and all(0 <= m["sampling/staleness"] <= 1 for m in metrics)
