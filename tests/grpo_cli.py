@@ -1,10 +1,14 @@
 """Run the training scripts as commands on the CPU (shared by the CLI, dynamic-sampling and learning tests)."""
 import atexit
+import contextlib
+import itertools
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -35,17 +39,99 @@ def script_env():
                 CUDA_VISIBLE_DEVICES="", TOKENIZERS_PARALLELISM="false")
 
 
+class _Prefork:
+    """The fork server (tests/prefork.py) of this pytest process: started once, stopped at exit."""
+
+    def __init__(self):
+        self.proc = subprocess.Popen([sys.executable, str(Path(__file__).parent / "prefork.py")], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, env=script_env(), cwd=ROOT, text=True)
+        atexit.register(self.proc.kill)
+        self.replies, self.changed, self.ids = {}, threading.Condition(), itertools.count()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self):
+        for line in self.proc.stdout:
+            reply = json.loads(line)
+            with self.changed:
+                self.replies.setdefault(reply["id"], []).append(reply)
+                self.changed.notify_all()
+        with self.changed:
+            self.changed.notify_all()
+
+    def send(self, request):
+        request_id = next(self.ids)
+        with self.changed:
+            self.proc.stdin.write(json.dumps(dict(request, id=request_id)) + "\n")
+            self.proc.stdin.flush()
+        return request_id
+
+    def reply(self, request_id, index, timeout=None):
+        """The request's index-th answer (0: started, 1: ended), or None after timeout seconds."""
+        with self.changed:
+            ok = self.changed.wait_for(lambda: len(self.replies.get(request_id, [])) > index or self.proc.poll() is not None, timeout)
+            if len(self.replies.get(request_id, [])) > index:
+                return self.replies[request_id][index]
+            if ok:
+                raise RuntimeError(f"tests/prefork.py exited ({self.proc.poll()})")
+            return None
+
+
 _server = None
 
 
 def _prefork():
-    """The fork server (tests/prefork.py) of this pytest process, started on first use and stopped at exit."""
     global _server
-    if _server is None or _server.poll() is not None:
-        _server = subprocess.Popen([sys.executable, str(Path(__file__).parent / "prefork.py")], stdin=subprocess.PIPE,
-                                   stdout=subprocess.PIPE, env=script_env(), cwd=ROOT, text=True)
-        atexit.register(_server.kill)
+    if _server is None or _server.proc.poll() is not None:
+        _server = _Prefork()
     return _server
+
+
+class Process:
+    """A command started by tests/prefork.py, with the parts of subprocess.Popen's interface that the tests use
+    (pid, poll, wait, communicate, send_signal, terminate, kill, returncode; text stdout and stderr)."""
+
+    def __init__(self, script, *args, nproc=0, timeout=600, preimport=()):
+        self.args = [sys.executable, *(["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)] if nproc else []),
+                     str(ROOT / script), *map(str, args)]
+        self.nproc, self.timeout, self.returncode, self.timed_out = nproc, timeout, None, False
+        self._out = tempfile.TemporaryDirectory()
+        self._server = _prefork()
+        self._id = self._server.send({"argv": [str(ROOT / script), *map(str, args)], "cwd": str(ROOT), "env": script_env(),
+                                      "nproc": nproc, "timeout": timeout, "out": self._out.name, "preimport": list(preimport)})
+        self.pids = self._server.reply(self._id, 0)["pids"]
+        self.pid = self.pids[0]
+
+    def poll(self):
+        return self.wait(timeout=0) if self.returncode is None else self.returncode
+
+    def wait(self, timeout=None):
+        if self.returncode is None:
+            reply = self._server.reply(self._id, 1, timeout)
+            if reply is None:
+                if timeout == 0:
+                    return None
+                raise subprocess.TimeoutExpired(self.args, timeout)
+            self.returncode, self.timed_out = reply["returncode"], reply["timed_out"]
+        return self.returncode
+
+    def communicate(self, timeout=None):
+        self.wait(timeout)
+        return tuple("".join(Path(self._out.name, f"rank{r}.{stream}").read_text(errors="replace") for r in range(max(self.nproc, 1)))
+                     for stream in ("stdout", "stderr"))
+
+    def send_signal(self, sig):
+        if self.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, sig)
+
+    def terminate(self):
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self):
+        for pid in self.pids:
+            if self.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
 
 
 def launch(script, *args, nproc=0, timeout=300, preimport=()):
@@ -53,22 +139,11 @@ def launch(script, *args, nproc=0, timeout=300, preimport=()):
     process forked from tests/prefork.py (which has imported torch and transformers already: seconds saved per run).
     preimport: modules to import once for all NPROC processes of this command only (vllm). Returns a CompletedProcess:
     the exit status, and stdout / stderr (the ranks' one after the other)."""
-    argv = [str(ROOT / script), *map(str, args)]
-    server = _prefork()
-    with tempfile.TemporaryDirectory() as out:
-        server.stdin.write(json.dumps({"argv": argv, "cwd": str(ROOT), "env": script_env(), "nproc": nproc,
-                                       "timeout": timeout, "out": out, "preimport": list(preimport)}) + "\n")
-        server.stdin.flush()
-        reply = server.stdout.readline()
-        if not reply:
-            raise RuntimeError(f"tests/prefork.py exited ({server.wait()})")
-        reply = json.loads(reply)
-        stdout, stderr = ("".join(Path(out, f"rank{r}.{stream}").read_text(errors="replace") for r in range(max(nproc, 1)))
-                          for stream in ("stdout", "stderr"))
-    command = [sys.executable, *(["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)] if nproc else []), *argv]
-    if reply["timed_out"]:
-        raise subprocess.TimeoutExpired(command, timeout, stdout, stderr)
-    return subprocess.CompletedProcess(command, reply["returncode"], stdout, stderr)
+    process = Process(script, *args, nproc=nproc, timeout=timeout, preimport=preimport)
+    stdout, stderr = process.communicate()
+    if process.timed_out:
+        raise subprocess.TimeoutExpired(process.args, timeout, stdout, stderr)
+    return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
 
 
 def run_script(script, *args, timeout=300):
