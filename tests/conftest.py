@@ -21,17 +21,25 @@ def pytest_sessionstart(session):
 
 @pytest.fixture(scope="session")
 def learning_run(tmp_path_factory):
-    """learning_run(lr): the output folder of `python grpo.py LEARNING --learning-rate lr`, run once per session
-    (tests/test_learning.py checks its rewards, tests/test_plot.py plots them)."""
-    from grpo_cli import LEARNING, check, run_grpo
+    """learning_run(lr): the output folder of `python grpo.py LEARNING --learning-rate lr` (grpo_cli.LEARNING), run
+    once per session (tests/test_learning.py checks its rewards, tests/test_plot.py plots them). The first call starts
+    the learning rates of test_learning.py (2e-4 and 0) side by side, a core each."""
+    from grpo_cli import LEARNING, Process, check
 
-    runs = {}
+    root, runs = tmp_path_factory.mktemp("learning"), {}
+
+    def start(learning_rate):
+        runs[learning_rate] = Process("grpo.py", *LEARNING, "--learning-rate", learning_rate, "--output-dir", root / f"lr{learning_rate}")
 
     def run(learning_rate):
+        if not runs:
+            start(2e-4)
+            start(0.0)
         if learning_rate not in runs:
-            out = tmp_path_factory.mktemp("learning") / f"lr{learning_rate}"
-            check(run_grpo(*LEARNING, "--learning-rate", learning_rate, "--output-dir", out))
-            runs[learning_rate] = out
-        return runs[learning_rate]
+            start(learning_rate)
+        check(runs[learning_rate].result())
+        return root / f"lr{learning_rate}"
 
-    return run
+    yield run
+    for process in runs.values():
+        process.kill()

@@ -119,6 +119,13 @@ class Process:
         return tuple("".join(Path(self._out.name, f"rank{r}.{stream}").read_text(errors="replace") for r in range(max(self.nproc, 1)))
                      for stream in ("stdout", "stderr"))
 
+    def result(self):
+        """Wait for the end: a CompletedProcess, as subprocess.run returns."""
+        stdout, stderr = self.communicate()
+        if self.timed_out:
+            raise subprocess.TimeoutExpired(self.args, self.timeout, stdout, stderr)
+        return subprocess.CompletedProcess(self.args, self.returncode, stdout, stderr)
+
     def send_signal(self, sig):
         if self.poll() is None:
             with contextlib.suppress(ProcessLookupError):
@@ -139,11 +146,7 @@ def launch(script, *args, nproc=0, timeout=300, preimport=()):
     process forked from tests/prefork.py (which has imported torch and transformers already: seconds saved per run).
     preimport: modules to import once for all NPROC processes of this command only (vllm). Returns a CompletedProcess:
     the exit status, and stdout / stderr (the ranks' one after the other)."""
-    process = Process(script, *args, nproc=nproc, timeout=timeout, preimport=preimport)
-    stdout, stderr = process.communicate()
-    if process.timed_out:
-        raise subprocess.TimeoutExpired(process.args, timeout, stdout, stderr)
-    return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
+    return Process(script, *args, nproc=nproc, timeout=timeout, preimport=preimport).result()
 
 
 def run_script(script, *args, timeout=300):
