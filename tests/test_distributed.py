@@ -1,21 +1,25 @@
-"""Several processes on the CPU (torchrun, gloo, FSDP2): one optimizer step on 2 ranks equals the same step on 1 rank
-with the same global batch, and grpo.py trains, checkpoints and resumes under `torchrun --nproc_per_node 2`."""
+"""Several processes on the CPU (torchrun, gloo, FSDP2): the scripts end with the same weights on 2 ranks as on 1 with
+the same global batch (and tests/dist_step.py's copy of each loss's step, with signal on every rank), and they train,
+checkpoint and resume under `torchrun --nproc_per_node 2`. The workers are forked from tests/prefork.py with torchrun's
+environment; test_the_scripts_take_the_same_steps_on_two_ranks_as_on_one[grpo.py] runs torchrun itself."""
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
-from grpo_cli import ASSETS, SMALL
+from grpo_cli import ASSETS, SMALL, launch, read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="offline", CUDA_VISIBLE_DEVICES="")
 
 
-def torchrun(nproc, *args, timeout=300):
-    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), *map(str, args)],
-                          cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=timeout)
+def torchrun(nproc, script, *args, timeout=300, preimport=()):
+    """`torchrun --standalone --nproc_per_node NPROC SCRIPT ARGS` on the CPU; the workers are forked from tests/prefork.py
+    with torchrun's environment (test_grpo_step_under_real_torchrun_equals_one_process runs torchrun itself)."""
+    return launch(script, *args, nproc=nproc, timeout=timeout, preimport=preimport)
 
 
 def test_two_ranks_take_the_same_step_as_one(tmp_path):
@@ -33,9 +37,54 @@ def test_two_ranks_take_the_same_step_as_one(tmp_path):
         assert any(g.abs().max() > 1e-3 for g in one[loss_type]["grads"].values())
 
 
+@pytest.mark.parametrize("script, real_torchrun", [("grpo.py", True), ("rloo.py", False), ("online_dpo.py", False)])
+def test_the_scripts_take_the_same_steps_on_two_ranks_as_on_one(tmp_path, script, real_torchrun):
+    """The scripts themselves, not a copy of their loop: `python SCRIPT` and `torchrun --nproc_per_node 2 SCRIPT` on
+    the same global batch end with the same weights. Each rank samples its own completions (seed + rank), so the data
+    is one prompt twice: with keyword "She" (about a third of its first tokens) and with "zzzqqq" (never). Completions
+    of 1 token (a single sampling step, whose random numbers for the first rows do not depend on the batch size) make
+    the "She" group, first in the 1-process batch and rank 0's share on 2 ranks, the same in both runs; the "zzzqqq"
+    group is all 0 in both, so it adds nothing to the gradient (zero advantage; no DPO pair) but still counts in the
+    normalisers, and rank 1 still takes part in every FSDP collective and owns half of every updated weight. GRPO and
+    RLOO take 2 optimizer steps on the round (--num-iterations 2: old log-probs, clipping). tests/dist_step.py adds
+    what this cannot show: every rank's rows weighted right when all of them carry signal, for every loss type."""
+    from itertools import islice
+
+    from grpo_cli import STORIES, write_jsonl
+    from safetensors.torch import load_file
+
+    module = __import__(script[:-3])
+    seed = next(s for s in range(100) if list(islice(module.prompt_stream(2, s), 2)) == [0, 1])  # "She" row first
+    data = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "The cat was sad.", "keyword": "She"}, {"prompt": "The cat was sad.", "keyword": "zzzqqq"}])
+    args = ["--model-name-or-path", STORIES, "--dataset-name", data, "--prompt-column", "prompt", "--answer-column", "",
+            "--no-use-chat-template", "--no-bf16", "--reward-funcs", "keyword_reward", "--prompts-per-step", 2,
+            "--num-generations", 8, "--max-completion-length", 1, "--learning-rate", 1e-2, "--seed", seed]
+    args += {"grpo.py": ["--num-iterations", 2, "--max-steps", 2], "online_dpo.py": ["--max-steps", 1],
+             "rloo.py": ["--num-iterations", 2, "--max-steps", 2, "--beta", 0]}[script]  # RLOO's KL-in-reward would reward rank 1's rows
+    one = launch(script, *args, "--output-dir", tmp_path / "one")
+    assert one.returncode == 0, one.stderr[-4000:]
+    if real_torchrun:
+        two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", script,
+                              *map(str, args), "--output-dir", str(tmp_path / "two")], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+    else:
+        two = torchrun(2, script, *args, "--output-dir", tmp_path / "two")
+    assert two.returncode == 0, two.stderr[-4000:]
+    (m1,), (m2,) = (read_metrics(tmp_path / run) for run in ("one", "two"))
+    if script == "online_dpo.py":
+        assert m1["num_pairs"] == m2["num_pairs"] == 1 and m1["frac_tied"] == m2["frac_tied"] == 0.5, (m1, m2)
+    else:  # the "She" group has signal, the other none
+        assert m1["frac_reward_zero_std"] == m2["frac_reward_zero_std"] == 0.5, (m1, m2)
+    for key in ("loss", "grad_norm", "objective/scores" if script == "online_dpo.py" else "reward"):
+        assert m1[key] == pytest.approx(m2[key], rel=1e-4, abs=1e-6), (key, m1[key], m2[key])
+    start, w1, w2 = (load_file(path / "model.safetensors") for path in (Path(STORIES), tmp_path / "one", tmp_path / "two"))
+    assert max((w1[name] - start[name]).abs().max() for name in w1) > 5e-3  # the steps moved the weights
+    for name in w1:
+        assert torch.allclose(w1[name], w2[name], atol=1e-5, rtol=1e-5), (name, (w1[name] - w2[name]).abs().max())
+
+
 def test_tensor_parallel_groups_generate_together_and_each_rank_gets_its_own_completions():
     # 4 ranks, --vllm-tensor-parallel-size 2: ranks (0, 1) and (2, 3) each share one engine (tests/dist_tp.py)
-    result = torchrun(4, "tests/dist_tp.py", timeout=120)
+    result = torchrun(4, "tests/dist_tp.py", timeout=120, preimport=["vllm"])
     assert result.returncode == 0 and "TP ROUTING OK" in result.stderr, result.stderr[-3000:]
 
 

@@ -6,7 +6,7 @@ import shutil
 
 import pytest
 import torch
-from grpo_cli import ASSETS, STORIES, check, read_metrics, run_script, write_jsonl
+from grpo_cli import ASSETS, STORIES, Process, check, read_metrics, run_script, write_jsonl
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForSequenceClassification
 
 PROMPTS = ["Once upon a time, there was a little girl named Lily.", "One day, a boy named Tim went to the park.",
@@ -96,12 +96,13 @@ def test_train_save_resume_and_beta_schedule(tmp_path, stories_jsonl):
 
 def test_micro_batches_give_the_same_step(tmp_path, stories_jsonl, reward_model_dir):
     # one micro-batch for all pairs vs one pair per micro-batch: the same loss and gradient (each pair weighs 1/num_pairs)
+    runs = {budget: Process("online_dpo.py", *SMALL, "--reward-model-path", reward_model_dir, "--dataset-name", stories_jsonl,
+                            "--output-dir", tmp_path / f"mb{budget}", "--max-steps", 2, "--seed", 5, "--prompts-per-step", 4,
+                            "--micro-batch-tokens", budget) for budget in (16384, 1)}  # side by side
     results = []
-    for budget in (16384, 1):
-        out = tmp_path / f"mb{budget}"
-        check(run_online_dpo(*SMALL, "--reward-model-path", reward_model_dir, "--dataset-name", stories_jsonl, "--output-dir", out,
-                             "--max-steps", 2, "--seed", 5, "--prompts-per-step", 4, "--micro-batch-tokens", budget))
-        results.append(read_metrics(out))
+    for budget, process in runs.items():
+        check(process.result())
+        results.append(read_metrics(tmp_path / f"mb{budget}"))
     (a1, a2), (b1, b2) = results
     assert a1["num_pairs"] == b1["num_pairs"] == 4, (a1, b1)
     for key in ("loss", "grad_norm", "rewards/chosen", "logps/rejected"):
@@ -209,22 +210,34 @@ LEARN = ["--model-name-or-path", STORIES, "--dataset-name", ASSETS / "stories_pr
          "--num-generations", 4, "--prompts-per-step", 8, "--max-completion-length", 24, "--max-steps", 30, "--seed", 1]
 
 
-def scores(tmp_path, learning_rate):
-    out = tmp_path / f"lr{learning_rate}"
-    check(run_online_dpo(*LEARN, "--learning-rate", learning_rate, "--output-dir", out))
-    metrics = read_metrics(out)
-    assert [m["step"] for m in metrics] == list(range(1, 31))
-    return [m["objective/scores"] for m in metrics]
+@pytest.fixture(scope="module")
+def scores(tmp_path_factory):
+    """scores(lr): objective/scores of each step of `online_dpo.py LEARN --learning-rate lr`; both learning rates of
+    the tests below run side by side (a core each), started with the first call."""
+    root, runs = tmp_path_factory.mktemp("learn"), {}
+
+    def run(learning_rate):
+        if not runs:
+            for lr in (3e-4, 0.0):
+                runs[lr] = Process("online_dpo.py", *LEARN, "--learning-rate", lr, "--output-dir", root / f"lr{lr}")
+        check(runs[learning_rate].result())
+        metrics = read_metrics(root / f"lr{learning_rate}")
+        assert [m["step"] for m in metrics] == list(range(1, 31))
+        return [m["objective/scores"] for m in metrics]
+
+    yield run
+    for process in runs.values():
+        process.kill()
 
 
-def test_score_rises(tmp_path):
-    score = scores(tmp_path, 3e-4)
+def test_score_rises(scores):
+    score = scores(3e-4)
     first, last = sum(score[:5]) / 5, sum(score[-5:]) / 5
     assert score[0] < 0.5, score  # the untrained model rarely says "play"
     assert last >= 0.8 and last - first >= 0.3, f"first 5 steps {first:.3f}, last 5 steps {last:.3f}: {score}"
 
 
-def test_score_flat_without_updates(tmp_path):
-    score = scores(tmp_path, 0.0)
+def test_score_flat_without_updates(scores):
+    score = scores(0.0)
     first, last = sum(score[:5]) / 5, sum(score[-5:]) / 5
     assert last < 0.5 and abs(last - first) < 0.2, f"first 5 steps {first:.3f}, last 5 steps {last:.3f}: {score}"

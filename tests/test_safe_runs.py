@@ -17,7 +17,7 @@ import time
 
 import pytest
 import transformers
-from grpo_cli import ASSETS, ROOT, SMALL, check, read_metrics, run_script, write_jsonl
+from grpo_cli import ASSETS, ROOT, SMALL, Process, check, launch, read_metrics, run_script, write_jsonl
 
 SCRIPTS = ["grpo.py", "rloo.py", "online_dpo.py"]
 PROMPTS = ["Once upon a time, there was a little girl named Lily.", "One day, a boy named Tim went to the park.",
@@ -43,10 +43,9 @@ def run_without_models(monkeypatch, script, *args):
 
 
 def start_script(script, *args):
-    """Start a training script as a process (as grpo_cli.run_script does, without waiting for it)."""
-    env = dict(os.environ, WANDB_MODE="offline", OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", TOKENIZERS_PARALLELISM="false")
-    return subprocess.Popen([sys.executable, str(ROOT / script), *map(str, args)], cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    """Start a training script as a process (as grpo_cli.run_script does, without waiting for it): a handle with
+    Popen's pid, poll, communicate, send_signal, kill and wait."""
+    return Process(script, *args)
 
 
 def wait_for_steps(process, output_dir, steps=1, timeout=180):
@@ -301,7 +300,7 @@ def test_sigterm_under_torchrun_stops_both_ranks_at_one_checkpoint(tmp_path, sto
     steps = [m["step"] for m in read_metrics(out)]
     assert f"SIGTERM: wrote checkpoint-{steps[-1]} and stopped" in stdout, stderr[-3000:]
     assert sorted(d for d in os.listdir(out) if d.startswith("checkpoint")) == [f"checkpoint-{steps[-1]}"]
-    resumed = subprocess.run([*torchrun, *map(str, common), "--max-steps", str(steps[-1] + 1), "--resume-from-checkpoint",
-                              "latest"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, check=False)
+    # the resume on 2 ranks (workers forked with torchrun's environment; the SIGTERM above went through torchrun itself)
+    resumed = launch("grpo.py", *common, "--max-steps", steps[-1] + 1, "--resume-from-checkpoint", "latest", nproc=2)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"at step {steps[-1]}" in resumed.stdout and [m["step"] for m in read_metrics(out)] == list(range(1, steps[-1] + 2))

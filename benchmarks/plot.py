@@ -1,0 +1,116 @@
+"""Plot training runs and speed benchmarks as PNG files.
+
+    python benchmarks/plot.py runs/a runs/b --trl trl_bench_colocate.json --out plots/
+
+Each RUN is an --output-dir of grpo.py, rloo.py or online_dpo.py (or its metrics.jsonl); each --trl file is a JSON
+written by trl_bench.py ({"s_per_step": [...], "s_per_step_median_steps_3_8": x, ...}). Writes to --out:
+  <metric>.png     the metric against optimizer steps (left) and against wall-clock seconds, the running sum of
+                   step_time (right), one line per run; for reward, online DPO's objective/scores and every eval/...
+  step_time.png    per-run median seconds per step over steps 3-8 (the TRL benchmark's window), TRL beside ours
+"""
+import argparse
+import json
+import os
+import statistics
+from itertools import accumulate
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+CURVES = ["reward", "objective/scores"]  # online_dpo.py logs its mean sample reward as objective/scores
+
+
+def load_run(path):
+    """The rows of a run's metrics.jsonl (path: the run's folder or the file)."""
+    if os.path.isdir(path):
+        path = os.path.join(path, "metrics.jsonl")
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def run_names(paths):
+    """Short, distinct names: the folder's name, or the path as given when two folders share a name."""
+    names = [os.path.basename(os.path.normpath(p if os.path.isdir(p) else os.path.dirname(p) or ".")) for p in paths]
+    return [n if names.count(n) == 1 else p for n, p in zip(names, paths)]
+
+
+def plot_curves(runs, key):
+    """`key` of every run against steps and against cumulative step_time (seconds): (figure, (by_step, by_time))."""
+    fig, (by_step, by_time) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for name, rows in runs.items():
+        elapsed = list(accumulate(row.get("step_time", 0.0) for row in rows))  # wall clock at the end of each row
+        points = [(row["step"], t, row[key]) for row, t in zip(rows, elapsed) if row.get(key) is not None]
+        if points:
+            steps, times, values = zip(*points)
+            by_step.plot(steps, values, marker=".", label=name)
+            by_time.plot(times, values, marker=".", label=name)
+    for ax, xlabel in ((by_step, "optimizer step"), (by_time, "wall-clock seconds (sum of step_time)")):
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(key)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize="small")
+    fig.suptitle(key)
+    fig.tight_layout()
+    return fig, (by_step, by_time)
+
+
+def median_step_time(rows):
+    """Median step_time over steps 3-8 (warm-up left out, as trl_bench.py does), or over every row of a shorter run."""
+    window = [row["step_time"] for row in rows if 3 <= row["step"] <= 8] or [row["step_time"] for row in rows]
+    return statistics.median(window)
+
+
+def plot_step_times(runs, trl):
+    """Bars of median seconds per step: our runs, then the TRL results beside them. Returns (figure, ax)."""
+    names = list(runs) + list(trl)
+    values = [median_step_time(rows) for rows in runs.values()]
+    values += [r.get("s_per_step_median_steps_3_8") or statistics.median(r["s_per_step"]) for r in trl.values()]
+    colors = ["tab:blue"] * len(runs) + ["tab:orange"] * len(trl)
+    fig, ax = plt.subplots(figsize=(max(4, 1.3 * len(names) + 2), 4.5))
+    bars = ax.bar(range(len(names)), values, color=colors)
+    ax.bar_label(bars, fmt="%.2f")
+    ax.set_xticks(range(len(names)), names, rotation=20, ha="right")
+    ax.set_ylabel("median seconds per step (steps 3-8)")
+    ax.set_title("step time: ours (blue), TRL (orange)")
+    fig.tight_layout()
+    return fig, ax
+
+
+def plot_all(run_paths, trl_paths=(), out_dir="plots"):
+    """Write every plot to out_dir; returns {png path: (figure, axes)} for the caller to inspect or close."""
+    runs = {name: load_run(path) for name, path in zip(run_names(run_paths), run_paths)}
+    trl = {}
+    for path in trl_paths:
+        with open(path) as f:
+            trl[os.path.splitext(os.path.basename(path))[0]] = json.load(f)  # trl_bench_<mode>
+    keys = [k for k in CURVES if any(k in row for rows in runs.values() for row in rows)]
+    keys += sorted({k for rows in runs.values() for row in rows for k in row if k.startswith("eval/")})
+    os.makedirs(out_dir, exist_ok=True)
+    plots = {}
+    for key in keys:
+        plots[os.path.join(out_dir, key.replace("/", "_") + ".png")] = plot_curves(runs, key)
+    if any("step_time" in row for rows in runs.values() for row in rows) or trl:
+        plots[os.path.join(out_dir, "step_time.png")] = plot_step_times(
+            {n: rows for n, rows in runs.items() if all("step_time" in row for row in rows)}, trl)
+    for path, (fig, _) in plots.items():
+        fig.savefig(path, dpi=120)
+    return plots
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("runs", nargs="*", help="run folders (--output-dir) or metrics.jsonl files")
+    parser.add_argument("--trl", nargs="+", action="extend", default=[], help="TRL benchmark JSONs written by trl_bench.py")
+    parser.add_argument("--out", default="plots", help="folder for the PNG files")
+    args = parser.parse_args(argv)
+    if not args.runs and not args.trl:
+        parser.error("give at least one run folder or --trl file")
+    for path, (fig, _) in plot_all(args.runs, args.trl, args.out).items():
+        plt.close(fig)
+        print(path)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,81 @@
+"""benchmarks/plot.py on the metrics.jsonl of real CPU runs of grpo.py (the learning test's runs, shared through the
+learning_run fixture): the plotted lines are the metrics' values, the bars the median step times, the PNGs are real."""
+import importlib.util
+import json
+import statistics
+from itertools import accumulate
+
+import pytest
+from grpo_cli import ROOT, read_metrics
+
+spec = importlib.util.spec_from_file_location("plot", ROOT / "benchmarks" / "plot.py")
+plot = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(plot)
+
+
+def check_png(path):
+    import matplotlib.image
+
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000, (path, len(data))
+    height, width, _ = matplotlib.image.imread(path).shape  # it decodes, at the figure's size
+    assert height >= 400 and width >= 400
+
+
+def test_plot_runs_and_trl(tmp_path, learning_run):
+    runs = [learning_run(2e-4), learning_run(0.0)]
+    # a third run: the first one's metrics with an eval/ metric every 10 steps (the scripts log eval/... keys there)
+    with_eval = tmp_path / "with_eval"
+    with_eval.mkdir()
+    rows = read_metrics(runs[0])
+    for row in rows:
+        if row["step"] % 10 == 0:
+            row["eval/accuracy"] = row["step"] / 100
+    (with_eval / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    trl = tmp_path / "trl_bench_colocate.json"  # the format /work/shared/gpu/trl_bench.py writes
+    trl.write_text(json.dumps({"trainer": "trl 1.16 GRPOTrainer", "mode": "colocate", "s_per_step": [0.9, 0.8, 0.7, 0.75, 0.8, 0.85, 0.9],
+                               "s_per_step_median_steps_3_8": 0.8, "peak_memory_gib": 10.0, "train_s": 7.0}))
+    out = tmp_path / "plots"
+
+    plots = plot.plot_all([str(p) for p in runs] + [str(with_eval)], [str(trl)], str(out))
+
+    assert sorted(plots) == sorted(str(out / name) for name in ("reward.png", "eval_accuracy.png", "step_time.png"))
+    for path in plots:
+        check_png(out / path.split("/")[-1])
+
+    # reward against steps and against wall-clock time (the running sum of step_time): one line per run, its values
+    _, (by_step, by_time) = plots[str(out / "reward.png")]
+    assert [line.get_label() for line in by_step.get_lines()] == ["lr0.0002", "lr0.0", "with_eval"]
+    for run, step_line, time_line in zip(runs + [with_eval], by_step.get_lines(), by_time.get_lines()):
+        metrics = read_metrics(run)
+        assert len(metrics) == 30
+        assert list(step_line.get_xdata()) == [m["step"] for m in metrics]
+        assert list(step_line.get_ydata()) == [m["reward"] for m in metrics]
+        assert list(time_line.get_xdata()) == pytest.approx(list(accumulate(m["step_time"] for m in metrics)))
+        assert list(time_line.get_ydata()) == [m["reward"] for m in metrics]
+    assert by_time.get_lines()[0].get_xdata()[-1] > 0
+
+    # eval/ metrics: only the run that has them, only at the steps where they were logged
+    _, (by_step, by_time) = plots[str(out / "eval_accuracy.png")]
+    (line,) = by_step.get_lines()
+    assert list(line.get_xdata()) == [10, 20, 30] and list(line.get_ydata()) == [0.1, 0.2, 0.3]
+    elapsed = list(accumulate(row["step_time"] for row in rows))
+    assert list(by_time.get_lines()[0].get_xdata()) == pytest.approx([elapsed[9], elapsed[19], elapsed[29]])
+
+    # step-time bars: each run's median over steps 3-8, then TRL's own median beside them
+    _, ax = plots[str(out / "step_time.png")]
+    heights = [bar.get_height() for bar in ax.patches]
+    expected = [statistics.median(m["step_time"] for m in read_metrics(run)[2:8]) for run in runs + [with_eval]]
+    assert heights == pytest.approx(expected + [0.8])
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["lr0.0002", "lr0.0", "with_eval", "trl_bench_colocate"]
+
+
+def test_plot_command_line(tmp_path, learning_run, capsys):
+    out = tmp_path / "cli"
+    plot.main([str(learning_run(2e-4)), "--out", str(out)])
+    assert sorted(p.name for p in out.iterdir()) == ["reward.png", "step_time.png"]
+    for name in ("reward.png", "step_time.png"):
+        check_png(out / name)
+    assert capsys.readouterr().out.split() == [str(out / "reward.png"), str(out / "step_time.png")]
+    with pytest.raises(SystemExit):
+        plot.main(["--out", str(out)])  # nothing to plot
