@@ -254,6 +254,16 @@ def test_temporaries_of_dead_runs_are_removed_at_start(tmp_path, earlier_run, st
 # preemption: SIGTERM writes a checkpoint at the end of the step and exits; the run resumes from it
 
 
+def sigterm_after_two_steps(run, out):
+    """Send SIGTERM (what a cluster scheduler sends) once the run logged 2 steps; returns its (stdout, stderr)."""
+    try:
+        wait_for_steps(run, out, 2)
+        run.send_signal(signal.SIGTERM)
+        return run.communicate(timeout=120)
+    finally:
+        run.kill()
+
+
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_sigterm_leaves_a_resumable_checkpoint(monkeypatch, tmp_path, stories_jsonl, script):
     out = tmp_path / "run"
@@ -261,12 +271,7 @@ def test_sigterm_leaves_a_resumable_checkpoint(monkeypatch, tmp_path, stories_js
     monkeypatch.setenv("WANDB_DIR", str(tmp_path))
     common = [*SMALL, "--dataset-name", stories_jsonl, "--output-dir", out, "--lr-scheduler-type", "constant", *track]
     run = start_script(script, *common, "--max-steps", 100000)
-    try:
-        wait_for_steps(run, out, 2)
-        run.send_signal(signal.SIGTERM)
-        stdout, stderr = run.communicate(timeout=120)
-    finally:
-        run.kill()
+    stdout, stderr = sigterm_after_two_steps(run, out)
     assert run.returncode == 143, stderr[-3000:]
     steps = [m["step"] for m in read_metrics(out)]
     assert f"SIGTERM: wrote checkpoint-{steps[-1]} and stopped" in stdout
@@ -291,12 +296,7 @@ def test_sigterm_under_torchrun_stops_both_ranks_at_one_checkpoint(tmp_path, sto
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "grpo.py"]
     run = subprocess.Popen([*torchrun, *map(str, common), "--max-steps", "100000"], cwd=ROOT, env=env,
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        wait_for_steps(run, out, 2)
-        run.send_signal(signal.SIGTERM)
-        stdout, stderr = run.communicate(timeout=120)
-    finally:
-        run.kill()
+    stdout, stderr = sigterm_after_two_steps(run, out)
     steps = [m["step"] for m in read_metrics(out)]
     assert f"SIGTERM: wrote checkpoint-{steps[-1]} and stopped" in stdout, stderr[-3000:]
     assert sorted(d for d in os.listdir(out) if d.startswith("checkpoint")) == [f"checkpoint-{steps[-1]}"]
