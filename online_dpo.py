@@ -20,6 +20,7 @@ More examples:
   # trainer on GPU 0, a stock vLLM server on GPU 1 (README.md, "Using vLLM"), scored by a reward model
   python online_dpo.py --reward-model-path Skywork/Skywork-Reward-V2-Qwen3-0.6B --use-vllm --vllm-mode server
 """
+
 import ast
 import atexit
 import dataclasses
@@ -38,9 +39,9 @@ import sys
 import textwrap
 import threading
 import time
+import uuid
 from collections import defaultdict
 from concurrent.futures import Future
-import uuid
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
@@ -267,8 +268,12 @@ def load_prompts(args, dataset, tokenizer, max_context):
             f"--max-prompt-length {max_context - args.max_completion_length} to drop such prompts, or lower "
             f"--max-completion-length."
         )
-    return ([prompt_ids[i] for i in keep], [prompts[i] for i in keep], {c: [v[i] for i in keep] for c, v in columns.items()},
-            use_template)
+    return (
+        [prompt_ids[i] for i in keep],
+        [prompts[i] for i in keep],
+        {c: [v[i] for i in keep] for c, v in columns.items()},
+        use_template,
+    )
 
 
 def prompt_stream(num_prompts, seed, start=0):
@@ -300,7 +305,9 @@ def score_completions(reward_fns, completions, columns):
                 f"the keyword columns {sorted(columns)}; fix the function or the dataset columns it reads."
             ) from error
         if len(values) != len(completions):
-            raise ValueError(f"reward function '{fn.__name__}' returned {len(values)} values for {len(completions)} completions")
+            raise ValueError(
+                f"reward function '{fn.__name__}' returned {len(values)} values for {len(completions)} completions"
+            )
         scores[:, k] = torch.tensor([float("nan") if v is None else float(v) for v in values])
     return scores
 
@@ -313,10 +320,16 @@ def reward_model_inputs(tokenizer, prompts, completions):
     inputs = []
     for prompt, completion in zip(prompts, completions):
         if isinstance(prompt, list) and tokenizer.chat_template:
-            text = tokenizer.apply_chat_template(prompt + [{"role": "assistant", "content": completion}], tokenize=False)
+            text = tokenizer.apply_chat_template(
+                prompt + [{"role": "assistant", "content": completion}], tokenize=False
+            )
             inputs.append(tokenizer(text, add_special_tokens=False)["input_ids"])  # the template has its own BOS
         else:
-            text = "\n\n".join([m["content"] for m in prompt] + [completion]) if isinstance(prompt, list) else prompt + completion
+            text = (
+                "\n\n".join([m["content"] for m in prompt] + [completion])
+                if isinstance(prompt, list)
+                else prompt + completion
+            )
             inputs.append(tokenizer(text)["input_ids"])
     return inputs
 
@@ -326,11 +339,15 @@ def load_reward_model(path, device, dtype=torch.float32):
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForSequenceClassification.from_pretrained(path, dtype=dtype).to(device).eval().requires_grad_(False)
+    model = (
+        AutoModelForSequenceClassification.from_pretrained(path, dtype=dtype).to(device).eval().requires_grad_(False)
+    )
     if model.config.num_labels != 1:
         raise ValueError(f"--reward-model-path {path} has {model.config.num_labels} labels; a reward model has 1")
     if model.config.pad_token_id is None:  # needed for batches; the model reads its score at the last non-pad token
-        model.config.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        model.config.pad_token_id = (
+            tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        )
     return model, tokenizer
 
 
@@ -432,8 +449,9 @@ def _token_logprobs(hidden, targets, lm_head, config, temperature):
     return logits.log_softmax(-1).gather(-1, targets[:, None]).squeeze(-1)
 
 
-def per_token_logprobs(model, input_ids, attention_mask, position_ids, completion_mask, prompt_length,
-                       temperature=1.0, chunk_tokens=1024):
+def per_token_logprobs(
+    model, input_ids, attention_mask, position_ids, completion_mask, prompt_length, temperature=1.0, chunk_tokens=1024
+):
     """log pi(token) of each completion token at the sampling temperature, (B, C), 0 on padding.
 
     The fp32 logits of a 150k vocabulary would be the memory peak, so they never exist for the whole batch: the LM
@@ -441,8 +459,14 @@ def per_token_logprobs(model, input_ids, attention_mask, position_ids, completio
     recomputes one chunk at a time too."""
     # the model's own forward (not its backbone alone), so that FSDP2 gathers every parameter; it computes the logits
     # of one position only, and its last hidden state is the final, normed one
-    hidden = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False,
-                   logits_to_keep=1, output_hidden_states=True).hidden_states[-1]
+    hidden = model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        use_cache=False,
+        logits_to_keep=1,
+        output_hidden_states=True,
+    ).hidden_states[-1]
     hidden = hidden[:, prompt_length - 1 : -1]  # (B, C, H): position t predicts completion token t
     targets = input_ids[:, prompt_length:]
     mask = completion_mask.bool()
@@ -530,7 +554,11 @@ def shard_model(model, mixed_precision):
     mixed_precision, each layer computes in bf16 while the sharded fp32 weights and gradient reduction stay fp32."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed_precision else MixedPrecisionPolicy()
+    policy = (
+        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if mixed_precision
+        else MixedPrecisionPolicy()
+    )
     for layer in model.base_model.layers:
         fully_shard(layer, mp_policy=policy)
     fully_shard(model, mp_policy=policy)
@@ -599,8 +627,11 @@ def hf_generate(model, prompt_ids, args, eos_ids, pad_id, n=None, temperature=No
     sampling = dict(do_sample=True, temperature=temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p)
     config = GenerationConfig(
         **(sampling if temperature > 0 else dict(do_sample=False)),
-        repetition_penalty=args.repetition_penalty, max_new_tokens=args.max_completion_length,
-        eos_token_id=eos_ids, pad_token_id=pad_id, use_cache=True,
+        repetition_penalty=args.repetition_penalty,
+        max_new_tokens=args.max_completion_length,
+        eos_token_id=eos_ids,
+        pad_token_id=pad_id,
+        use_cache=True,
     )
     model.eval()
     # generate fills every field left None here from model.generation_config (the checkpoint's generation_config.json:
@@ -609,8 +640,11 @@ def hf_generate(model, prompt_ids, args, eos_ids, pad_id, n=None, temperature=No
     model_config, model.generation_config = model.generation_config, config
     try:
         with torch.autocast(model.device.type, torch.bfloat16, enabled=args.bf16 and model.device.type == "cuda"):
-            out = model.generate(input_ids=input_ids.to(model.device), attention_mask=attention_mask.to(model.device),
-                                 generation_config=config)
+            out = model.generate(
+                input_ids=input_ids.to(model.device),
+                attention_mask=attention_mask.to(model.device),
+                generation_config=config,
+            )
     finally:
         model.generation_config = model_config
     completions = []
@@ -734,8 +768,11 @@ def parse_args(argv=None):
     flags keep their names (OmitArgPrefixes); the parsed groups are merged back into one flat Args."""
     source = inspect.getsource(Args)
     body = ast.parse(textwrap.dedent(source)).body[0].body
-    docs = {a.target.id: " ".join(b.value.value.split()) for a, b in itertools.pairwise(body)
-            if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr)}
+    docs = {
+        a.target.id: " ".join(b.value.value.split())
+        for a, b in itertools.pairwise(body)
+        if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr)
+    }
     groups, title = {}, None
     for line in source.splitlines():
         if header := re.match(r" {4}# (.+?)(?: \(.*)?$", line):
@@ -745,11 +782,25 @@ def parse_args(argv=None):
     fields = {f.name: f for f in dataclasses.fields(Args)}
     parts = []
     for title, names in groups.items():
-        group = dataclasses.make_dataclass(title, [
-            (n, Annotated[fields[n].type, tyro.conf.arg(help=docs[n])],
-             dataclasses.field(default=fields[n].default, default_factory=fields[n].default_factory)) for n in names])
+        group = dataclasses.make_dataclass(
+            title,
+            [
+                (
+                    n,
+                    Annotated[fields[n].type, tyro.conf.arg(help=docs[n])],
+                    dataclasses.field(default=fields[n].default, default_factory=fields[n].default_factory),
+                )
+                for n in names
+            ],
+        )
         group.__doc__ = ""
-        parts.append((re.sub(r"\W+", "_", title).lower(), tyro.conf.OmitArgPrefixes[group], dataclasses.field(default_factory=group)))
+        parts.append(
+            (
+                re.sub(r"\W+", "_", title).lower(),
+                tyro.conf.OmitArgPrefixes[group],
+                dataclasses.field(default_factory=group),
+            )
+        )
     description = "\n\n".join(__doc__.split("\n\n")[:3])  # what it does, and the CPU example
     parsed = tyro.cli(dataclasses.make_dataclass("Args", parts), args=argv, description=description)
     return Args(**{k: v for part in dataclasses.fields(parsed) for k, v in vars(getattr(parsed, part.name)).items()})
@@ -803,23 +854,34 @@ def check_args(args, world_size=1):
         if value is not None and not valid(value):
             problems.append(f"--{name.replace('_', '-')} must be {must}, got {value}")
     if args.prompts_per_step % world_size:
-        problems.append(f"--prompts-per-step {args.prompts_per_step} must be divisible by the number of processes ({world_size})")
+        problems.append(
+            f"--prompts-per-step {args.prompts_per_step} must be divisible by the number of processes ({world_size})"
+        )
     if bool(args.reward_funcs) == bool(args.reward_model_path):
-        problems.append(("no reward given: " if not args.reward_funcs else "both --reward-funcs and --reward-model-path given: ")
-                        + "pass either --reward-funcs with names from rewards.py (e.g. gsm8k_accuracy) or "
-                        "--reward-model-path with a sequence-classification reward model, not both")
+        problems.append(
+            ("no reward given: " if not args.reward_funcs else "both --reward-funcs and --reward-model-path given: ")
+            + "pass either --reward-funcs with names from rewards.py (e.g. gsm8k_accuracy) or "
+            "--reward-model-path with a sequence-classification reward model, not both"
+        )
     if args.reward_weights is not None and len(args.reward_weights) != len(args.reward_funcs):
-        problems.append(f"--reward-weights has {len(args.reward_weights)} values for {len(args.reward_funcs)} --reward-funcs")
+        problems.append(
+            f"--reward-weights has {len(args.reward_weights)} values for {len(args.reward_funcs)} --reward-funcs"
+        )
     if args.use_vllm:
         import vllm_utils
 
         problems += vllm_utils.setup_problems()
     if args.async_generation and not (args.use_vllm and args.vllm_mode == "server"):
-        problems.append("--async-generation needs --use-vllm --vllm-mode server: a colocated engine or `generate` share "
-                        "the trainer's GPU, so generation cannot overlap training")
+        problems.append(
+            "--async-generation needs --use-vllm --vllm-mode server: a colocated engine or `generate` share "
+            "the trainer's GPU, so generation cannot overlap training"
+        )
     # local paths: a directory that is not there is reported as such, not as a hub name that does not parse
-    for name, marker, kind in (("model_name_or_path", "config.json", "model"), ("reward_model_path", "config.json", "model"),
-                               ("resume_from_checkpoint", "trainer_state.pt", "checkpoint")):
+    for name, marker, kind in (
+        ("model_name_or_path", "config.json", "model"),
+        ("reward_model_path", "config.json", "model"),
+        ("resume_from_checkpoint", "trainer_state.pt", "checkpoint"),
+    ):
         path = getattr(args, name)
         if path is None or (name == "resume_from_checkpoint" and path == "latest"):
             continue
@@ -832,15 +894,20 @@ def check_args(args, world_size=1):
             problems.append(f"{flag} {name} does not exist (no such file or directory)")
     evaluating = args.eval_steps > 0 or args.max_steps == 0
     if evaluating and eval_source(args) is None:
-        problems.append(f"{'--eval-steps' if args.eval_steps else '--max-steps 0 (evaluate and exit)'} needs an "
-                        f"eval dataset: --dataset-name {args.dataset_name} is a local file, with no test split; pass "
-                        f"--eval-dataset")
+        problems.append(
+            f"{'--eval-steps' if args.eval_steps else '--max-steps 0 (evaluate and exit)'} needs an "
+            f"eval dataset: --dataset-name {args.dataset_name} is a local file, with no test split; pass "
+            f"--eval-dataset"
+        )
     if evaluating and args.reward_model_path:
-        problems.append("evaluation (--eval-steps, --max-steps 0) scores with --reward-funcs: pass those instead of "
-                        "--reward-model-path (a reward model's scores have no success threshold for pass@k)")
+        problems.append(
+            "evaluation (--eval-steps, --max-steps 0) scores with --reward-funcs: pass those instead of "
+            "--reward-model-path (a reward model's scores have no success threshold for pass@k)"
+        )
     if args.eval_dataset and not evaluating:
-        problems.append("--eval-dataset is evaluated with --eval-steps N (during training) or --max-steps 0 (once): "
-                        "pass one")
+        problems.append(
+            "--eval-dataset is evaluated with --eval-steps N (during training) or --max-steps 0 (once): pass one"
+        )
     if os.path.exists(args.output_dir) and not os.path.isdir(args.output_dir):
         problems.append(f"--output-dir {args.output_dir} is a file, not a directory")
     if problems:
@@ -849,10 +916,16 @@ def check_args(args, world_size=1):
 
 def reward_functions(names):
     """The functions of rewards.py that --reward-funcs names."""
-    public = [n for n in dir(rewards) if not n.startswith("_") and callable(getattr(rewards, n)) and getattr(rewards, n).__module__ == "rewards"]
+    public = [
+        n
+        for n in dir(rewards)
+        if not n.startswith("_") and callable(getattr(rewards, n)) and getattr(rewards, n).__module__ == "rewards"
+    ]
     for name in names:
         if name not in public:
-            raise SystemExit(f"error: unknown reward function '{name}'. --reward-funcs takes names from rewards.py: {public}")
+            raise SystemExit(
+                f"error: unknown reward function '{name}'. --reward-funcs takes names from rewards.py: {public}"
+            )
     return [getattr(rewards, name) for name in names]
 
 
@@ -875,8 +948,11 @@ def read_dataset(args, evaluation=False):
     """Read the dataset (with `evaluation`, the eval dataset of eval_source) once, before any model loads: {column: list
     of values}. Local .jsonl / .json files are parsed here, so that a malformed record is reported with its file and
     line; .parquet files and hub datasets through `datasets`."""
-    flag, (name, config, split) = ("--eval-dataset", eval_source(args)) if evaluation else (
-        "--dataset-name", (args.dataset_name, args.dataset_config, args.dataset_split))
+    flag, (name, config, split) = (
+        ("--eval-dataset", eval_source(args))
+        if evaluation
+        else ("--dataset-name", (args.dataset_name, args.dataset_config, args.dataset_split))
+    )
     if name.endswith((".json", ".jsonl")):
         with open(name, encoding="utf-8") as f:
             text = f.read()
@@ -894,12 +970,16 @@ def read_dataset(args, evaluation=False):
                 try:
                     records.append((number, json.loads(line)))
                 except json.JSONDecodeError as error:
-                    raise SystemExit(f"error: {flag} {name}, line {number}: not valid JSON ({error.msg}, column "
-                                     f"{error.colno}): {line[:120]}") from None
+                    raise SystemExit(
+                        f"error: {flag} {name}, line {number}: not valid JSON ({error.msg}, column "
+                        f"{error.colno}): {line[:120]}"
+                    ) from None
         for number, record in records:
             if not isinstance(record, dict):
-                raise SystemExit(f"error: {flag} {name}, {where} {number}: a JSON object per record is expected, "
-                                 f"got {type(record).__name__}")
+                raise SystemExit(
+                    f"error: {flag} {name}, {where} {number}: a JSON object per record is expected, "
+                    f"got {type(record).__name__}"
+                )
         dataset = {}
         for _, record in records:
             for column in record:
@@ -928,21 +1008,32 @@ def check_dataset(args, dataset, reward_fns, flag="--dataset-name", name=None):
         if (column or option == "--prompt-column") and column not in columns:
             raise SystemExit(
                 f"error: dataset {name} has no column '{column}' (its columns: {columns}). "
-                f"Pass {option} with one of those" + (', or --answer-column "" if it has none.' if "answer" in option else ".")
+                f"Pass {option} with one of those"
+                + (', or --answer-column "" if it has none.' if "answer" in option else ".")
             )
-    given = set(columns) - {args.prompt_column}  # what reward functions receive (load_prompts: answer column as `answer`)
+    given = set(columns) - {
+        args.prompt_column
+    }  # what reward functions receive (load_prompts: answer column as `answer`)
     if args.answer_column and args.answer_column != "answer":
         given = given - {args.answer_column} | {"answer"}
     given |= {"completions", "prompts", "completion_ids", "max_completion_length", *args.reward_kwargs}
     for fn in reward_fns:
         parameters = inspect.signature(fn).parameters.values()
-        for missing in [p.name for p in parameters if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name not in given]:
+        for missing in [
+            p.name
+            for p in parameters
+            if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name not in given
+        ]:
             if missing == "answer":
-                raise SystemExit(f"error: reward function '{fn.__name__}' needs the reference answer, and --answer-column "
-                                 f"'{args.answer_column}' gives none: pass --answer-column with the column of {name} that "
-                                 f"holds it (its columns: {columns})")
-            raise SystemExit(f"error: reward function '{fn.__name__}' (--reward-funcs) needs a column '{missing}', which "
-                             f"{flag} {name} does not have (its columns: {columns})")
+                raise SystemExit(
+                    f"error: reward function '{fn.__name__}' needs the reference answer, and --answer-column "
+                    f"'{args.answer_column}' gives none: pass --answer-column with the column of {name} that "
+                    f"holds it (its columns: {columns})"
+                )
+            raise SystemExit(
+                f"error: reward function '{fn.__name__}' (--reward-funcs) needs a column '{missing}', which "
+                f"{flag} {name} does not have (its columns: {columns})"
+            )
 
 
 def read_json(path):
@@ -977,7 +1068,11 @@ def run_checkpoints(output_dir, run_id):
     found = []
     for name in os.listdir(output_dir) if os.path.isdir(output_dir) else []:
         path = os.path.join(output_dir, name)
-        if name.startswith("checkpoint-") and name[11:].isdigit() and (read_json(os.path.join(path, "run.json")) or {}).get("run_id") == run_id:
+        if (
+            name.startswith("checkpoint-")
+            and name[11:].isdigit()
+            and (read_json(os.path.join(path, "run.json")) or {}).get("run_id") == run_id
+        ):
             found.append((int(name[11:]), path))
     return [path for _, path in sorted(found)]
 
@@ -1022,13 +1117,19 @@ def claim_output_dir(args, script):
             locked = True
         except BlockingIOError:
             holder = os.pread(lock, 300, 0).decode(errors="replace").strip() or "another process"
-            raise SystemExit(f"error: --output-dir {out} is in use by a run that is still going ({holder}): two runs in "
-                             f"one directory overwrite each other's checkpoints and metrics. Wait for it to end, or pass "
-                             f"another --output-dir.") from None
+            raise SystemExit(
+                f"error: --output-dir {out} is in use by a run that is still going ({holder}): two runs in "
+                f"one directory overwrite each other's checkpoints and metrics. Wait for it to end, or pass "
+                f"another --output-dir."
+            ) from None
         except OSError as error:  # a file system without flock (some network mounts): run, but say so
             print(f"warning: cannot lock {out}/.lock ({error}): nothing keeps a second run out of this directory")
         os.ftruncate(lock, 0)
-        os.pwrite(lock, f"{script}, pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}".encode(), 0)
+        os.pwrite(
+            lock,
+            f"{script}, pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}".encode(),
+            0,
+        )
         remove_dead_temporaries(out)
         owner = read_json(os.path.join(out, "run.json")) or {}
         files = sorted(set(os.listdir(out)) - {".lock", "run.json"})
@@ -1037,46 +1138,67 @@ def claim_output_dir(args, script):
             checkpoint = run_checkpoints(out, owner.get("run_id"))[-1:]
             if not checkpoint:
                 others = [f for f in files if f.startswith("checkpoint-")]
-                raise SystemExit(f"error: --resume-from-checkpoint latest: no checkpoint-N directory in {out} of the run "
-                                 f"that owns it" + (f" ({', '.join(others)} are another run's: pass one's path to "
-                                                    f"--resume-from-checkpoint to continue that run)" if others else ""))
+                raise SystemExit(
+                    f"error: --resume-from-checkpoint latest: no checkpoint-N directory in {out} of the run "
+                    f"that owns it"
+                    + (
+                        f" ({', '.join(others)} are another run's: pass one's path to "
+                        f"--resume-from-checkpoint to continue that run)"
+                        if others
+                        else ""
+                    )
+                )
             checkpoint = checkpoint[0]
         resumed = (read_json(os.path.join(checkpoint, "run.json")) or {}) if checkpoint else {}
         if resumed.get("script", script) != script:
-            raise SystemExit(f"error: --resume-from-checkpoint {checkpoint} is a checkpoint of {resumed['script']}: "
-                             f"continue that run with {resumed['script']}, not {script}")
+            raise SystemExit(
+                f"error: --resume-from-checkpoint {checkpoint} is a checkpoint of {resumed['script']}: "
+                f"continue that run with {resumed['script']}, not {script}"
+            )
         if files and not (checkpoint and resumed.get("run_id") == owner.get("run_id")):
             if not args.overwrite_output_dir:
                 listed = ", ".join(files[:5]) + (f" and {len(files) - 5} more" if len(files) > 5 else "")
                 raise SystemExit(
                     f"error: --output-dir {out} holds "
-                    + (f"another run's files ({listed}; a {owner['script']} run started {owner['started']}). "
-                       if owner.get("script") else f"files that are not this run's ({listed}). ")
+                    + (
+                        f"another run's files ({listed}; a {owner['script']} run started {owner['started']}). "
+                        if owner.get("script")
+                        else f"files that are not this run's ({listed}). "
+                    )
                     + "A new run there would replace its model and mix its metrics and checkpoints with this one's. To "
                     "continue that run, pass --resume-from-checkpoint latest (or a checkpoint's path); to start a new "
                     "run there anyway, pass --overwrite-output-dir (its metrics.jsonl and final model are replaced, "
-                    "its checkpoints are kept and never resumed or deleted by the new run); or pass another --output-dir.")
+                    "its checkpoints are kept and never resumed or deleted by the new run); or pass another --output-dir."
+                )
             for name in ("metrics.jsonl", "config.json"):  # a new metrics file; no complete model until this run's
                 if os.path.exists(os.path.join(out, name)):
                     os.remove(os.path.join(out, name))
-            print(f"--overwrite-output-dir: a new run in {out}; the earlier run's metrics.jsonl is deleted, its model "
-                  f"files are replaced at the end, its checkpoints are left alone")
+            print(
+                f"--overwrite-output-dir: a new run in {out}; the earlier run's metrics.jsonl is deleted, its model "
+                f"files are replaced at the end, its checkpoints are left alone"
+            )
         if checkpoint:
             step = resumed.get("global_step")
             if step is None:  # a checkpoint written before run.json existed
-                step = torch.load(os.path.join(checkpoint, "trainer_state.pt"), weights_only=False, mmap=True)["global_step"]
+                step = torch.load(os.path.join(checkpoint, "trainer_state.pt"), weights_only=False, mmap=True)[
+                    "global_step"
+                ]
             if step >= args.max_steps:
-                raise SystemExit(f"error: --resume-from-checkpoint {checkpoint} is at step {step} and --max-steps is "
-                                 f"{args.max_steps}: there is nothing left to train. Raise --max-steps to train on from it "
-                                 f"(the learning-rate schedule follows --max-steps), or load it as a model.")
+                raise SystemExit(
+                    f"error: --resume-from-checkpoint {checkpoint} is at step {step} and --max-steps is "
+                    f"{args.max_steps}: there is nothing left to train. Raise --max-steps to train on from it "
+                    f"(the learning-rate schedule follows --max-steps), or load it as a model."
+                )
         if checkpoint and resumed.get("run_id"):
             run = {"run_id": resumed["run_id"], "run_name": resumed["run_name"]}  # the same run continues
         else:
             run = {"run_id": uuid.uuid4().hex[:12], "run_name": f"{args.exp_name}__{args.seed}__{int(time.time())}"}
             atexit.register(forget_unstarted_run, out, run["run_id"], created)
         if run["run_id"] != owner.get("run_id"):
-            write_json(os.path.join(out, "run.json"),
-                       {**run, "script": script, "started": time.strftime("%Y-%m-%d %H:%M:%S"), "args": asdict(args)})
+            write_json(
+                os.path.join(out, "run.json"),
+                {**run, "script": script, "started": time.strftime("%Y-%m-%d %H:%M:%S"), "args": asdict(args)},
+            )
         return run, checkpoint, lock
     except BaseException:
         if locked and lock_created:  # refused before writing anything: leave the directory as it was
@@ -1091,7 +1213,10 @@ def forget_unstarted_run(output_dir, run_id, created):
     """At exit: if this run wrote nothing but run.json (it failed while starting), take that back, and the directory
     too if this run created it."""
     try:
-        if set(os.listdir(output_dir)) <= {".lock", "run.json"} and read_json(os.path.join(output_dir, "run.json"))["run_id"] == run_id:
+        if (
+            set(os.listdir(output_dir)) <= {".lock", "run.json"}
+            and read_json(os.path.join(output_dir, "run.json"))["run_id"] == run_id
+        ):
             os.remove(os.path.join(output_dir, "run.json"))
             os.remove(os.path.join(output_dir, ".lock"))
             if created:
@@ -1112,7 +1237,6 @@ def on_sigterm():
 
     signal.signal(signal.SIGTERM, handler)
     return requested
-
 
 
 if __name__ == "__main__":
@@ -1158,7 +1282,11 @@ if __name__ == "__main__":
     model_path = checkpoint_dir or args.model_name_or_path
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, args.param_dtype)).to(device)
-    ref_model = AutoModelForCausalLM.from_pretrained(args.model_name_or_path, dtype=getattr(torch, args.param_dtype)).to(device).eval()
+    ref_model = (
+        AutoModelForCausalLM.from_pretrained(args.model_name_or_path, dtype=getattr(torch, args.param_dtype))
+        .to(device)
+        .eval()
+    )
     ref_model.requires_grad_(False)
     for module in model.modules():  # no dropout: before the first update the policy's log-probs equal the reference's
         if isinstance(module, torch.nn.Dropout):
@@ -1169,10 +1297,18 @@ if __name__ == "__main__":
         shard_model(model, mixed_precision=args.bf16 and device.type == "cuda")
         shard_model(ref_model, mixed_precision=args.bf16 and device.type == "cuda")
     # a forward that transforms its logits in a way the trainer does not model fails now, not after training on them
-    check_logprobs(model, tokenizer("The quick brown fox jumps over the lazy dog, and then it ran away.")["input_ids"],
-                   device, world_size)
+    check_logprobs(
+        model,
+        tokenizer("The quick brown fox jumps over the lazy dog, and then it ran away.")["input_ids"],
+        device,
+        world_size,
+    )
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    eos_ids = set(model.generation_config.eos_token_id if isinstance(model.generation_config.eos_token_id, list) else [model.generation_config.eos_token_id])
+    eos_ids = set(
+        model.generation_config.eos_token_id
+        if isinstance(model.generation_config.eos_token_id, list)
+        else [model.generation_config.eos_token_id]
+    )
     eos_ids = sorted((eos_ids | {tokenizer.eos_token_id}) - {None})
 
     # Data, and the reward model if one scores instead of reward functions
@@ -1183,13 +1319,19 @@ if __name__ == "__main__":
         eval_prompt_ids, _, eval_columns, eval_conversational = load_prompts(args, eval_dataset, tokenizer, max_context)
     reward_model = None
     if args.reward_model_path:
-        reward_model, reward_tokenizer = load_reward_model(args.reward_model_path, device,
-                                                           torch.bfloat16 if device.type == "cuda" else torch.float32)
+        reward_model, reward_tokenizer = load_reward_model(
+            args.reward_model_path, device, torch.bfloat16 if device.type == "cuda" else torch.float32
+        )
 
     # Optimizer and schedule
     # fused: one kernel for all parameters on CUDA, with no full-size temporaries (the foreach default allocates them)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2),
-                                  weight_decay=args.weight_decay, fused=device.type == "cuda")
+    optimizer = torch.optim.AdamW(
+        model.parameters(),
+        lr=args.learning_rate,
+        betas=(args.adam_beta1, args.adam_beta2),
+        weight_decay=args.weight_decay,
+        fused=device.type == "cuda",
+    )
     scheduler = get_scheduler(args.lr_scheduler_type, optimizer, args.warmup_steps, args.max_steps)
     global_step, prompts_consumed, skipped_steps = 0, 0, 0
     torch.manual_seed(args.seed + rank)  # from here on each rank samples its own completions
@@ -1199,18 +1341,26 @@ if __name__ == "__main__":
         if world_size > 1:  # the full optimizer state, sharded like the weights (resume with the same number of ranks)
             from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
-            set_optimizer_state_dict(model, optimizer, state["optimizer"], options=StateDictOptions(full_state_dict=True))
+            set_optimizer_state_dict(
+                model, optimizer, state["optimizer"], options=StateDictOptions(full_state_dict=True)
+            )
         else:
             optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
-        global_step, prompts_consumed, skipped_steps = state["global_step"], state["prompts_consumed"], state["skipped_steps"]
+        global_step, prompts_consumed, skipped_steps = (
+            state["global_step"],
+            state["prompts_consumed"],
+            state["skipped_steps"],
+        )
         torch.set_rng_state(state["torch_rng"][rank])
         if device.type == "cuda" and state.get("cuda_rng") is not None:  # GPU sampling; older checkpoints have none
             torch.cuda.set_rng_state(state["cuda_rng"][rank])
         # optimizer tensors left on the CPU (AdamW's step counts; all of them on a CPU run) still point into the mapped
         # file: copy them, so that --save-total-limit can delete that checkpoint and its disk space is freed
         for param_state in optimizer.state.values():
-            param_state.update({k: v.clone() for k, v in param_state.items() if torch.is_tensor(v) and v.device.type == "cpu"})
+            param_state.update(
+                {k: v.clone() for k, v in param_state.items() if torch.is_tensor(v) and v.device.type == "cpu"}
+            )
         del state
         print(f"resumed from {checkpoint_dir} at step {global_step}")
     prompts = prompt_stream(len(prompt_ids), args.seed, start=prompts_consumed)
@@ -1220,10 +1370,13 @@ if __name__ == "__main__":
         import vllm_utils
 
         engine = vllm_utils.start(args, model_path, max(len(p) for p in prompt_ids + eval_prompt_ids))
-        if args.vllm_mode == "server":  # the server may hold other weights (an earlier run, or this one before a resume)
+        if (
+            args.vllm_mode == "server"
+        ):  # the server may hold other weights (an earlier run, or this one before a resume)
             vllm_utils.sync_weights(engine, model)
         generate = lambda ids, n=None, temperature=None: vllm_utils.generate(engine, ids, n, temperature)  # noqa: E731
     else:
+
         def generate(batch_prompt_ids, n=None, temperature=None):  # None: training's n and temperature
             with unsharded(model, world_size):  # FSDP2: full weights while decoding, ranks stop at different steps
                 return hf_generate(model, batch_prompt_ids, args, eos_ids, pad_id, n, temperature)
@@ -1231,15 +1384,23 @@ if __name__ == "__main__":
     if args.track and is_main:
         import wandb
 
-        wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, config=asdict(args),
-                   name=run["run_name"], id=run["run_id"], resume="allow")  # a resumed run continues its wandb run
+        wandb.init(
+            project=args.wandb_project_name,
+            entity=args.wandb_entity,
+            config=asdict(args),
+            name=run["run_name"],
+            id=run["run_id"],
+            resume="allow",
+        )  # a resumed run continues its wandb run
     metrics_path = os.path.join(args.output_dir, "metrics.jsonl")
     if checkpoint_dir and is_main and os.path.exists(metrics_path):  # steps logged after the checkpoint are redone
         kept = [line for line in open(metrics_path) if json.loads(line)["step"] <= global_step]
         with open(metrics_path, "w") as f:
             f.writelines(kept)
     metrics_file = open(metrics_path, "a") if is_main else None
-    progress = tqdm(total=args.max_steps, initial=global_step, desc="online_dpo", dynamic_ncols=True, disable=not is_main)
+    progress = tqdm(
+        total=args.max_steps, initial=global_step, desc="online_dpo", dynamic_ncols=True, disable=not is_main
+    )
     prompts_per_rank = args.prompts_per_step // world_size
 
     G = args.num_generations
@@ -1249,12 +1410,15 @@ if __name__ == "__main__":
         them: in the background with --async-generation, else now. Returns (rows, the optimizer step of the weights that
         generate them, a Future of ((completion ids, vLLM log-probs), seconds))."""
         global prompts_consumed
-        rows = [next(prompts) for _ in range(args.prompts_per_step)][rank * prompts_per_rank : (rank + 1) * prompts_per_rank]
+        rows = [next(prompts) for _ in range(args.prompts_per_step)][
+            rank * prompts_per_rank : (rank + 1) * prompts_per_rank
+        ]
         prompts_consumed += args.prompts_per_step
 
         def work():
             t0 = time.perf_counter()
             return generate([prompt_ids[i] for i in rows]), time.perf_counter() - t0
+
         return rows, weights_version, future_of(work, background=args.async_generation)
 
     def clock():  # phase timings: wait for the GPU's queued work so that each phase is charged its own time
@@ -1270,8 +1434,12 @@ if __name__ == "__main__":
         repeated = lambda values: [values[i] for i in rows for _ in range(n)]  # noqa: E731
         reward_columns = {c: repeated(v) for c, v in columns.items()}
         prompt_texts = {i: tokenizer.decode(prompt_ids[i]) for i in rows}
-        reward_columns.update(prompts=repeated(prompt_texts), completion_ids=completion_ids,
-                              max_completion_length=args.max_completion_length, **args.reward_kwargs)
+        reward_columns.update(
+            prompts=repeated(prompt_texts),
+            completion_ids=completion_ids,
+            max_completion_length=args.max_completion_length,
+            **args.reward_kwargs,
+        )
         return score_completions(reward_fns, completions, reward_columns)
 
     def evaluate():
@@ -1327,7 +1495,9 @@ if __name__ == "__main__":
         round_start = time.perf_counter()
         timing = defaultdict(float, {"timing/weight_sync": 0.0})
         # prompts of the rounds before this one (a round generating in the background is drawn but not trained yet)
-        beta = beta_for_epoch(args.beta, (prompts_consumed - (args.prompts_per_step if next_round else 0)) // len(prompt_ids))
+        beta = beta_for_epoch(
+            args.beta, (prompts_consumed - (args.prompts_per_step if next_round else 0)) // len(prompt_ids)
+        )
         # ALGO LOGIC: 1. sample prompts and generate G completions each. --async-generation: this step's round was
         # generated during the last step, by the weights before it; the next round starts now, from the current
         # weights, and generates while we train
@@ -1335,7 +1505,9 @@ if __name__ == "__main__":
         if args.async_generation:
             next_round = start_round() if global_step + 1 < args.max_steps else None
         t0 = time.perf_counter()
-        (completion_ids, _), timing["timing/generation"] = generation.result()  # prompt-major: completion k is rows[k // G]'s
+        (completion_ids, _), timing["timing/generation"] = (
+            generation.result()
+        )  # prompt-major: completion k is rows[k // G]'s
         timing["timing/generation_wait"] = time.perf_counter() - t0  # what generation costs the trainer
         staleness = global_step - version  # optimizer steps between the sampling and the trained weights
         if args.use_vllm:
@@ -1350,8 +1522,10 @@ if __name__ == "__main__":
                 rm_prompts, rm_completions = [raw_prompts[i] for i in rows for _ in range(G)], texts
             else:  # the decoded prompt and its exact continuation (decoding a completion alone may drop a leading space)
                 rm_prompts = tokenizer.batch_decode(batch_prompts, skip_special_tokens=True)
-                full = tokenizer.batch_decode([p + c for p, c in zip(batch_prompts, completion_ids)], skip_special_tokens=True)
-                rm_completions = [f[len(p):] if f.startswith(p) else t for f, p, t in zip(full, rm_prompts, texts)]
+                full = tokenizer.batch_decode(
+                    [p + c for p, c in zip(batch_prompts, completion_ids)], skip_special_tokens=True
+                )
+                rm_completions = [f[len(p) :] if f.startswith(p) else t for f, p, t in zip(full, rm_prompts, texts)]
             rm_inputs = reward_model_inputs(reward_tokenizer, rm_prompts, rm_completions)
             rewards_total = reward_model_scores(reward_model, rm_inputs, args.micro_batch_tokens, device)
         else:
@@ -1377,16 +1551,24 @@ if __name__ == "__main__":
             step_loss = 0.0
             pair_prompt_lengths = [len(batch_prompts[c]) for c in chosen]
             pair_lengths = [max(len(completion_ids[c]), len(completion_ids[r])) for c, r in zip(chosen, rejected)]
-            micro_batches = token_budget_batches(range(num_pairs), pair_prompt_lengths, pair_lengths, args.micro_batch_tokens // 2)
+            micro_batches = token_budget_batches(
+                range(num_pairs), pair_prompt_lengths, pair_lengths, args.micro_batch_tokens // 2
+            )
             for mb in same_count_on_all_ranks(micro_batches, world_size, device):
                 padding_pass = mb is None  # only to keep FSDP's collectives in step with the other ranks
-                mb_rows = [0, 0] if padding_pass else [chosen[j] for j in mb] + [rejected[j] for j in mb]  # k chosen, k rejected
+                mb_rows = (
+                    [0, 0] if padding_pass else [chosen[j] for j in mb] + [rejected[j] for j in mb]
+                )  # k chosen, k rejected
                 mb_prompts, mb_completions = [batch_prompts[i] for i in mb_rows], [completion_ids[i] for i in mb_rows]
                 # (2k,) -> (2, k): row 0 the chosen completions, row 1 the rejected ones
                 with torch.no_grad(), torch.autocast(**autocast), unsharded(ref_model, world_size):
-                    ref = sequence_logprobs(ref_model, mb_prompts, mb_completions, args.temperature, device, pad_id).view(2, -1)
+                    ref = sequence_logprobs(
+                        ref_model, mb_prompts, mb_completions, args.temperature, device, pad_id
+                    ).view(2, -1)
                 with torch.autocast(**autocast):
-                    policy = sequence_logprobs(model, mb_prompts, mb_completions, args.temperature, device, pad_id).view(2, -1)
+                    policy = sequence_logprobs(
+                        model, mb_prompts, mb_completions, args.temperature, device, pad_id
+                    ).view(2, -1)
                 losses = dpo_loss(policy[0], policy[1], ref[0], ref[1], beta, args.loss_type)  # (k,)
                 # every pair of every rank weighs 1 / all_pairs, however the pairs are micro-batched; FSDP averages
                 # gradients over ranks, hence x world_size
@@ -1432,22 +1614,37 @@ if __name__ == "__main__":
         lengths = torch.tensor([len(c) for c in completion_ids], dtype=torch.float)
         clipped = torch.tensor([not (c and c[-1] in eos_ids) for c in completion_ids], dtype=torch.float)
         reward_scores = scores if reward_model is None else torch.zeros(len(completion_ids), 0)
-        pair_rewards = torch.stack([rewards_total[chosen], rewards_total[rejected]], -1) if num_pairs else torch.zeros(0, 2)
-        pair_logps = torch.stack([logps.cpu(), ref_logps.cpu()], -1)  # (num_pairs, 2, 2): (chosen, rejected) x (policy, ref)
+        pair_rewards = (
+            torch.stack([rewards_total[chosen], rewards_total[rejected]], -1) if num_pairs else torch.zeros(0, 2)
+        )
+        pair_logps = torch.stack(
+            [logps.cpu(), ref_logps.cpu()], -1
+        )  # (num_pairs, 2, 2): (chosen, rejected) x (policy, ref)
         counts = torch.tensor([num_tied, num_unscorable, len(rows)], dtype=torch.float)
         if world_size > 1:
             gathered = [None] * world_size
-            dist.all_gather_object(gathered, (rewards_total, reward_scores, lengths, clipped, pair_rewards, pair_logps, counts))
-            rewards_total, reward_scores, lengths, clipped, pair_rewards, pair_logps = (torch.cat([g[i] for g in gathered]) for i in range(6))
+            dist.all_gather_object(
+                gathered, (rewards_total, reward_scores, lengths, clipped, pair_rewards, pair_logps, counts)
+            )
+            rewards_total, reward_scores, lengths, clipped, pair_rewards, pair_logps = (
+                torch.cat([g[i] for g in gathered]) for i in range(6)
+            )
             counts = sum(g[6] for g in gathered)
             if all_pairs:
                 dist.all_reduce(step_loss)
         metrics = {
-            "step": global_step, "beta": beta, "learning_rate": scheduler.get_last_lr()[0],
-            "objective/scores": rewards_total.nanmean().item(), "frac_tied": (counts[0] / counts[2]).item(),
-            "frac_unscorable": (counts[1] / counts[2]).item(), "num_pairs": all_pairs, "skipped_steps": skipped_steps,
-            "completions/mean_length": lengths.mean().item(), "completions/clipped_ratio": clipped.mean().item(),
-            **timing, "sampling/staleness": staleness,
+            "step": global_step,
+            "beta": beta,
+            "learning_rate": scheduler.get_last_lr()[0],
+            "objective/scores": rewards_total.nanmean().item(),
+            "frac_tied": (counts[0] / counts[2]).item(),
+            "frac_unscorable": (counts[1] / counts[2]).item(),
+            "num_pairs": all_pairs,
+            "skipped_steps": skipped_steps,
+            "completions/mean_length": lengths.mean().item(),
+            "completions/clipped_ratio": clipped.mean().item(),
+            **timing,
+            "sampling/staleness": staleness,
         }
         if device.type == "cuda":
             metrics["memory/peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
@@ -1456,22 +1653,38 @@ if __name__ == "__main__":
         if all_pairs:
             logps, ref_logps = pair_logps[..., 0], pair_logps[..., 1]  # (all_pairs, 2): chosen, rejected
             implicit = beta * (logps - ref_logps)  # DPO's implicit rewards of chosen, rejected
-            metrics.update({
-                "loss": step_loss.item() / world_size, "grad_norm": grad_norm.item(),
-                "rewards/chosen": implicit[:, 0].mean().item(), "rewards/rejected": implicit[:, 1].mean().item(),
-                "rewards/margins": (implicit[:, 0] - implicit[:, 1]).mean().item(),
-                "rewards/accuracies": (implicit[:, 0] > implicit[:, 1]).float().mean().item(),
-                "logps/chosen": logps[:, 0].mean().item(), "logps/rejected": logps[:, 1].mean().item(),
-                "objective/scores_margin": (pair_rewards[:, 0] - pair_rewards[:, 1]).mean().item(),
-                "kl": (logps - ref_logps).mean().item(),  # per sampled completion: sum over its tokens of log pi - log pi_ref
-            })
+            metrics.update(
+                {
+                    "loss": step_loss.item() / world_size,
+                    "grad_norm": grad_norm.item(),
+                    "rewards/chosen": implicit[:, 0].mean().item(),
+                    "rewards/rejected": implicit[:, 1].mean().item(),
+                    "rewards/margins": (implicit[:, 0] - implicit[:, 1]).mean().item(),
+                    "rewards/accuracies": (implicit[:, 0] > implicit[:, 1]).float().mean().item(),
+                    "logps/chosen": logps[:, 0].mean().item(),
+                    "logps/rejected": logps[:, 1].mean().item(),
+                    "objective/scores_margin": (pair_rewards[:, 0] - pair_rewards[:, 1]).mean().item(),
+                    "kl": (logps - ref_logps)
+                    .mean()
+                    .item(),  # per sampled completion: sum over its tokens of log pi - log pi_ref
+                }
+            )
         metrics["step_time"] = time.perf_counter() - round_start
         metrics.update(eval_results)
         if is_main:
-            progress.set_postfix(score=f"{metrics['objective/scores']:.3f}", kl=f"{metrics.get('kl', 0):.3f}", pairs=all_pairs)
+            progress.set_postfix(
+                score=f"{metrics['objective/scores']:.3f}", kl=f"{metrics.get('kl', 0):.3f}", pairs=all_pairs
+            )
             if args.log_completions and global_step % args.logging_steps == 0:  # rank 0's rows
-                log_completions(tokenizer, batch_prompts, completion_ids, rewards_total, args.log_completions,
-                                global_step, args.track)
+                log_completions(
+                    tokenizer,
+                    batch_prompts,
+                    completion_ids,
+                    rewards_total,
+                    args.log_completions,
+                    global_step,
+                    args.track,
+                )
         log_metrics(metrics, show=global_step % args.logging_steps == 0 or evaluated)
         preempted = global_sum(preemption.is_set(), world_size, device) > 0 and global_step < args.max_steps  # SIGTERM
         if preempted or (args.save_steps and global_step % args.save_steps == 0 and global_step < args.max_steps):
@@ -1484,22 +1697,38 @@ if __name__ == "__main__":
             def write_checkpoint(tmp):
                 model.save_pretrained(tmp, state_dict=model_state)
                 tokenizer.save_pretrained(tmp)
-                torch.save({"optimizer": optimizer_state, "scheduler": scheduler.state_dict(), "global_step": global_step,
-                            # a round generated in the background is not trained yet: a resume generates it again
-                            "prompts_consumed": prompts_consumed - (args.prompts_per_step if next_round else 0),
-                            "skipped_steps": skipped_steps,
-                            "torch_rng": [r[0] for r in rng_states],
-                            "cuda_rng": [r[1] for r in rng_states] if device.type == "cuda" else None},
-                           os.path.join(tmp, "trainer_state.pt"))
-                write_json(os.path.join(tmp, "run.json"), {**run, "script": "online_dpo.py", "global_step": global_step})
+                torch.save(
+                    {
+                        "optimizer": optimizer_state,
+                        "scheduler": scheduler.state_dict(),
+                        "global_step": global_step,
+                        # a round generated in the background is not trained yet: a resume generates it again
+                        "prompts_consumed": prompts_consumed - (args.prompts_per_step if next_round else 0),
+                        "skipped_steps": skipped_steps,
+                        "torch_rng": [r[0] for r in rng_states],
+                        "cuda_rng": [r[1] for r in rng_states] if device.type == "cuda" else None,
+                    },
+                    os.path.join(tmp, "trainer_state.pt"),
+                )
+                write_json(
+                    os.path.join(tmp, "run.json"), {**run, "script": "online_dpo.py", "global_step": global_step}
+                )
+
             if is_main:
                 save_atomically(os.path.join(args.output_dir, f"checkpoint-{global_step}"), write_checkpoint)
-                for old in run_checkpoints(args.output_dir, run["run_id"])[: -args.save_total_limit] if args.save_total_limit else []:
+                for old in (
+                    run_checkpoints(args.output_dir, run["run_id"])[: -args.save_total_limit]
+                    if args.save_total_limit
+                    else []
+                ):
                     shutil.rmtree(old)  # this run's older checkpoints only, never another run's
             if preempted:
                 if is_main:
-                    print(f"SIGTERM: wrote checkpoint-{global_step} and stopped; the same command with "
-                          f"--resume-from-checkpoint latest continues the run", flush=True)
+                    print(
+                        f"SIGTERM: wrote checkpoint-{global_step} and stopped; the same command with "
+                        f"--resume-from-checkpoint latest continues the run",
+                        flush=True,
+                    )
                     if args.track:
                         wandb.mark_preempting()
                 if world_size > 1:

@@ -98,8 +98,9 @@ def think_format(completions, **kwargs) -> list[float]:
     return rewards
 
 
-def soft_overlong_punishment(completions, completion_ids, max_completion_length, overlong_buffer_length=None,
-                             **kwargs) -> list[float]:
+def soft_overlong_punishment(
+    completions, completion_ids, max_completion_length, overlong_buffer_length=None, **kwargs
+) -> list[float]:
     """DAPO soft overlong punishment (arXiv 2503.14476, eq. 13) on the completion's token count.
 
     With L = len(ids), Lmax = max_completion_length, Lcache = overlong_buffer_length (default Lmax // 4):

@@ -22,6 +22,7 @@ More examples:
   # trainer on GPU 0, a stock vLLM server on GPU 1 (README.md, "Using vLLM")
   python rloo.py --use-vllm --vllm-mode server
 """
+
 import ast
 import atexit
 import dataclasses
@@ -39,9 +40,9 @@ import sys
 import textwrap
 import threading
 import time
+import uuid
 from collections import defaultdict
 from concurrent.futures import Future
-import uuid
 from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
@@ -312,9 +313,12 @@ def score_completions(reward_fns, completions, columns):
                 f"the keyword columns {sorted(columns)}; fix the function or the dataset columns it reads."
             ) from error
         if len(values) != len(completions):
-            raise ValueError(f"reward function '{fn.__name__}' returned {len(values)} values for {len(completions)} completions")
+            raise ValueError(
+                f"reward function '{fn.__name__}' returned {len(values)} values for {len(completions)} completions"
+            )
         scores[:, k] = torch.tensor([float("nan") if v is None else float(v) for v in values])
     return scores
+
 
 # ------------------------------------------------------------------------------------------------------------------
 # Rewards and advantages
@@ -399,8 +403,17 @@ def _token_logprobs(hidden, targets, lm_head, config, temperature, with_entropy=
     return logprobs, -(all_logprobs.exp() * all_logprobs).sum(-1).detach()
 
 
-def per_token_logprobs(model, input_ids, attention_mask, position_ids, completion_mask, prompt_length,
-                       temperature=1.0, chunk_tokens=1024, with_entropy=False):
+def per_token_logprobs(
+    model,
+    input_ids,
+    attention_mask,
+    position_ids,
+    completion_mask,
+    prompt_length,
+    temperature=1.0,
+    chunk_tokens=1024,
+    with_entropy=False,
+):
     """log pi(token) of each completion token at the sampling temperature, (B, C), 0 on padding.
 
     The fp32 logits of a 150k vocabulary would be the memory peak, so they never exist for the whole batch: the LM
@@ -408,8 +421,14 @@ def per_token_logprobs(model, input_ids, attention_mask, position_ids, completio
     recomputes one chunk at a time too."""
     # the model's own forward (not its backbone alone), so that FSDP2 gathers every parameter; it computes the logits
     # of one position only, and its last hidden state is the final, normed one
-    hidden = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False,
-                   logits_to_keep=1, output_hidden_states=True).hidden_states[-1]
+    hidden = model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        use_cache=False,
+        logits_to_keep=1,
+        output_hidden_states=True,
+    ).hidden_states[-1]
     hidden = hidden[:, prompt_length - 1 : -1]  # (B, C, H): position t predicts completion token t
     targets = input_ids[:, prompt_length:]
     mask = completion_mask.bool()
@@ -419,7 +438,9 @@ def per_token_logprobs(model, input_ids, attention_mask, position_ids, completio
     for start in range(0, targets.numel(), chunk_tokens):
         h, t = hidden[start : start + chunk_tokens], targets[start : start + chunk_tokens]
         if torch.is_grad_enabled():
-            out = checkpoint(_token_logprobs, h, t, lm_head, model.config, temperature, with_entropy, use_reentrant=False)
+            out = checkpoint(
+                _token_logprobs, h, t, lm_head, model.config, temperature, with_entropy, use_reentrant=False
+            )
         else:
             out = _token_logprobs(h, t, lm_head, model.config, temperature, with_entropy)
         pieces.append(out[0] if with_entropy else out)
@@ -472,8 +493,9 @@ def k3_kl(logprobs, ref_logprobs):
     return torch.exp(diff) - diff - 1
 
 
-def vllm_importance_ratio(old_logprobs, sampling_logprobs, completion_mask, mode="sequence_mask", clip_min=None,
-                          clip_max=3.0):
+def vllm_importance_ratio(
+    old_logprobs, sampling_logprobs, completion_mask, mode="sequence_mask", clip_min=None, clip_max=3.0
+):
     """Importance weight pi_trainer / pi_vllm that corrects for vLLM sampling from slightly different numerics
     (truncated IS, "Your efficient RL framework secretly brings you off-policy RL training", Yao et al. 2025).
 
@@ -513,6 +535,7 @@ def token_budget_batches(rows, prompt_lengths, completion_lengths, budget):
         max_p, max_c = p, c
     return batches + [current] if current else batches
 
+
 # ------------------------------------------------------------------------------------------------------------------
 # Several GPUs (torchrun): FSDP2 shards the weights, each rank generates and scores whole groups of its own prompts
 
@@ -522,7 +545,11 @@ def shard_model(model, mixed_precision):
     mixed_precision, each layer computes in bf16 while the sharded fp32 weights and gradient reduction stay fp32."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed_precision else MixedPrecisionPolicy()
+    policy = (
+        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if mixed_precision
+        else MixedPrecisionPolicy()
+    )
     for layer in model.base_model.layers:
         fully_shard(layer, mp_policy=policy)
     fully_shard(model, mp_policy=policy)
@@ -577,6 +604,7 @@ def global_sum(value, world_size, device):
     dist.all_reduce(total)
     return total.item()
 
+
 # ------------------------------------------------------------------------------------------------------------------
 # Generation with Hugging Face `generate` (the vLLM paths live in vllm_utils.py)
 
@@ -599,8 +627,11 @@ def hf_generate(model, prompt_ids, args, eos_ids, pad_id, n=None, temperature=No
     sampling = dict(do_sample=True, temperature=temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p)
     config = GenerationConfig(
         **(sampling if temperature > 0 else dict(do_sample=False)),
-        repetition_penalty=args.repetition_penalty, max_new_tokens=args.max_completion_length,
-        eos_token_id=eos_ids, pad_token_id=pad_id, use_cache=True,
+        repetition_penalty=args.repetition_penalty,
+        max_new_tokens=args.max_completion_length,
+        eos_token_id=eos_ids,
+        pad_token_id=pad_id,
+        use_cache=True,
     )
     model.eval()
     # generate fills every field left None here from model.generation_config (the checkpoint's generation_config.json:
@@ -609,8 +640,11 @@ def hf_generate(model, prompt_ids, args, eos_ids, pad_id, n=None, temperature=No
     model_config, model.generation_config = model.generation_config, config
     try:
         with torch.autocast(model.device.type, torch.bfloat16, enabled=args.bf16 and model.device.type == "cuda"):
-            out = model.generate(input_ids=input_ids.to(model.device), attention_mask=attention_mask.to(model.device),
-                                 generation_config=config)
+            out = model.generate(
+                input_ids=input_ids.to(model.device),
+                attention_mask=attention_mask.to(model.device),
+                generation_config=config,
+            )
     finally:
         model.generation_config = model_config
     completions = []
@@ -618,6 +652,7 @@ def hf_generate(model, prompt_ids, args, eos_ids, pad_id, n=None, temperature=No
         end = next((t + 1 for t, token in enumerate(row) if token in eos_ids), len(row))
         completions.append(row[:end])
     return completions, None
+
 
 def future_of(fn, *args, background=True):
     """fn(*args) as a Future: run in a daemon thread (--async-generation: the trainer trains meanwhile; a daemon never
@@ -733,8 +768,11 @@ def parse_args(argv=None):
     flags keep their names (OmitArgPrefixes); the parsed groups are merged back into one flat Args."""
     source = inspect.getsource(Args)
     body = ast.parse(textwrap.dedent(source)).body[0].body
-    docs = {a.target.id: " ".join(b.value.value.split()) for a, b in itertools.pairwise(body)
-            if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr)}
+    docs = {
+        a.target.id: " ".join(b.value.value.split())
+        for a, b in itertools.pairwise(body)
+        if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr)
+    }
     groups, title = {}, None
     for line in source.splitlines():
         if header := re.match(r" {4}# (.+?)(?: \(.*)?$", line):
@@ -744,11 +782,25 @@ def parse_args(argv=None):
     fields = {f.name: f for f in dataclasses.fields(Args)}
     parts = []
     for title, names in groups.items():
-        group = dataclasses.make_dataclass(title, [
-            (n, Annotated[fields[n].type, tyro.conf.arg(help=docs[n])],
-             dataclasses.field(default=fields[n].default, default_factory=fields[n].default_factory)) for n in names])
+        group = dataclasses.make_dataclass(
+            title,
+            [
+                (
+                    n,
+                    Annotated[fields[n].type, tyro.conf.arg(help=docs[n])],
+                    dataclasses.field(default=fields[n].default, default_factory=fields[n].default_factory),
+                )
+                for n in names
+            ],
+        )
         group.__doc__ = ""
-        parts.append((re.sub(r"\W+", "_", title).lower(), tyro.conf.OmitArgPrefixes[group], dataclasses.field(default_factory=group)))
+        parts.append(
+            (
+                re.sub(r"\W+", "_", title).lower(),
+                tyro.conf.OmitArgPrefixes[group],
+                dataclasses.field(default_factory=group),
+            )
+        )
     description = "\n\n".join(__doc__.split("\n\n")[:3])  # what it does, and the CPU example
     parsed = tyro.cli(dataclasses.make_dataclass("Args", parts), args=argv, description=description)
     return Args(**{k: v for part in dataclasses.fields(parsed) for k, v in vars(getattr(parsed, part.name)).items()})
@@ -781,8 +833,11 @@ def check_args(args, world_size=1):
         ("vllm_server_timeout", lambda v: v > 0, "> 0 seconds"),
         ("vllm_group_port", lambda v: 0 < v < 65536, "a TCP port (1-65535)"),
         ("vllm_importance_sampling_clip_min", lambda v: v >= 0, ">= 0"),
-        ("vllm_importance_sampling_clip_max", lambda v: v > (args.vllm_importance_sampling_clip_min or 0),
-         "> --vllm-importance-sampling-clip-min (and > 0)"),
+        (
+            "vllm_importance_sampling_clip_max",
+            lambda v: v > (args.vllm_importance_sampling_clip_min or 0),
+            "> --vllm-importance-sampling-clip-min (and > 0)",
+        ),
         ("epsilon", lambda v: v >= 0, ">= 0"),
         ("epsilon_high", lambda v: v >= 0, ">= 0"),
         ("beta", lambda v: v >= 0, ">= 0"),
@@ -809,26 +864,39 @@ def check_args(args, world_size=1):
         if value is not None and not valid(value):
             problems.append(f"--{name.replace('_', '-')} must be {must}, got {value}")
     if args.prompts_per_step % (args.steps_per_generation * world_size):
-        problems.append(f"--prompts-per-step {args.prompts_per_step} must be divisible by --steps-per-generation x the "
-                        f"number of processes ({args.steps_per_generation} x {world_size}): whole groups per rank and step")
+        problems.append(
+            f"--prompts-per-step {args.prompts_per_step} must be divisible by --steps-per-generation x the "
+            f"number of processes ({args.steps_per_generation} x {world_size}): whole groups per rank and step"
+        )
     steps_per_round = args.steps_per_generation * args.num_iterations
     if steps_per_round > 0 and args.save_steps % steps_per_round:
-        problems.append(f"--save-steps {args.save_steps} must be a multiple of the optimizer steps per generation round "
-                        f"(--steps-per-generation x --num-iterations = {steps_per_round}): checkpoints are written between rounds")
+        problems.append(
+            f"--save-steps {args.save_steps} must be a multiple of the optimizer steps per generation round "
+            f"(--steps-per-generation x --num-iterations = {steps_per_round}): checkpoints are written between rounds"
+        )
     if steps_per_round > 0 and args.eval_steps % steps_per_round:
-        problems.append(f"--eval-steps {args.eval_steps} must be a multiple of the optimizer steps per generation "
-                        f"round ({steps_per_round}): evaluation runs between rounds, after the weight push")
+        problems.append(
+            f"--eval-steps {args.eval_steps} must be a multiple of the optimizer steps per generation "
+            f"round ({steps_per_round}): evaluation runs between rounds, after the weight push"
+        )
     if args.reward_weights is not None and len(args.reward_weights) != len(args.reward_funcs):
-        problems.append(f"--reward-weights has {len(args.reward_weights)} values for {len(args.reward_funcs)} --reward-funcs")
+        problems.append(
+            f"--reward-weights has {len(args.reward_weights)} values for {len(args.reward_funcs)} --reward-funcs"
+        )
     if args.use_vllm:
         import vllm_utils
 
         problems += vllm_utils.setup_problems()
     if args.async_generation and not (args.use_vllm and args.vllm_mode == "server"):
-        problems.append("--async-generation needs --use-vllm --vllm-mode server: a colocated engine or `generate` share "
-                        "the trainer's GPU, so generation cannot overlap training")
+        problems.append(
+            "--async-generation needs --use-vllm --vllm-mode server: a colocated engine or `generate` share "
+            "the trainer's GPU, so generation cannot overlap training"
+        )
     # local paths: a directory that is not there is reported as such, not as a hub name that does not parse
-    for name, marker, kind in (("model_name_or_path", "config.json", "model"), ("resume_from_checkpoint", "trainer_state.pt", "checkpoint")):
+    for name, marker, kind in (
+        ("model_name_or_path", "config.json", "model"),
+        ("resume_from_checkpoint", "trainer_state.pt", "checkpoint"),
+    ):
         path = getattr(args, name)
         if path is None or (name == "resume_from_checkpoint" and path == "latest"):
             continue
@@ -841,12 +909,15 @@ def check_args(args, world_size=1):
             problems.append(f"{flag} {name} does not exist (no such file or directory)")
     evaluating = args.eval_steps > 0 or args.max_steps == 0
     if evaluating and eval_source(args) is None:
-        problems.append(f"{'--eval-steps' if args.eval_steps else '--max-steps 0 (evaluate and exit)'} needs an "
-                        f"eval dataset: --dataset-name {args.dataset_name} is a local file, with no test split; pass "
-                        f"--eval-dataset")
+        problems.append(
+            f"{'--eval-steps' if args.eval_steps else '--max-steps 0 (evaluate and exit)'} needs an "
+            f"eval dataset: --dataset-name {args.dataset_name} is a local file, with no test split; pass "
+            f"--eval-dataset"
+        )
     if args.eval_dataset and not evaluating:
-        problems.append("--eval-dataset is evaluated with --eval-steps N (during training) or --max-steps 0 (once): "
-                        "pass one")
+        problems.append(
+            "--eval-dataset is evaluated with --eval-steps N (during training) or --max-steps 0 (once): pass one"
+        )
     if os.path.exists(args.output_dir) and not os.path.isdir(args.output_dir):
         problems.append(f"--output-dir {args.output_dir} is a file, not a directory")
     if problems:
@@ -855,10 +926,16 @@ def check_args(args, world_size=1):
 
 def reward_functions(names):
     """The functions of rewards.py that --reward-funcs names."""
-    public = [n for n in dir(rewards) if not n.startswith("_") and callable(getattr(rewards, n)) and getattr(rewards, n).__module__ == "rewards"]
+    public = [
+        n
+        for n in dir(rewards)
+        if not n.startswith("_") and callable(getattr(rewards, n)) and getattr(rewards, n).__module__ == "rewards"
+    ]
     for name in names:
         if name not in public:
-            raise SystemExit(f"error: unknown reward function '{name}'. --reward-funcs takes names from rewards.py: {public}")
+            raise SystemExit(
+                f"error: unknown reward function '{name}'. --reward-funcs takes names from rewards.py: {public}"
+            )
     return [getattr(rewards, name) for name in names]
 
 
@@ -881,8 +958,11 @@ def read_dataset(args, evaluation=False):
     """Read the dataset (with `evaluation`, the eval dataset of eval_source) once, before any model loads: {column: list
     of values}. Local .jsonl / .json files are parsed here, so that a malformed record is reported with its file and
     line; .parquet files and hub datasets through `datasets`."""
-    flag, (name, config, split) = ("--eval-dataset", eval_source(args)) if evaluation else (
-        "--dataset-name", (args.dataset_name, args.dataset_config, args.dataset_split))
+    flag, (name, config, split) = (
+        ("--eval-dataset", eval_source(args))
+        if evaluation
+        else ("--dataset-name", (args.dataset_name, args.dataset_config, args.dataset_split))
+    )
     if name.endswith((".json", ".jsonl")):
         with open(name, encoding="utf-8") as f:
             text = f.read()
@@ -900,12 +980,16 @@ def read_dataset(args, evaluation=False):
                 try:
                     records.append((number, json.loads(line)))
                 except json.JSONDecodeError as error:
-                    raise SystemExit(f"error: {flag} {name}, line {number}: not valid JSON ({error.msg}, column "
-                                     f"{error.colno}): {line[:120]}") from None
+                    raise SystemExit(
+                        f"error: {flag} {name}, line {number}: not valid JSON ({error.msg}, column "
+                        f"{error.colno}): {line[:120]}"
+                    ) from None
         for number, record in records:
             if not isinstance(record, dict):
-                raise SystemExit(f"error: {flag} {name}, {where} {number}: a JSON object per record is expected, "
-                                 f"got {type(record).__name__}")
+                raise SystemExit(
+                    f"error: {flag} {name}, {where} {number}: a JSON object per record is expected, "
+                    f"got {type(record).__name__}"
+                )
         dataset = {}
         for _, record in records:
             for column in record:
@@ -934,21 +1018,32 @@ def check_dataset(args, dataset, reward_fns, flag="--dataset-name", name=None):
         if (column or option == "--prompt-column") and column not in columns:
             raise SystemExit(
                 f"error: dataset {name} has no column '{column}' (its columns: {columns}). "
-                f"Pass {option} with one of those" + (', or --answer-column "" if it has none.' if "answer" in option else ".")
+                f"Pass {option} with one of those"
+                + (', or --answer-column "" if it has none.' if "answer" in option else ".")
             )
-    given = set(columns) - {args.prompt_column}  # what reward functions receive (load_prompts: answer column as `answer`)
+    given = set(columns) - {
+        args.prompt_column
+    }  # what reward functions receive (load_prompts: answer column as `answer`)
     if args.answer_column and args.answer_column != "answer":
         given = given - {args.answer_column} | {"answer"}
     given |= {"completions", "prompts", "completion_ids", "max_completion_length", *args.reward_kwargs}
     for fn in reward_fns:
         parameters = inspect.signature(fn).parameters.values()
-        for missing in [p.name for p in parameters if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name not in given]:
+        for missing in [
+            p.name
+            for p in parameters
+            if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name not in given
+        ]:
             if missing == "answer":
-                raise SystemExit(f"error: reward function '{fn.__name__}' needs the reference answer, and --answer-column "
-                                 f"'{args.answer_column}' gives none: pass --answer-column with the column of {name} that "
-                                 f"holds it (its columns: {columns})")
-            raise SystemExit(f"error: reward function '{fn.__name__}' (--reward-funcs) needs a column '{missing}', which "
-                             f"{flag} {name} does not have (its columns: {columns})")
+                raise SystemExit(
+                    f"error: reward function '{fn.__name__}' needs the reference answer, and --answer-column "
+                    f"'{args.answer_column}' gives none: pass --answer-column with the column of {name} that "
+                    f"holds it (its columns: {columns})"
+                )
+            raise SystemExit(
+                f"error: reward function '{fn.__name__}' (--reward-funcs) needs a column '{missing}', which "
+                f"{flag} {name} does not have (its columns: {columns})"
+            )
 
 
 def read_json(path):
@@ -983,7 +1078,11 @@ def run_checkpoints(output_dir, run_id):
     found = []
     for name in os.listdir(output_dir) if os.path.isdir(output_dir) else []:
         path = os.path.join(output_dir, name)
-        if name.startswith("checkpoint-") and name[11:].isdigit() and (read_json(os.path.join(path, "run.json")) or {}).get("run_id") == run_id:
+        if (
+            name.startswith("checkpoint-")
+            and name[11:].isdigit()
+            and (read_json(os.path.join(path, "run.json")) or {}).get("run_id") == run_id
+        ):
             found.append((int(name[11:]), path))
     return [path for _, path in sorted(found)]
 
@@ -1028,13 +1127,19 @@ def claim_output_dir(args, script):
             locked = True
         except BlockingIOError:
             holder = os.pread(lock, 300, 0).decode(errors="replace").strip() or "another process"
-            raise SystemExit(f"error: --output-dir {out} is in use by a run that is still going ({holder}): two runs in "
-                             f"one directory overwrite each other's checkpoints and metrics. Wait for it to end, or pass "
-                             f"another --output-dir.") from None
+            raise SystemExit(
+                f"error: --output-dir {out} is in use by a run that is still going ({holder}): two runs in "
+                f"one directory overwrite each other's checkpoints and metrics. Wait for it to end, or pass "
+                f"another --output-dir."
+            ) from None
         except OSError as error:  # a file system without flock (some network mounts): run, but say so
             print(f"warning: cannot lock {out}/.lock ({error}): nothing keeps a second run out of this directory")
         os.ftruncate(lock, 0)
-        os.pwrite(lock, f"{script}, pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}".encode(), 0)
+        os.pwrite(
+            lock,
+            f"{script}, pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}".encode(),
+            0,
+        )
         remove_dead_temporaries(out)
         owner = read_json(os.path.join(out, "run.json")) or {}
         files = sorted(set(os.listdir(out)) - {".lock", "run.json"})
@@ -1043,46 +1148,67 @@ def claim_output_dir(args, script):
             checkpoint = run_checkpoints(out, owner.get("run_id"))[-1:]
             if not checkpoint:
                 others = [f for f in files if f.startswith("checkpoint-")]
-                raise SystemExit(f"error: --resume-from-checkpoint latest: no checkpoint-N directory in {out} of the run "
-                                 f"that owns it" + (f" ({', '.join(others)} are another run's: pass one's path to "
-                                                    f"--resume-from-checkpoint to continue that run)" if others else ""))
+                raise SystemExit(
+                    f"error: --resume-from-checkpoint latest: no checkpoint-N directory in {out} of the run "
+                    f"that owns it"
+                    + (
+                        f" ({', '.join(others)} are another run's: pass one's path to "
+                        f"--resume-from-checkpoint to continue that run)"
+                        if others
+                        else ""
+                    )
+                )
             checkpoint = checkpoint[0]
         resumed = (read_json(os.path.join(checkpoint, "run.json")) or {}) if checkpoint else {}
         if resumed.get("script", script) != script:
-            raise SystemExit(f"error: --resume-from-checkpoint {checkpoint} is a checkpoint of {resumed['script']}: "
-                             f"continue that run with {resumed['script']}, not {script}")
+            raise SystemExit(
+                f"error: --resume-from-checkpoint {checkpoint} is a checkpoint of {resumed['script']}: "
+                f"continue that run with {resumed['script']}, not {script}"
+            )
         if files and not (checkpoint and resumed.get("run_id") == owner.get("run_id")):
             if not args.overwrite_output_dir:
                 listed = ", ".join(files[:5]) + (f" and {len(files) - 5} more" if len(files) > 5 else "")
                 raise SystemExit(
                     f"error: --output-dir {out} holds "
-                    + (f"another run's files ({listed}; a {owner['script']} run started {owner['started']}). "
-                       if owner.get("script") else f"files that are not this run's ({listed}). ")
+                    + (
+                        f"another run's files ({listed}; a {owner['script']} run started {owner['started']}). "
+                        if owner.get("script")
+                        else f"files that are not this run's ({listed}). "
+                    )
                     + "A new run there would replace its model and mix its metrics and checkpoints with this one's. To "
                     "continue that run, pass --resume-from-checkpoint latest (or a checkpoint's path); to start a new "
                     "run there anyway, pass --overwrite-output-dir (its metrics.jsonl and final model are replaced, "
-                    "its checkpoints are kept and never resumed or deleted by the new run); or pass another --output-dir.")
+                    "its checkpoints are kept and never resumed or deleted by the new run); or pass another --output-dir."
+                )
             for name in ("metrics.jsonl", "config.json"):  # a new metrics file; no complete model until this run's
                 if os.path.exists(os.path.join(out, name)):
                     os.remove(os.path.join(out, name))
-            print(f"--overwrite-output-dir: a new run in {out}; the earlier run's metrics.jsonl is deleted, its model "
-                  f"files are replaced at the end, its checkpoints are left alone")
+            print(
+                f"--overwrite-output-dir: a new run in {out}; the earlier run's metrics.jsonl is deleted, its model "
+                f"files are replaced at the end, its checkpoints are left alone"
+            )
         if checkpoint:
             step = resumed.get("global_step")
             if step is None:  # a checkpoint written before run.json existed
-                step = torch.load(os.path.join(checkpoint, "trainer_state.pt"), weights_only=False, mmap=True)["global_step"]
+                step = torch.load(os.path.join(checkpoint, "trainer_state.pt"), weights_only=False, mmap=True)[
+                    "global_step"
+                ]
             if step >= args.max_steps:
-                raise SystemExit(f"error: --resume-from-checkpoint {checkpoint} is at step {step} and --max-steps is "
-                                 f"{args.max_steps}: there is nothing left to train. Raise --max-steps to train on from it "
-                                 f"(the learning-rate schedule follows --max-steps), or load it as a model.")
+                raise SystemExit(
+                    f"error: --resume-from-checkpoint {checkpoint} is at step {step} and --max-steps is "
+                    f"{args.max_steps}: there is nothing left to train. Raise --max-steps to train on from it "
+                    f"(the learning-rate schedule follows --max-steps), or load it as a model."
+                )
         if checkpoint and resumed.get("run_id"):
             run = {"run_id": resumed["run_id"], "run_name": resumed["run_name"]}  # the same run continues
         else:
             run = {"run_id": uuid.uuid4().hex[:12], "run_name": f"{args.exp_name}__{args.seed}__{int(time.time())}"}
             atexit.register(forget_unstarted_run, out, run["run_id"], created)
         if run["run_id"] != owner.get("run_id"):
-            write_json(os.path.join(out, "run.json"),
-                       {**run, "script": script, "started": time.strftime("%Y-%m-%d %H:%M:%S"), "args": asdict(args)})
+            write_json(
+                os.path.join(out, "run.json"),
+                {**run, "script": script, "started": time.strftime("%Y-%m-%d %H:%M:%S"), "args": asdict(args)},
+            )
         return run, checkpoint, lock
     except BaseException:
         if locked and lock_created:  # refused before writing anything: leave the directory as it was
@@ -1097,7 +1223,10 @@ def forget_unstarted_run(output_dir, run_id, created):
     """At exit: if this run wrote nothing but run.json (it failed while starting), take that back, and the directory
     too if this run created it."""
     try:
-        if set(os.listdir(output_dir)) <= {".lock", "run.json"} and read_json(os.path.join(output_dir, "run.json"))["run_id"] == run_id:
+        if (
+            set(os.listdir(output_dir)) <= {".lock", "run.json"}
+            and read_json(os.path.join(output_dir, "run.json"))["run_id"] == run_id
+        ):
             os.remove(os.path.join(output_dir, "run.json"))
             os.remove(os.path.join(output_dir, ".lock"))
             if created:
@@ -1118,7 +1247,6 @@ def on_sigterm():
 
     signal.signal(signal.SIGTERM, handler)
     return requested
-
 
 
 if __name__ == "__main__":
@@ -1145,11 +1273,13 @@ if __name__ == "__main__":
     is_main = rank == 0
     truncated_sampling = args.top_p < 1 or args.top_k > 0 or args.min_p > 0 or args.repetition_penalty != 1
     if args.use_vllm and args.vllm_importance_sampling_correction and truncated_sampling:
-        print("warning: with top_p / top_k / min_p / repetition_penalty, vLLM's processed log-probs come from a truncated "
-              "distribution that the trainer does not model: the importance ratio is biased below 1, and at the sequence "
-              "level (product over tokens) it shrinks the updates of long completions. Prefer neutral values, or "
-              "--vllm-importance-sampling-mode sequence_truncate with a --vllm-importance-sampling-clip-min (e.g. 0.5) "
-              "that bounds the shrinking.")
+        print(
+            "warning: with top_p / top_k / min_p / repetition_penalty, vLLM's processed log-probs come from a truncated "
+            "distribution that the trainer does not model: the importance ratio is biased below 1, and at the sequence "
+            "level (product over tokens) it shrinks the updates of long completions. Prefer neutral values, or "
+            "--vllm-importance-sampling-mode sequence_truncate with a --vllm-importance-sampling-clip-min (e.g. 0.5) "
+            "that bounds the shrinking."
+        )
     # the output directory is this run's alone (a lock); another run's files are refused; only this run's checkpoints
     run, checkpoint_dir, output_lock = claim_output_dir(args, "rloo.py") if is_main else (None, None, None)
     if world_size > 1:  # rank 0 decided which checkpoint to resume
@@ -1177,15 +1307,23 @@ if __name__ == "__main__":
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     ref_model = None
     if args.beta > 0:  # the starting model, also when resuming, in the policy's dtype and compute: KL 0 at step 1
-        ref_model = AutoModelForCausalLM.from_pretrained(args.model_name_or_path, dtype=getattr(torch, args.param_dtype)).to(device).eval()
+        ref_model = (
+            AutoModelForCausalLM.from_pretrained(args.model_name_or_path, dtype=getattr(torch, args.param_dtype))
+            .to(device)
+            .eval()
+        )
         ref_model.requires_grad_(False)
     if world_size > 1:  # FSDP2: every rank keeps 1/world_size of the weights, gradients and AdamW states
         shard_model(model, mixed_precision=args.bf16 and device.type == "cuda")
         if ref_model is not None:
             shard_model(ref_model, mixed_precision=args.bf16 and device.type == "cuda")
     # a forward that transforms its logits in a way the trainer does not model fails now, not after training on them
-    check_logprobs(model, tokenizer("The quick brown fox jumps over the lazy dog, and then it ran away.")["input_ids"],
-                   device, world_size)
+    check_logprobs(
+        model,
+        tokenizer("The quick brown fox jumps over the lazy dog, and then it ran away.")["input_ids"],
+        device,
+        world_size,
+    )
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     eos_ids = model.generation_config.eos_token_id
     eos_ids = sorted((set(eos_ids if isinstance(eos_ids, list) else [eos_ids]) | {tokenizer.eos_token_id}) - {None})
@@ -1200,8 +1338,13 @@ if __name__ == "__main__":
 
     # Optimizer and schedule
     # fused: one kernel for all parameters on CUDA, with no full-size temporaries (the foreach default allocates them)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2),
-                                  weight_decay=args.weight_decay, fused=device.type == "cuda")
+    optimizer = torch.optim.AdamW(
+        model.parameters(),
+        lr=args.learning_rate,
+        betas=(args.adam_beta1, args.adam_beta2),
+        weight_decay=args.weight_decay,
+        fused=device.type == "cuda",
+    )
     scheduler = get_scheduler(args.lr_scheduler_type, optimizer, args.warmup_steps, args.max_steps)
     global_step, prompts_consumed = 0, 0
     torch.manual_seed(args.seed + rank)  # from here on each rank samples its own completions
@@ -1211,7 +1354,9 @@ if __name__ == "__main__":
         if world_size > 1:  # the full optimizer state, sharded like the weights (resume with the same number of ranks)
             from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
-            set_optimizer_state_dict(model, optimizer, state["optimizer"], options=StateDictOptions(full_state_dict=True))
+            set_optimizer_state_dict(
+                model, optimizer, state["optimizer"], options=StateDictOptions(full_state_dict=True)
+            )
         else:
             optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
@@ -1222,7 +1367,9 @@ if __name__ == "__main__":
         # optimizer tensors left on the CPU (AdamW's step counts; all of them on a CPU run) still point into the mapped
         # file: copy them, so that --save-total-limit can delete that checkpoint and its disk space is freed
         for param_state in optimizer.state.values():
-            param_state.update({k: v.clone() for k, v in param_state.items() if torch.is_tensor(v) and v.device.type == "cpu"})
+            param_state.update(
+                {k: v.clone() for k, v in param_state.items() if torch.is_tensor(v) and v.device.type == "cpu"}
+            )
         del state
         print(f"resumed from {checkpoint_dir} at step {global_step}")
     prompts = prompt_stream(len(prompt_ids), args.seed, start=prompts_consumed)
@@ -1232,10 +1379,13 @@ if __name__ == "__main__":
         import vllm_utils
 
         engine = vllm_utils.start(args, model_path, max(len(p) for p in prompt_ids + eval_prompt_ids))
-        if args.vllm_mode == "server":  # the server may hold other weights (an earlier run, or this one before a resume)
+        if (
+            args.vllm_mode == "server"
+        ):  # the server may hold other weights (an earlier run, or this one before a resume)
             vllm_utils.sync_weights(engine, model)
         generate = lambda ids, n=None, temperature=None: vllm_utils.generate(engine, ids, n, temperature)  # noqa: E731
     else:
+
         def generate(batch_prompt_ids, n=None, temperature=None):  # None: training's n and temperature
             with unsharded(model, world_size):  # FSDP2: full weights while decoding, ranks stop at different steps
                 return hf_generate(model, batch_prompt_ids, args, eos_ids, pad_id, n, temperature)
@@ -1243,8 +1393,14 @@ if __name__ == "__main__":
     if args.track and is_main:
         import wandb
 
-        wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, config=asdict(args),
-                   name=run["run_name"], id=run["run_id"], resume="allow")  # a resumed run continues its wandb run
+        wandb.init(
+            project=args.wandb_project_name,
+            entity=args.wandb_entity,
+            config=asdict(args),
+            name=run["run_name"],
+            id=run["run_id"],
+            resume="allow",
+        )  # a resumed run continues its wandb run
     metrics_path = os.path.join(args.output_dir, "metrics.jsonl")
     if checkpoint_dir and is_main and os.path.exists(metrics_path):  # steps logged after the checkpoint are redone
         kept = [line for line in open(metrics_path) if json.loads(line)["step"] <= global_step]
@@ -1260,12 +1416,15 @@ if __name__ == "__main__":
         them: in the background with --async-generation, else now. Returns (rows, the optimizer step of the weights that
         generate them, a Future of ((completion ids, vLLM log-probs), seconds))."""
         global prompts_consumed
-        rows = [next(prompts) for _ in range(args.prompts_per_step)][rank * prompts_per_rank : (rank + 1) * prompts_per_rank]
+        rows = [next(prompts) for _ in range(args.prompts_per_step)][
+            rank * prompts_per_rank : (rank + 1) * prompts_per_rank
+        ]
         prompts_consumed += args.prompts_per_step
 
         def work():
             t0 = time.perf_counter()
             return generate([prompt_ids[i] for i in rows]), time.perf_counter() - t0
+
         return rows, weights_version, future_of(work, background=args.async_generation)
 
     def clock():  # phase timings: wait for the GPU's queued work so that each phase is charged its own time
@@ -1281,8 +1440,12 @@ if __name__ == "__main__":
         repeated = lambda values: [values[i] for i in rows for _ in range(n)]  # noqa: E731
         reward_columns = {c: repeated(v) for c, v in columns.items()}
         prompt_texts = {i: tokenizer.decode(prompt_ids[i]) for i in rows}
-        reward_columns.update(prompts=repeated(prompt_texts), completion_ids=completion_ids,
-                              max_completion_length=args.max_completion_length, **args.reward_kwargs)
+        reward_columns.update(
+            prompts=repeated(prompt_texts),
+            completion_ids=completion_ids,
+            max_completion_length=args.max_completion_length,
+            **args.reward_kwargs,
+        )
         return score_completions(reward_fns, completions, reward_columns)
 
     def evaluate():
@@ -1377,21 +1540,34 @@ if __name__ == "__main__":
         ref_logprobs = torch.zeros(N, C) if ref_model is not None else None
         if need_old:
             model.eval()
-            with torch.no_grad(), torch.autocast(**autocast), unsharded(model, world_size), (
-                unsharded(ref_model, world_size) if ref_model is not None else nullcontext()
+            with (
+                torch.no_grad(),
+                torch.autocast(**autocast),
+                unsharded(model, world_size),
+                unsharded(ref_model, world_size) if ref_model is not None else nullcontext(),
             ):
                 for mb in token_budget_batches(range(N), prompt_lengths, completion_lengths, args.micro_batch_tokens):
-                    ids, attn, pos, cmask, P = collate([batch_prompts[i] for i in mb], [completion_ids[i] for i in mb], device, pad_id)
-                    old_logprobs[mb, : cmask.shape[1]] = per_token_logprobs(model, ids, attn, pos, cmask, P, args.temperature).cpu()
+                    ids, attn, pos, cmask, P = collate(
+                        [batch_prompts[i] for i in mb], [completion_ids[i] for i in mb], device, pad_id
+                    )
+                    old_logprobs[mb, : cmask.shape[1]] = per_token_logprobs(
+                        model, ids, attn, pos, cmask, P, args.temperature
+                    ).cpu()
                     if ref_model is not None:
-                        ref_logprobs[mb, : cmask.shape[1]] = per_token_logprobs(ref_model, ids, attn, pos, cmask, P, args.temperature).cpu()
+                        ref_logprobs[mb, : cmask.shape[1]] = per_token_logprobs(
+                            ref_model, ids, attn, pos, cmask, P, args.temperature
+                        ).cpu()
 
         # 4. KL in the reward, then the leave-one-out advantages
         if ref_model is not None:
             token_kl = (old_logprobs - ref_logprobs) * completion_mask_all  # k1 per token, for the metric
-            metrics["kl"] = global_sum(token_kl.sum(), world_size, device) / global_sum(completion_mask_all.sum(), world_size, device)
+            metrics["kl"] = global_sum(token_kl.sum(), world_size, device) / global_sum(
+                completion_mask_all.sum(), world_size, device
+            )
             if args.kl_in_reward:
-                rewards_total, _ = kl_penalised_rewards(rewards_total, old_logprobs, ref_logprobs, completion_mask_all, args.beta)
+                rewards_total, _ = kl_penalised_rewards(
+                    rewards_total, old_logprobs, ref_logprobs, completion_mask_all, args.beta
+                )
         advantages = rloo_advantages(rewards_total, G)  # groups are whole on each rank
         if args.normalize_advantages:  # over every rank's scorable completions
             advantages = normalize_advantages(advantages, ~rewards_total.isnan(), world_size, device)
@@ -1406,13 +1582,18 @@ if __name__ == "__main__":
         # The loss is the mean over the step's sequences of all ranks: each weighs 1 / (rows_per_step x world_size)
         # (0 if masked), and FSDP averages gradients over ranks, hence the x world_size in the loss.
         model.train()
-        train_stats = {"entropy": [], "clip_ratio/low_mean": [], "clip_ratio/high_mean": [], "clip_ratio/region_mean": []}
+        train_stats = {
+            "entropy": [],
+            "clip_ratio/low_mean": [],
+            "clip_ratio/high_mean": [],
+            "clip_ratio/region_mean": [],
+        }
         is_stats = {"logp_difference": [], "ratio": []}  # over the valid tokens / the sequences of every micro-batch
         rows_per_step = N // args.steps_per_generation
         sequence_weights = torch.ones(N) / (rows_per_step * world_size)
         if args.mask_truncated_completions:
             sequence_weights = sequence_weights * (~truncated).float()
-        for iteration in range(args.num_iterations):
+        for _iteration in range(args.num_iterations):
             for s in range(args.steps_per_generation):
                 if global_step >= args.max_steps:
                     break
@@ -1420,25 +1601,40 @@ if __name__ == "__main__":
                 t0 = clock()
                 optimizer.zero_grad(set_to_none=True)
                 step_loss = 0.0
-                micro_batches = token_budget_batches(step_rows, prompt_lengths, completion_lengths, args.micro_batch_tokens)
+                micro_batches = token_budget_batches(
+                    step_rows, prompt_lengths, completion_lengths, args.micro_batch_tokens
+                )
                 for mb in same_count_on_all_ranks(micro_batches, world_size, device):
                     padding_pass = mb is None  # only to keep FSDP's collectives in step with the other ranks
                     mb = [step_rows[0]] if padding_pass else mb
-                    ids, attn, pos, cmask, P = collate([batch_prompts[i] for i in mb], [completion_ids[i] for i in mb], device, pad_id)
+                    ids, attn, pos, cmask, P = collate(
+                        [batch_prompts[i] for i in mb], [completion_ids[i] for i in mb], device, pad_id
+                    )
                     Cm = cmask.shape[1]
                     with torch.autocast(**autocast):
-                        logprobs, entropy = per_token_logprobs(model, ids, attn, pos, cmask, P, args.temperature, with_entropy=True)
+                        logprobs, entropy = per_token_logprobs(
+                            model, ids, attn, pos, cmask, P, args.temperature, with_entropy=True
+                        )
                     old = old_logprobs[mb, :Cm].to(device) if need_old else logprobs.detach()
                     A = advantages[mb].to(device)
-                    sequence_loss, ratio = sequence_policy_loss(logprobs, old, A, cmask, args.epsilon, epsilon_high)  # (B,)
+                    sequence_loss, ratio = sequence_policy_loss(
+                        logprobs, old, A, cmask, args.epsilon, epsilon_high
+                    )  # (B,)
                     if use_vllm_is:  # pi_old / pi_vllm: vLLM's numerics and, with --async-generation, the older weights
                         is_ratio, logp_difference = vllm_importance_ratio(
-                            old, sampling_lp[mb, :Cm].to(device), cmask, args.vllm_importance_sampling_mode,
-                            args.vllm_importance_sampling_clip_min, args.vllm_importance_sampling_clip_max)
+                            old,
+                            sampling_lp[mb, :Cm].to(device),
+                            cmask,
+                            args.vllm_importance_sampling_mode,
+                            args.vllm_importance_sampling_clip_min,
+                            args.vllm_importance_sampling_clip_max,
+                        )
                         is_ratio = is_ratio[:, 0]  # (B,): one ratio per sequence
                         sequence_loss = sequence_loss * is_ratio
                     if ref_model is not None and not args.kl_in_reward:
-                        sequence_loss = sequence_loss + args.beta * (k3_kl(logprobs, ref_logprobs[mb, :Cm].to(device)) * cmask).sum(-1)
+                        sequence_loss = sequence_loss + args.beta * (
+                            k3_kl(logprobs, ref_logprobs[mb, :Cm].to(device)) * cmask
+                        ).sum(-1)
                     loss = (sequence_loss * sequence_weights[mb].to(device)).sum() * (0 if padding_pass else world_size)
                     loss.backward()
                     step_loss += loss.detach()  # summed on the device: no host sync per micro-batch
@@ -1448,7 +1644,10 @@ if __name__ == "__main__":
                         is_stats["logp_difference"].append(logp_difference[cmask.bool()])
                         is_stats["ratio"].append(is_ratio)
                     # metrics: clipped ratios per sequence (low with A < 0, high with A > 0), token-mean entropy
-                    low, high = ((ratio < 1 - args.epsilon) & (A < 0)).float(), ((ratio > 1 + epsilon_high) & (A > 0)).float()
+                    low, high = (
+                        ((ratio < 1 - args.epsilon) & (A < 0)).float(),
+                        ((ratio > 1 + epsilon_high) & (A > 0)).float(),
+                    )
                     train_stats["entropy"].append(((entropy * cmask).sum() / cmask.sum().clamp(min=1)).detach())
                     train_stats["clip_ratio/low_mean"].append(low.mean())
                     train_stats["clip_ratio/high_mean"].append(high.mean())
@@ -1485,7 +1684,10 @@ if __name__ == "__main__":
         eval_results = evaluate() if evaluated else {}
 
         # TRY NOT TO MODIFY: logging (TRL's metric names, over all ranks) and checkpoints
-        lengths, train_means = torch.tensor(completion_lengths, dtype=torch.float), {k: torch.stack(v).mean() for k, v in train_stats.items() if v}
+        lengths, train_means = (
+            torch.tensor(completion_lengths, dtype=torch.float),
+            {k: torch.stack(v).mean() for k, v in train_stats.items() if v},
+        )
         abs_advantages = advantages.abs()
         if world_size > 1:
             gathered = [None] * world_size
@@ -1495,16 +1697,26 @@ if __name__ == "__main__":
                 dist.all_reduce(value)
                 value /= world_size
         total = (scores * reward_weights).nansum(-1)
-        metrics.update({
-            "step": global_step, "reward": total.mean().item(), "reward_std": total.std().item(),
-            "frac_reward_zero_std": (total.view(-1, G).std(1) < 1e-6).float().mean().item(),
-            "completions/mean_length": lengths.mean().item(), "completions/min_length": int(lengths.min()),
-            "completions/max_length": int(lengths.max()), "completions/clipped_ratio": truncated.float().mean().item(),
-            "advantages/mean_abs": abs_advantages.mean().item(),
-            "grad_norm": grad_norm.item(), "learning_rate": scheduler.get_last_lr()[0], "loss": step_loss.item(),
-            "num_tokens": global_sum(sum(prompt_lengths) + sum(completion_lengths), world_size, device),
-            **timing, "sampling/staleness": staleness, "step_time": time.perf_counter() - round_start,
-        })
+        metrics.update(
+            {
+                "step": global_step,
+                "reward": total.mean().item(),
+                "reward_std": total.std().item(),
+                "frac_reward_zero_std": (total.view(-1, G).std(1) < 1e-6).float().mean().item(),
+                "completions/mean_length": lengths.mean().item(),
+                "completions/min_length": int(lengths.min()),
+                "completions/max_length": int(lengths.max()),
+                "completions/clipped_ratio": truncated.float().mean().item(),
+                "advantages/mean_abs": abs_advantages.mean().item(),
+                "grad_norm": grad_norm.item(),
+                "learning_rate": scheduler.get_last_lr()[0],
+                "loss": step_loss.item(),
+                "num_tokens": global_sum(sum(prompt_lengths) + sum(completion_lengths), world_size, device),
+                **timing,
+                "sampling/staleness": staleness,
+                "step_time": time.perf_counter() - round_start,
+            }
+        )
         if device.type == "cuda":
             metrics["memory/peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
         if use_vllm_is:
@@ -1521,10 +1733,15 @@ if __name__ == "__main__":
         metrics.update({k: v.item() for k, v in train_means.items()})
         metrics.update(eval_results)
         if is_main:
-            progress.set_postfix(reward=f"{metrics['reward']:.3f}", kl=f"{metrics.get('kl', 0):.4f}", len=f"{metrics['completions/mean_length']:.0f}")
+            progress.set_postfix(
+                reward=f"{metrics['reward']:.3f}",
+                kl=f"{metrics.get('kl', 0):.4f}",
+                len=f"{metrics['completions/mean_length']:.0f}",
+            )
             if args.log_completions and global_step % args.logging_steps == 0:  # rank 0's rows
-                log_completions(tokenizer, batch_prompts, completion_ids, total, args.log_completions,
-                                global_step, args.track)
+                log_completions(
+                    tokenizer, batch_prompts, completion_ids, total, args.log_completions, global_step, args.track
+                )
         log_metrics(metrics, show=global_step % args.logging_steps == 0 or evaluated)
         preempted = global_sum(preemption.is_set(), world_size, device) > 0 and global_step < args.max_steps  # SIGTERM
         if preempted or (args.save_steps and global_step % args.save_steps == 0 and global_step < args.max_steps):
@@ -1538,20 +1755,34 @@ if __name__ == "__main__":
                 model.save_pretrained(tmp, state_dict=model_state)
                 tokenizer.save_pretrained(tmp)
                 # a round generated in the background is not trained yet: a resume generates it again
-                torch.save({"optimizer": optimizer_state, "scheduler": scheduler.state_dict(), "global_step": global_step,
-                            "prompts_consumed": prompts_consumed - (args.prompts_per_step if next_round else 0),
-                            "torch_rng": [r[0] for r in rng_states],
-                            "cuda_rng": [r[1] for r in rng_states] if device.type == "cuda" else None},
-                           os.path.join(tmp, "trainer_state.pt"))
+                torch.save(
+                    {
+                        "optimizer": optimizer_state,
+                        "scheduler": scheduler.state_dict(),
+                        "global_step": global_step,
+                        "prompts_consumed": prompts_consumed - (args.prompts_per_step if next_round else 0),
+                        "torch_rng": [r[0] for r in rng_states],
+                        "cuda_rng": [r[1] for r in rng_states] if device.type == "cuda" else None,
+                    },
+                    os.path.join(tmp, "trainer_state.pt"),
+                )
                 write_json(os.path.join(tmp, "run.json"), {**run, "script": "rloo.py", "global_step": global_step})
+
             if is_main:
                 save_atomically(os.path.join(args.output_dir, f"checkpoint-{global_step}"), write_checkpoint)
-                for old in run_checkpoints(args.output_dir, run["run_id"])[: -args.save_total_limit] if args.save_total_limit else []:
+                for old in (
+                    run_checkpoints(args.output_dir, run["run_id"])[: -args.save_total_limit]
+                    if args.save_total_limit
+                    else []
+                ):
                     shutil.rmtree(old)  # this run's older checkpoints only, never another run's
             if preempted:
                 if is_main:
-                    print(f"SIGTERM: wrote checkpoint-{global_step} and stopped; the same command with "
-                          f"--resume-from-checkpoint latest continues the run", flush=True)
+                    print(
+                        f"SIGTERM: wrote checkpoint-{global_step} and stopped; the same command with "
+                        f"--resume-from-checkpoint latest continues the run",
+                        flush=True,
+                    )
                     if args.track:
                         wandb.mark_preempting()
                 if world_size > 1:

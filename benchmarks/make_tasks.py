@@ -4,6 +4,7 @@ addition.jsonl  "What is {a} + {b}? Reply with only the number." as a chat messa
                 (seed 0), answer a + b: the learning task (reward: gsm8k_accuracy = last number equals the answer).
 bench.jsonl     bench-0.5b prompts, plain text: prompt i = the 60 words words[(7*i + j) % 19], j = 0..59, then " i".
 """
+
 import json
 import os
 import random

@@ -8,6 +8,7 @@ written by trl_bench.py ({"s_per_step": [...], "s_per_step_median_steps_3_8": x,
                    step_time (right), one line per run; for reward, online DPO's objective/scores and every eval/...
   step_time.png    per-run median seconds per step over steps 3-8 (the TRL benchmark's window), TRL beside ours
 """
+
 import argparse
 import json
 import os
@@ -93,7 +94,8 @@ def plot_all(run_paths, trl_paths=(), out_dir="plots"):
         plots[os.path.join(out_dir, key.replace("/", "_") + ".png")] = plot_curves(runs, key)
     if any("step_time" in row for rows in runs.values() for row in rows) or trl:
         plots[os.path.join(out_dir, "step_time.png")] = plot_step_times(
-            {n: rows for n, rows in runs.items() if all("step_time" in row for row in rows)}, trl)
+            {n: rows for n, rows in runs.items() if all("step_time" in row for row in rows)}, trl
+        )
     for path, (fig, _) in plots.items():
         fig.savefig(path, dpi=120)
     return plots
@@ -102,7 +104,9 @@ def plot_all(run_paths, trl_paths=(), out_dir="plots"):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("runs", nargs="*", help="run folders (--output-dir) or metrics.jsonl files")
-    parser.add_argument("--trl", nargs="+", action="extend", default=[], help="TRL benchmark JSONs written by trl_bench.py")
+    parser.add_argument(
+        "--trl", nargs="+", action="extend", default=[], help="TRL benchmark JSONs written by trl_bench.py"
+    )
     parser.add_argument("--out", default="plots", help="folder for the PNG files")
     args = parser.parse_args(argv)
     if not args.runs and not args.trl:

@@ -48,14 +48,20 @@ def timed(name, **kwargs):
     for _ in range(3):
         step(**kwargs)
     torch.cuda.synchronize()
-    line = f"{name}: {(time.perf_counter() - t0) / 3:.3f} s/step, peak {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB"
+    line = (
+        f"{name}: {(time.perf_counter() - t0) / 3:.3f} s/step, peak {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB"
+    )
     print(line, flush=True)
     return line
 
 
-lines = [timed("default (budget 11520, chunk 1024, entropy)"), timed("no entropy", with_entropy=False),
-         timed("chunk 4096", chunk_tokens=4096), timed("budget 23040", budget=23040),
-         timed("forward only, no grad", forward_only=True)]
+lines = [
+    timed("default (budget 11520, chunk 1024, entropy)"),
+    timed("no entropy", with_entropy=False),
+    timed("chunk 4096", chunk_tokens=4096),
+    timed("budget 23040", budget=23040),
+    timed("forward only, no grad", forward_only=True),
+]
 model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 lines.append(timed("gradient checkpointing"))
 model.gradient_checkpointing_disable()

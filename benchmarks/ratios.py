@@ -8,18 +8,26 @@ import json
 import os
 import statistics
 
-MODES = {"server": ("ours_server", "trl_server", "server"), "async": ("ours_async", "trl_server", "server"),
-         "colocate": ("ours_colocate", "trl_colocate", "colocate")}
+MODES = {
+    "server": ("ours_server", "trl_server", "server"),
+    "async": ("ours_async", "trl_server", "server"),
+    "colocate": ("ours_colocate", "trl_colocate", "colocate"),
+}
 
 
 def ours(path):
     rows = [json.loads(line) for line in open(os.path.join(path, "metrics.jsonl"))]
     steps = rows[2:8]  # steps 3-8
     phases = sorted({k for r in steps for k in r if k.startswith("timing/")})
-    return {"s_per_step": statistics.median(r["step_time"] for r in steps), "steps": len(rows),
-            "phases_median_s": {k: statistics.median(r.get(k, 0.0) for r in steps) for k in phases},
-            "peak_memory_gib": max((r.get("memory/peak_gib", 0.0) for r in rows), default=None),
-            "sampling_logp_difference_mean": statistics.mean(r.get("sampling/sampling_logp_difference/mean", float("nan")) for r in steps)}
+    return {
+        "s_per_step": statistics.median(r["step_time"] for r in steps),
+        "steps": len(rows),
+        "phases_median_s": {k: statistics.median(r.get(k, 0.0) for r in steps) for k in phases},
+        "peak_memory_gib": max((r.get("memory/peak_gib", 0.0) for r in rows), default=None),
+        "sampling_logp_difference_mean": statistics.mean(
+            r.get("sampling/sampling_logp_difference/mean", float("nan")) for r in steps
+        ),
+    }
 
 
 def main():
@@ -31,18 +39,29 @@ def main():
     for mode, (our_prefix, trl_prefix, trl_mode) in MODES.items():
         pairs = []
         for i in (1, 2):
-            our_dir, trl_file = os.path.join(args.out_dir, f"{our_prefix}_{i}"), os.path.join(args.out_dir, f"{trl_prefix}_{i}", f"trl_bench_{trl_mode}.json")
+            our_dir, trl_file = (
+                os.path.join(args.out_dir, f"{our_prefix}_{i}"),
+                os.path.join(args.out_dir, f"{trl_prefix}_{i}", f"trl_bench_{trl_mode}.json"),
+            )
             if not (os.path.exists(os.path.join(our_dir, "metrics.jsonl")) and os.path.exists(trl_file)):
                 continue
             trl = json.load(open(trl_file))
             mine = ours(our_dir)
-            pairs.append({"pair": i, "ours": mine, "trl_s_per_step": trl["s_per_step_median_steps_3_8"],
-                          "trl_peak_memory_gib": trl["peak_memory_gib"],
-                          "ratio": mine["s_per_step"] / trl["s_per_step_median_steps_3_8"]})
+            pairs.append(
+                {
+                    "pair": i,
+                    "ours": mine,
+                    "trl_s_per_step": trl["s_per_step_median_steps_3_8"],
+                    "trl_peak_memory_gib": trl["peak_memory_gib"],
+                    "ratio": mine["s_per_step"] / trl["s_per_step_median_steps_3_8"],
+                }
+            )
         if pairs:
             result["modes"][mode] = {"ratio_median": statistics.median(p["ratio"] for p in pairs), "pairs": pairs}
-            print(f"{mode}: ratio {result['modes'][mode]['ratio_median']:.3f} over {len(pairs)} pair(s): "
-                  + ", ".join(f"{p['ours']['s_per_step']:.2f} s vs TRL {p['trl_s_per_step']:.2f} s" for p in pairs))
+            print(
+                f"{mode}: ratio {result['modes'][mode]['ratio_median']:.3f} over {len(pairs)} pair(s): "
+                + ", ".join(f"{p['ours']['s_per_step']:.2f} s vs TRL {p['trl_s_per_step']:.2f} s" for p in pairs)
+            )
     with open(os.path.join(args.out_dir, "vs_trl.json"), "w") as f:
         json.dump(result, f, indent=1)
 

@@ -29,7 +29,9 @@ def learning_run(tmp_path_factory):
     root, runs = tmp_path_factory.mktemp("learning"), {}
 
     def start(learning_rate):
-        runs[learning_rate] = Process("grpo.py", *LEARNING, "--learning-rate", learning_rate, "--output-dir", root / f"lr{learning_rate}")
+        runs[learning_rate] = Process(
+            "grpo.py", *LEARNING, "--learning-rate", learning_rate, "--output-dir", root / f"lr{learning_rate}"
+        )
 
     def run(learning_rate):
         if not runs:

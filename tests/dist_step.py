@@ -2,6 +2,7 @@
 Each rank takes its contiguous share of the rows, the model is FSDP2-sharded when N > 1, the loss normalisers count
 all ranks' rows and the loss is scaled by N (FSDP averages gradients), exactly as grpo.py's loop does. Rank 0 saves
 the full gradients and updated weights for each loss type to OUT (tests/test_distributed.py compares N = 1 and 2)."""
+
 import os
 import sys
 
@@ -40,11 +41,15 @@ def micro_batch_logprobs(script, model):
     """This rank's micro-batches as the scripts form them (padding passes included, to keep FSDP's collectives in
     step), each with the policy's per-token log-probs and a fixed wave per (row, position) to offset old log-probs
     by, so that ratios leave the clip range: (micro_batch, padding_pass, logprobs, completion_mask, wave)."""
-    micro_batches = script.token_budget_batches(rows, [len(p) for p in batch_prompts], [len(c) for c in batch_completions], 30)
+    micro_batches = script.token_budget_batches(
+        rows, [len(p) for p in batch_prompts], [len(c) for c in batch_completions], 30
+    )
     for micro_batch in script.same_count_on_all_ranks(micro_batches, world_size, "cpu"):
         padding_pass = micro_batch is None
         micro_batch = [rows[0]] if padding_pass else micro_batch
-        ids, attn, pos, cmask, P = script.collate([batch_prompts[i] for i in micro_batch], [batch_completions[i] for i in micro_batch], "cpu", 0)
+        ids, attn, pos, cmask, P = script.collate(
+            [batch_prompts[i] for i in micro_batch], [batch_completions[i] for i in micro_batch], "cpu", 0
+        )
         logprobs = script.per_token_logprobs(model, ids, attn, pos, cmask, P, temperature=0.8, chunk_tokens=5)
         wave = torch.sin(torch.tensor(micro_batch)[:, None] * 10.0 + torch.arange(cmask.shape[1])[None])
         yield micro_batch, padding_pass, logprobs, cmask, wave
@@ -52,7 +57,10 @@ def micro_batch_logprobs(script, model):
 
 def step_and_record(name, script, model, optimizer):
     """Keep the full gradients, take the optimizer step, keep the full updated weights (gathered from the shards)."""
-    grads = {n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).clone() for n, p in model.named_parameters()}
+    grads = {
+        n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).clone()
+        for n, p in model.named_parameters()
+    }
     optimizer.step()
     state, _ = script.full_state(model, None, world_size)
     results[name] = {"grads": grads, "weights": {k: v.clone() for k, v in state.items()}}
@@ -63,8 +71,14 @@ for loss_type in ("grpo", "bnpo", "dr_grpo", "dapo"):
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
     lengths = torch.tensor([len(batch_completions[i]) for i in rows])
     mask = (torch.arange(8)[None] < lengths[:, None]).float()  # (N, C) of this rank
-    weights = grpo.policy_loss_weights(mask, loss_type, 8, total_tokens=grpo.global_sum(mask.sum(), world_size, "cpu"),
-                                       num_sequences=N * world_size, step_tokens=grpo.global_sum(mask.sum(), world_size, "cpu"))
+    weights = grpo.policy_loss_weights(
+        mask,
+        loss_type,
+        8,
+        total_tokens=grpo.global_sum(mask.sum(), world_size, "cpu"),
+        num_sequences=N * world_size,
+        step_tokens=grpo.global_sum(mask.sum(), world_size, "cpu"),
+    )
     for micro_batch, padding_pass, logprobs, cmask, wave in micro_batch_logprobs(grpo, model):
         loss, _ = grpo.policy_loss(logprobs, logprobs.detach() + 0.3 * wave, advantages[micro_batch], cmask, 0.2, 0.28)
         local = [i - rows[0] for i in micro_batch]
@@ -77,7 +91,9 @@ import rloo  # noqa: E402
 model = sharded_model(rloo)
 optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
 for micro_batch, padding_pass, logprobs, cmask, wave in micro_batch_logprobs(rloo, model):
-    loss, _ = rloo.sequence_policy_loss(logprobs, logprobs.detach() + 0.05 * wave, advantages[micro_batch], cmask, 0.2, 0.2)
+    loss, _ = rloo.sequence_policy_loss(
+        logprobs, logprobs.detach() + 0.05 * wave, advantages[micro_batch], cmask, 0.2, 0.2
+    )
     ((loss / (N * world_size)).sum() * (0 if padding_pass else world_size)).backward()
 step_and_record("rloo", rloo, model, optimizer)
 
@@ -91,7 +107,9 @@ pairs = [(r, r + 1) for r in rows[::2]]  # this rank's pairs
 micro_batches = online_dpo.same_count_on_all_ranks([[j] for j in range(len(pairs))], world_size, "cpu")  # a pair each
 for micro_batch in micro_batches:
     padding_pass = micro_batch is None
-    mb_rows = [rows[0], rows[0]] if padding_pass else [pairs[j][0] for j in micro_batch] + [pairs[j][1] for j in micro_batch]
+    mb_rows = (
+        [rows[0], rows[0]] if padding_pass else [pairs[j][0] for j in micro_batch] + [pairs[j][1] for j in micro_batch]
+    )
     prompts_, completions_ = [batch_prompts[i] for i in mb_rows], [batch_completions[i] for i in mb_rows]
     with torch.no_grad(), online_dpo.unsharded(reference, world_size):
         ref = online_dpo.sequence_logprobs(reference, prompts_, completions_, 0.8, "cpu", 0).view(2, -1)

@@ -1,6 +1,7 @@
 """Run under `torchrun --nproc_per_node 4` (gloo): two tensor-parallel groups of 2 ranks. Each group's engine (a fake
 that answers every prompt with its own first token) must see the prompts of both its ranks, and every rank must get
 back exactly the completions of its own prompts, also when the ranks hold different numbers of prompts."""
+
 import os
 import sys
 from types import SimpleNamespace
@@ -17,18 +18,34 @@ class EchoLLM:
 
     def generate(self, prompts, params, use_tqdm=False):
         self.seen.append([p["prompt_token_ids"] for p in prompts])
-        return [SimpleNamespace(outputs=[SimpleNamespace(token_ids=[p["prompt_token_ids"][0], k],
-                                                         logprobs=[{p["prompt_token_ids"][0]: SimpleNamespace(logprob=-1.0)},
-                                                                   {k: SimpleNamespace(logprob=-2.0)}])
-                                         for k in range(params.n)]) for p in prompts]
+        return [
+            SimpleNamespace(
+                outputs=[
+                    SimpleNamespace(
+                        token_ids=[p["prompt_token_ids"][0], k],
+                        logprobs=[
+                            {p["prompt_token_ids"][0]: SimpleNamespace(logprob=-1.0)},
+                            {k: SimpleNamespace(logprob=-2.0)},
+                        ],
+                    )
+                    for k in range(params.n)
+                ]
+            )
+            for p in prompts
+        ]
 
 
 dist.init_process_group("gloo")
 rank = dist.get_rank()
 group = vllm_utils.tensor_parallel_group(2)
 llm = EchoLLM()
-engine = {"mode": "colocate", "llm": llm, "tp_group": group, "n": 3,
-          "fields": {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0, "max_tokens": 2}}
+engine = {
+    "mode": "colocate",
+    "llm": llm,
+    "tp_group": group,
+    "n": 3,
+    "fields": {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0, "max_tokens": 2},
+}
 prompts = [[100 * rank + i, 5] for i in range(rank + 1)]  # rank r holds r + 1 prompts
 ids, lps = vllm_utils.generate(engine, prompts)
 assert ids == [[p[0], k] for p in prompts for k in range(3)], (rank, ids)

@@ -1,4 +1,5 @@
 """Run the training scripts as commands on the CPU (shared by the CLI, dynamic-sampling and learning tests)."""
+
 import atexit
 import contextlib
 import itertools
@@ -16,15 +17,53 @@ ASSETS = Path(__file__).parent / "assets"
 STORIES = str(ASSETS / "stories260K")
 
 # a short run on the bundled 260K-parameter model: 2 prompts x 4 completions of at most 8 tokens per step
-SMALL = ["--model-name-or-path", STORIES, "--prompt-column", "prompt", "--answer-column", "", "--no-use-chat-template",
-         "--no-bf16", "--reward-funcs", "keyword_reward", "--prompts-per-step", "2", "--num-generations", "4",
-         "--max-completion-length", "8", "--learning-rate", "1e-3"]
+SMALL = [
+    "--model-name-or-path",
+    STORIES,
+    "--prompt-column",
+    "prompt",
+    "--answer-column",
+    "",
+    "--no-use-chat-template",
+    "--no-bf16",
+    "--reward-funcs",
+    "keyword_reward",
+    "--prompts-per-step",
+    "2",
+    "--num-generations",
+    "4",
+    "--max-completion-length",
+    "8",
+    "--learning-rate",
+    "1e-3",
+]
 
 # the learning test's run (tests/test_learning.py): 4 prompts x 8 completions of at most 24 tokens, 30 steps; add
 # --learning-rate and --output-dir
-LEARNING = ["--model-name-or-path", STORIES, "--dataset-name", ASSETS / "stories_prompts.jsonl", "--prompt-column", "prompt",
-              "--answer-column", "", "--reward-funcs", "keyword_reward", "--no-use-chat-template", "--no-bf16",
-              "--max-completion-length", 24, "--prompts-per-step", 4, "--num-generations", 8, "--max-steps", 30, "--seed", 1]
+LEARNING = [
+    "--model-name-or-path",
+    STORIES,
+    "--dataset-name",
+    ASSETS / "stories_prompts.jsonl",
+    "--prompt-column",
+    "prompt",
+    "--answer-column",
+    "",
+    "--reward-funcs",
+    "keyword_reward",
+    "--no-use-chat-template",
+    "--no-bf16",
+    "--max-completion-length",
+    24,
+    "--prompts-per-step",
+    4,
+    "--num-generations",
+    8,
+    "--max-steps",
+    30,
+    "--seed",
+    1,
+]
 
 
 def write_jsonl(path, rows):
@@ -35,16 +74,27 @@ def write_jsonl(path, rows):
 
 
 def script_env():
-    return dict(os.environ, WANDB_MODE="offline", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
-                CUDA_VISIBLE_DEVICES="", TOKENIZERS_PARALLELISM="false")
+    return dict(
+        os.environ,
+        WANDB_MODE="offline",
+        OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
+        CUDA_VISIBLE_DEVICES="",
+        TOKENIZERS_PARALLELISM="false",
+    )
 
 
 class _Prefork:
     """The fork server (tests/prefork.py) of this pytest process: started once, stopped at exit."""
 
     def __init__(self):
-        self.proc = subprocess.Popen([sys.executable, str(Path(__file__).parent / "prefork.py")], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, env=script_env(), cwd=ROOT, text=True)
+        self.proc = subprocess.Popen(
+            [sys.executable, str(Path(__file__).parent / "prefork.py")],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            env=script_env(),
+            cwd=ROOT,
+            text=True,
+        )
         atexit.register(self.proc.kill)
         self.replies, self.changed, self.ids = {}, threading.Condition(), itertools.count()
         threading.Thread(target=self._read, daemon=True).start()
@@ -68,7 +118,9 @@ class _Prefork:
     def reply(self, request_id, index, timeout=None):
         """The request's index-th answer (0: started, 1: ended), or None after timeout seconds."""
         with self.changed:
-            ok = self.changed.wait_for(lambda: len(self.replies.get(request_id, [])) > index or self.proc.poll() is not None, timeout)
+            ok = self.changed.wait_for(
+                lambda: len(self.replies.get(request_id, [])) > index or self.proc.poll() is not None, timeout
+            )
             if len(self.replies.get(request_id, [])) > index:
                 return self.replies[request_id][index]
             if ok:
@@ -91,13 +143,26 @@ class Process:
     (pid, poll, wait, communicate, send_signal, terminate, kill, returncode; text stdout and stderr)."""
 
     def __init__(self, script, *args, nproc=0, timeout=600, preimport=()):
-        self.args = [sys.executable, *(["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)] if nproc else []),
-                     str(ROOT / script), *map(str, args)]
+        self.args = [
+            sys.executable,
+            *(["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)] if nproc else []),
+            str(ROOT / script),
+            *map(str, args),
+        ]
         self.nproc, self.timeout, self.returncode, self.timed_out = nproc, timeout, None, False
         self._out = tempfile.TemporaryDirectory()
         self._server = _prefork()
-        self._id = self._server.send({"argv": [str(ROOT / script), *map(str, args)], "cwd": str(ROOT), "env": script_env(),
-                                      "nproc": nproc, "timeout": timeout, "out": self._out.name, "preimport": list(preimport)})
+        self._id = self._server.send(
+            {
+                "argv": [str(ROOT / script), *map(str, args)],
+                "cwd": str(ROOT),
+                "env": script_env(),
+                "nproc": nproc,
+                "timeout": timeout,
+                "out": self._out.name,
+                "preimport": list(preimport),
+            }
+        )
         self.pids = self._server.reply(self._id, 0)["pids"]
         self.pid = self.pids[0]
 
@@ -116,8 +181,12 @@ class Process:
 
     def communicate(self, timeout=None):
         self.wait(timeout)
-        return tuple("".join(Path(self._out.name, f"rank{r}.{stream}").read_text(errors="replace") for r in range(max(self.nproc, 1)))
-                     for stream in ("stdout", "stderr"))
+        return tuple(
+            "".join(
+                Path(self._out.name, f"rank{r}.{stream}").read_text(errors="replace") for r in range(max(self.nproc, 1))
+            )
+            for stream in ("stdout", "stderr")
+        )
 
     def result(self):
         """Wait for the end: a CompletedProcess, as subprocess.run returns."""
@@ -159,7 +228,9 @@ def run_grpo(*args, timeout=300):
 
 
 def check(result):
-    assert result.returncode == 0, f"{result.args[1]} failed ({result.returncode}):\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
+    assert result.returncode == 0, (
+        f"{result.args[1]} failed ({result.returncode}):\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
+    )
     return result
 
 

@@ -12,6 +12,7 @@ launches its workers: the same rendezvous variables (RANK, LOCAL_RANK, WORLD_SIZ
 and when one worker fails the others are stopped. Commands run side by side; each gets two answers, one JSON line
 each: {"id": n, "pids": [...]} once started, {"id": n, "returncode": rc, "timed_out": bool} once ended.
 Nothing here computes with torch before forking: the children start from imported modules only."""
+
 import json
 import os
 import runpy
@@ -24,9 +25,25 @@ import traceback
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)  # sys.path: ROOT, this file's folder, then what any `python script.py` has after its folder
-for name in ("numpy", "torch", "torch.distributed", "torch.distributed.fsdp", "torch.distributed.checkpoint.state_dict",
-             "torch.utils.checkpoint", "tqdm", "tyro", "datasets", "transformers", "transformers.models.llama.modeling_llama",
-             "safetensors.torch", "tokenizers", "rewards", "grpo", "rloo", "online_dpo"):
+for name in (
+    "numpy",
+    "torch",
+    "torch.distributed",
+    "torch.distributed.fsdp",
+    "torch.distributed.checkpoint.state_dict",
+    "torch.utils.checkpoint",
+    "tqdm",
+    "tyro",
+    "datasets",
+    "transformers",
+    "transformers.models.llama.modeling_llama",
+    "safetensors.torch",
+    "tokenizers",
+    "rewards",
+    "grpo",
+    "rloo",
+    "online_dpo",
+):
     try:  # a module that fails to import here fails in the child too, with the child's own traceback
         __import__(name)
     except Exception:  # noqa: BLE001
@@ -41,8 +58,11 @@ def run_child(argv, cwd, env, out, rank):
     """In the forked child: become `python argv...` and exit with its status. Never returns."""
     os.setpgid(0, 0)  # its own process group, so that a timeout can stop whatever it started
     die_with_parent()
-    for fd, path, flags in ((0, os.devnull, os.O_RDONLY), (1, f"{out}/rank{rank}.stdout", os.O_WRONLY | os.O_CREAT | os.O_TRUNC),
-                            (2, f"{out}/rank{rank}.stderr", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)):
+    for fd, path, flags in (
+        (0, os.devnull, os.O_RDONLY),
+        (1, f"{out}/rank{rank}.stdout", os.O_WRONLY | os.O_CREAT | os.O_TRUNC),
+        (2, f"{out}/rank{rank}.stderr", os.O_WRONLY | os.O_CREAT | os.O_TRUNC),
+    ):
         os.dup2(os.open(path, flags, 0o644), fd)
     code = 1
     try:
@@ -53,7 +73,9 @@ def run_child(argv, cwd, env, out, rank):
         sys.path[:] = [os.path.dirname(os.path.abspath(argv[0])), *sys.path[2:]]
         runpy.run_path(argv[0], run_name="__main__")
         code = 0
-    except SystemExit as exit_:  # as the interpreter treats it: None is 0, an int is the status, anything else is printed
+    except (
+        SystemExit
+    ) as exit_:  # as the interpreter treats it: None is 0, an int is the status, anything else is printed
         code = exit_.code
         if code is None:
             code = 0
@@ -114,10 +136,21 @@ class Job:
         argv, nproc = request["argv"], request.get("nproc", 0)
         env = dict(request["env"])
         if nproc:  # what torchrun --standalone sets for its workers
-            env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), LOCAL_WORLD_SIZE=str(nproc), WORLD_SIZE=str(nproc),
-                       GROUP_WORLD_SIZE="1", ROLE_WORLD_SIZE=str(nproc), GROUP_RANK="0", ROLE_NAME="default",
-                       TORCHELASTIC_RESTART_COUNT="0", TORCHELASTIC_MAX_RESTARTS="0", TORCHELASTIC_RUN_ID="prefork",
-                       TORCHELASTIC_USE_AGENT_STORE="False", TORCH_NCCL_ASYNC_ERROR_HANDLING="1")
+            env.update(
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=str(free_port()),
+                LOCAL_WORLD_SIZE=str(nproc),
+                WORLD_SIZE=str(nproc),
+                GROUP_WORLD_SIZE="1",
+                ROLE_WORLD_SIZE=str(nproc),
+                GROUP_RANK="0",
+                ROLE_NAME="default",
+                TORCHELASTIC_RESTART_COUNT="0",
+                TORCHELASTIC_MAX_RESTARTS="0",
+                TORCHELASTIC_RUN_ID="prefork",
+                TORCHELASTIC_USE_AGENT_STORE="False",
+                TORCH_NCCL_ASYNC_ERROR_HANDLING="1",
+            )
         self.children = {}
         for rank in range(max(nproc, 1)):
             child_env = dict(env, RANK=str(rank), LOCAL_RANK=str(rank), ROLE_RANK=str(rank)) if nproc else env
@@ -146,7 +179,10 @@ class Job:
         if self.pipe is not None:  # the intermediate child's report on the command it ran
             with os.fdopen(self.pipe) as f:
                 reply = f.read()
-            return dict(json.loads(reply) if reply else {"returncode": self.returncode or 1, "timed_out": self.timed_out}, id=self.id)
+            return dict(
+                json.loads(reply) if reply else {"returncode": self.returncode or 1, "timed_out": self.timed_out},
+                id=self.id,
+            )
         return {"id": self.id, "returncode": self.returncode, "timed_out": self.timed_out}
 
     def stop(self):

@@ -20,8 +20,13 @@ from transformers import AutoModelForCausalLM
 import vllm_utils
 from grpo_cli import ROOT, SMALL, read_metrics, run_script, write_jsonl
 
-PROMPTS = ["Once upon a time, there was a little girl named Lily.", "One day, a boy named Tim went to the park.",
-           "The cat sat on the mat and", "Sue had a red ball. She", "Tom and his mom went to the store to buy"]
+PROMPTS = [
+    "Once upon a time, there was a little girl named Lily.",
+    "One day, a boy named Tim went to the park.",
+    "The cat sat on the mat and",
+    "Sue had a red ball. She",
+    "Tom and his mom went to the store to buy",
+]
 
 
 class StandInServer:
@@ -89,8 +94,9 @@ ARGS = [*SMALL, "--use-vllm", "--vllm-mode", "server", "--seed", 3, "--max-compl
 def test_async_generation_trains_on_rounds_one_step_behind(tmp_path, monkeypatch, data, script, async_generation):
     server = StandInServer(monkeypatch)
     flag = "--async-generation" if async_generation else "--no-async-generation"
-    run_in_process(script, monkeypatch, *ARGS, "--dataset-name", data, "--output-dir", tmp_path / "run",
-                   "--max-steps", 4, flag)
+    run_in_process(
+        script, monkeypatch, *ARGS, "--dataset-name", data, "--output-dir", tmp_path / "run", "--max-steps", 4, flag
+    )
     metrics = read_metrics(tmp_path / "run")
     assert [m["step"] for m in metrics] == [1, 2, 3, 4]
     # one round per step, none started for a step that never comes, none still running, no update while serving
@@ -143,16 +149,31 @@ def test_async_generation_needs_a_server(tmp_path, data, script):
     assert result.returncode != 0 and "--async-generation needs --use-vllm --vllm-mode server" in result.stderr
 
 
-@pytest.mark.parametrize("extra, steps, staleness", [
-    (["--steps-per-generation", 2], [2, 4], [0, 2]),  # one round per 2 optimizer steps: 2 steps behind
-    (["--num-iterations", 2], [2, 4], [0, 2]),
-    (["--dynamic-sampling", "--dynamic-sampling-max-rounds", 3], [1, 2, 3, 4], None),
-])
-def test_async_generation_with_rounds_of_several_steps_and_dynamic_sampling(tmp_path, monkeypatch, data, extra, steps,
-                                                                          staleness):
+@pytest.mark.parametrize(
+    "extra, steps, staleness",
+    [
+        (["--steps-per-generation", 2], [2, 4], [0, 2]),  # one round per 2 optimizer steps: 2 steps behind
+        (["--num-iterations", 2], [2, 4], [0, 2]),
+        (["--dynamic-sampling", "--dynamic-sampling-max-rounds", 3], [1, 2, 3, 4], None),
+    ],
+)
+def test_async_generation_with_rounds_of_several_steps_and_dynamic_sampling(
+    tmp_path, monkeypatch, data, extra, steps, staleness
+):
     server = StandInServer(monkeypatch, delay=0.05)
-    run_in_process("grpo.py", monkeypatch, *ARGS, "--dataset-name", data, "--output-dir", tmp_path / "run",
-                   "--max-steps", 4, "--async-generation", *extra)
+    run_in_process(
+        "grpo.py",
+        monkeypatch,
+        *ARGS,
+        "--dataset-name",
+        data,
+        "--output-dir",
+        tmp_path / "run",
+        "--max-steps",
+        4,
+        "--async-generation",
+        *extra,
+    )
     metrics = read_metrics(tmp_path / "run")
     assert [m["step"] for m in metrics] == steps
     assert server.in_flight == 0 and server.updates_while_serving == 0

@@ -1,12 +1,13 @@
 """Code that grpo.py, rloo.py and online_dpo.py each carry a copy of (hf_generate, clip_gradients): every copy tested."""
+
 import pytest
 import torch
-from grpo_cli import STORIES
 from transformers import AutoModelForCausalLM
 
 import grpo
 import online_dpo
 import rloo
+from grpo_cli import STORIES
 
 SCRIPTS = [grpo, rloo, online_dpo]
 

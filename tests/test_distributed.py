@@ -2,6 +2,7 @@
 the same global batch (and tests/dist_step.py's copy of each loss's step, with signal on every rank), and they train,
 checkpoint and resume under `torchrun --nproc_per_node 2`. The workers are forked from tests/prefork.py with torchrun's
 environment; test_the_scripts_take_the_same_steps_on_two_ranks_as_on_one[grpo.py] runs torchrun itself."""
+
 import json
 import os
 import subprocess
@@ -10,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from grpo_cli import ASSETS, SMALL, launch, read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -50,22 +52,67 @@ def test_the_scripts_take_the_same_steps_on_two_ranks_as_on_one(tmp_path, script
     what this cannot show: every rank's rows weighted right when all of them carry signal, for every loss type."""
     from itertools import islice
 
-    from grpo_cli import STORIES, write_jsonl
     from safetensors.torch import load_file
+
+    from grpo_cli import STORIES, write_jsonl
 
     module = __import__(script[:-3])
     seed = next(s for s in range(100) if list(islice(module.prompt_stream(2, s), 2)) == [0, 1])  # "She" row first
-    data = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "The cat was sad.", "keyword": "She"}, {"prompt": "The cat was sad.", "keyword": "zzzqqq"}])
-    args = ["--model-name-or-path", STORIES, "--dataset-name", data, "--prompt-column", "prompt", "--answer-column", "",
-            "--no-use-chat-template", "--no-bf16", "--reward-funcs", "keyword_reward", "--prompts-per-step", 2,
-            "--num-generations", 8, "--max-completion-length", 1, "--learning-rate", 1e-2, "--seed", seed]
-    args += {"grpo.py": ["--num-iterations", 2, "--max-steps", 2], "online_dpo.py": ["--max-steps", 1],
-             "rloo.py": ["--num-iterations", 2, "--max-steps", 2, "--beta", 0]}[script]  # RLOO's KL-in-reward would reward rank 1's rows
+    data = write_jsonl(
+        tmp_path / "d.jsonl",
+        [{"prompt": "The cat was sad.", "keyword": "She"}, {"prompt": "The cat was sad.", "keyword": "zzzqqq"}],
+    )
+    args = [
+        "--model-name-or-path",
+        STORIES,
+        "--dataset-name",
+        data,
+        "--prompt-column",
+        "prompt",
+        "--answer-column",
+        "",
+        "--no-use-chat-template",
+        "--no-bf16",
+        "--reward-funcs",
+        "keyword_reward",
+        "--prompts-per-step",
+        2,
+        "--num-generations",
+        8,
+        "--max-completion-length",
+        1,
+        "--learning-rate",
+        1e-2,
+        "--seed",
+        seed,
+    ]
+    args += {
+        "grpo.py": ["--num-iterations", 2, "--max-steps", 2],
+        "online_dpo.py": ["--max-steps", 1],
+        "rloo.py": ["--num-iterations", 2, "--max-steps", 2, "--beta", 0],
+    }[script]  # RLOO's KL-in-reward would reward rank 1's rows
     one = launch(script, *args, "--output-dir", tmp_path / "one")
     assert one.returncode == 0, one.stderr[-4000:]
     if real_torchrun:
-        two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", script,
-                              *map(str, args), "--output-dir", str(tmp_path / "two")], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+        two = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                "--nproc_per_node",
+                "2",
+                script,
+                *map(str, args),
+                "--output-dir",
+                str(tmp_path / "two"),
+            ],
+            cwd=ROOT,
+            env=ENV,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
     else:
         two = torchrun(2, script, *args, "--output-dir", tmp_path / "two")
     assert two.returncode == 0, two.stderr[-4000:]
@@ -76,7 +123,9 @@ def test_the_scripts_take_the_same_steps_on_two_ranks_as_on_one(tmp_path, script
         assert m1["frac_reward_zero_std"] == m2["frac_reward_zero_std"] == 0.5, (m1, m2)
     for key in ("loss", "grad_norm", "objective/scores" if script == "online_dpo.py" else "reward"):
         assert m1[key] == pytest.approx(m2[key], rel=1e-4, abs=1e-6), (key, m1[key], m2[key])
-    start, w1, w2 = (load_file(path / "model.safetensors") for path in (Path(STORIES), tmp_path / "one", tmp_path / "two"))
+    start, w1, w2 = (
+        load_file(path / "model.safetensors") for path in (Path(STORIES), tmp_path / "one", tmp_path / "two")
+    )
     assert max((w1[name] - start[name]).abs().max() for name in w1) > 5e-3  # the steps moved the weights
     for name in w1:
         assert torch.allclose(w1[name], w2[name], atol=1e-5, rtol=1e-5), (name, (w1[name] - w2[name]).abs().max())
@@ -97,8 +146,21 @@ def test_weight_sync_from_fsdp2_shards_delivers_the_full_weights_in_the_announce
 def test_grpo_under_torchrun_trains_saves_and_resumes(tmp_path):
     data = ASSETS / "stories_prompts.jsonl"
     out = tmp_path / "run"
-    common = [*SMALL, "--dataset-name", data, "--output-dir", out, "--prompts-per-step", 4, "--beta", 0.04,
-              "--num-iterations", 2, "--save-steps", 2]
+    common = [
+        *SMALL,
+        "--dataset-name",
+        data,
+        "--output-dir",
+        out,
+        "--prompts-per-step",
+        4,
+        "--beta",
+        0.04,
+        "--num-iterations",
+        2,
+        "--save-steps",
+        2,
+    ]
     result = torchrun(2, "grpo.py", *common, "--max-steps", 4)
     assert result.returncode == 0, result.stderr[-4000:]
     metrics = [json.loads(line) for line in open(out / "metrics.jsonl")]
@@ -120,8 +182,22 @@ def test_grpo_under_torchrun_trains_saves_and_resumes(tmp_path):
 
 def test_rloo_under_torchrun_trains_and_saves(tmp_path):
     out = tmp_path / "run"
-    result = torchrun(2, "rloo.py", *SMALL, "--dataset-name", ASSETS / "stories_prompts.jsonl", "--output-dir", out,
-                      "--prompts-per-step", 4, "--max-steps", 3, "--normalize-advantages", "--save-steps", 2)
+    result = torchrun(
+        2,
+        "rloo.py",
+        *SMALL,
+        "--dataset-name",
+        ASSETS / "stories_prompts.jsonl",
+        "--output-dir",
+        out,
+        "--prompts-per-step",
+        4,
+        "--max-steps",
+        3,
+        "--normalize-advantages",
+        "--save-steps",
+        2,
+    )
     assert result.returncode == 0, result.stderr[-4000:]
     metrics = [json.loads(line) for line in open(out / "metrics.jsonl")]
     assert [m["step"] for m in metrics] == [1, 2, 3] and all("kl" in m for m in metrics)  # beta 0.05: reference model
@@ -135,17 +211,41 @@ def test_grpo_dynamic_sampling_under_torchrun(tmp_path):
     # half the prompts can never be rewarded ("zzzqqq"): ranks refill their share in lockstep (same number of rounds)
     from grpo_cli import write_jsonl
 
-    prompts = ["Once upon a time, there was a little girl named Lily.", "One day, a boy named Tim went to the park.",
-               "The cat was sad.", "Sam and Mia wanted to play a game."]
-    data = write_jsonl(tmp_path / "mixed.jsonl", [{"prompt": p, "keyword": k} for p in prompts for k in ("the", "zzzqqq")])
+    prompts = [
+        "Once upon a time, there was a little girl named Lily.",
+        "One day, a boy named Tim went to the park.",
+        "The cat was sad.",
+        "Sam and Mia wanted to play a game.",
+    ]
+    data = write_jsonl(
+        tmp_path / "mixed.jsonl", [{"prompt": p, "keyword": k} for p in prompts for k in ("the", "zzzqqq")]
+    )
     out = tmp_path / "run"
-    result = torchrun(2, "grpo.py", *SMALL, "--dataset-name", data, "--output-dir", out, "--prompts-per-step", 4,
-                      "--max-completion-length", 16, "--max-steps", 2, "--dynamic-sampling", "--dynamic-sampling-max-rounds", 6)
+    result = torchrun(
+        2,
+        "grpo.py",
+        *SMALL,
+        "--dataset-name",
+        data,
+        "--output-dir",
+        out,
+        "--prompts-per-step",
+        4,
+        "--max-completion-length",
+        16,
+        "--max-steps",
+        2,
+        "--dynamic-sampling",
+        "--dynamic-sampling-max-rounds",
+        6,
+    )
     assert result.returncode == 0, result.stderr[-4000:]
     metrics = [json.loads(line) for line in open(out / "metrics.jsonl")]
     assert [m["step"] for m in metrics] == [1, 2]
     for m in metrics:  # groups kept over both ranks: a full step unless it gave up after 6 rounds
-        assert m["dynamic_sampling/kept_groups"] in (2, 4) and (m["dynamic_sampling/kept_groups"] == 4 or m["dynamic_sampling/generation_rounds"] == 6)
+        assert m["dynamic_sampling/kept_groups"] in (2, 4) and (
+            m["dynamic_sampling/kept_groups"] == 4 or m["dynamic_sampling/generation_rounds"] == 6
+        )
 
 
 def test_grpo_dynamic_sampling_pools_kept_groups_across_ranks(tmp_path):
@@ -158,12 +258,34 @@ def test_grpo_dynamic_sampling_pools_kept_groups_across_ranks(tmp_path):
     from grpo_cli import write_jsonl
 
     seed = next(s for s in range(1000) if list(islice(grpo.prompt_stream(2, s), 0, 12, 2)) == [1] * 6)
-    data = write_jsonl(tmp_path / "two.jsonl", [{"prompt": "Once upon a time, there was a little girl named Lily.", "keyword": "the"},
-                                                {"prompt": "The cat was sad.", "keyword": "zzzqqq"}])
+    data = write_jsonl(
+        tmp_path / "two.jsonl",
+        [
+            {"prompt": "Once upon a time, there was a little girl named Lily.", "keyword": "the"},
+            {"prompt": "The cat was sad.", "keyword": "zzzqqq"},
+        ],
+    )
     out = tmp_path / "run"
-    result = torchrun(2, "grpo.py", *SMALL, "--dataset-name", data, "--output-dir", out, "--seed", seed,
-                      "--max-completion-length", 16, "--num-generations", 8, "--max-steps", 1, "--dynamic-sampling",
-                      "--dynamic-sampling-max-rounds", 6)
+    result = torchrun(
+        2,
+        "grpo.py",
+        *SMALL,
+        "--dataset-name",
+        data,
+        "--output-dir",
+        out,
+        "--seed",
+        seed,
+        "--max-completion-length",
+        16,
+        "--num-generations",
+        8,
+        "--max-steps",
+        1,
+        "--dynamic-sampling",
+        "--dynamic-sampling-max-rounds",
+        6,
+    )
     assert result.returncode == 0, result.stderr[-4000:]
     (metrics,) = [json.loads(line) for line in open(out / "metrics.jsonl")]
     assert metrics["dynamic_sampling/kept_groups"] == 2 and metrics["dynamic_sampling/generation_rounds"] >= 2
@@ -171,8 +293,19 @@ def test_grpo_dynamic_sampling_pools_kept_groups_across_ranks(tmp_path):
 
 def test_online_dpo_under_torchrun_trains_saves_and_resumes(tmp_path):
     out = tmp_path / "run"
-    common = [*SMALL, "--dataset-name", ASSETS / "stories_prompts.jsonl", "--output-dir", out, "--prompts-per-step", 4,
-              "--learning-rate", 3e-4, "--save-steps", 2]
+    common = [
+        *SMALL,
+        "--dataset-name",
+        ASSETS / "stories_prompts.jsonl",
+        "--output-dir",
+        out,
+        "--prompts-per-step",
+        4,
+        "--learning-rate",
+        3e-4,
+        "--save-steps",
+        2,
+    ]
     result = torchrun(2, "online_dpo.py", *common, "--max-steps", 3)
     assert result.returncode == 0, result.stderr[-4000:]
     metrics = [json.loads(line) for line in open(out / "metrics.jsonl")]

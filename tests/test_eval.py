@@ -7,21 +7,23 @@ import re
 
 import pytest
 import torch
-from grpo_cli import ASSETS, SMALL, STORIES, check, read_metrics, run_script, write_jsonl
 from test_async import StandInServer, run_in_process
 from test_distributed import torchrun
 from test_safe_runs import run_without_models
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 import grpo
+from grpo_cli import ASSETS, SMALL, STORIES, check, read_metrics, run_script, write_jsonl
 
 SCRIPTS = ["grpo.py", "rloo.py", "online_dpo.py"]
 # 5 prompts (an odd number: 2 ranks get 3 and 2), keywords that the untrained model writes for some prompts only
-EVAL_ROWS = [{"prompt": "Once upon a time, there was a little girl named", "keyword": "Lily"},
-             {"prompt": "One day, a boy went to the", "keyword": "park"},
-             {"prompt": "The cat sat on the mat and", "keyword": "dog"},
-             {"prompt": "Sue had a red ball. She", "keyword": "play"},
-             {"prompt": "Tom and his mom went to the store to buy", "keyword": "ball"}]
+EVAL_ROWS = [
+    {"prompt": "Once upon a time, there was a little girl named", "keyword": "Lily"},
+    {"prompt": "One day, a boy went to the", "keyword": "park"},
+    {"prompt": "The cat sat on the mat and", "keyword": "dog"},
+    {"prompt": "Sue had a red ball. She", "keyword": "play"},
+    {"prompt": "Tom and his mom went to the store to buy", "keyword": "ball"},
+]
 
 
 @pytest.fixture
@@ -42,15 +44,29 @@ def greedy_by_hand(model_path, max_new_tokens):
     for row in EVAL_ROWS:
         ids = torch.tensor([tokenizer(row["prompt"])["input_ids"]])
         out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=config)
-        texts.append(tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True))
+        texts.append(tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True))
     return texts
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_max_steps_0_evaluates_like_greedy_generate_by_hand_and_exits(tmp_path, eval_data, script):
     out = tmp_path / "run"
-    result = check(run_script(script, *SMALL, "--dataset-name", ASSETS / "stories_prompts.jsonl", "--eval-dataset",
-                              eval_data, "--max-completion-length", 12, "--max-steps", 0, "--output-dir", out))
+    result = check(
+        run_script(
+            script,
+            *SMALL,
+            "--dataset-name",
+            ASSETS / "stories_prompts.jsonl",
+            "--eval-dataset",
+            eval_data,
+            "--max-completion-length",
+            12,
+            "--max-steps",
+            0,
+            "--output-dir",
+            out,
+        )
+    )
     (line,) = read_metrics(out)  # one evaluation, of the given model, and nothing trained or saved
     assert line["step"] == 0 and not (out / "config.json").exists() and "saved the final model" not in result.stdout
     texts = greedy_by_hand(STORIES, 12)
@@ -64,14 +80,35 @@ def test_max_steps_0_evaluates_like_greedy_generate_by_hand_and_exits(tmp_path, 
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
-def test_eval_runs_at_step_0_every_n_steps_and_at_the_end_and_completions_are_logged(monkeypatch, tmp_path, eval_data,
-                                                                                     script):
+def test_eval_runs_at_step_0_every_n_steps_and_at_the_end_and_completions_are_logged(
+    monkeypatch, tmp_path, eval_data, script
+):
     out = tmp_path / "run"
     track = ["--track"] if script == "grpo.py" else []  # wandb offline: the completions table too
     monkeypatch.setenv("WANDB_DIR", str(tmp_path))
-    result = check(run_script(script, *SMALL, "--dataset-name", ASSETS / "stories_prompts.jsonl", "--eval-dataset",
-                              eval_data, "--eval-max-samples", 3, "--eval-num-generations", 2, "--eval-steps", 2,
-                              "--max-steps", 5, "--log-completions", 3, "--output-dir", out, *track))
+    result = check(
+        run_script(
+            script,
+            *SMALL,
+            "--dataset-name",
+            ASSETS / "stories_prompts.jsonl",
+            "--eval-dataset",
+            eval_data,
+            "--eval-max-samples",
+            3,
+            "--eval-num-generations",
+            2,
+            "--eval-steps",
+            2,
+            "--max-steps",
+            5,
+            "--log-completions",
+            3,
+            "--output-dir",
+            out,
+            *track,
+        )
+    )
     metrics = read_metrics(out)
     assert [m["step"] for m in metrics] == [0, 1, 2, 3, 4, 5]
     assert [m["step"] for m in metrics if "eval/pass@1" in m] == [0, 2, 4, 5]
@@ -91,14 +128,33 @@ def test_eval_runs_at_step_0_every_n_steps_and_at_the_end_and_completions_are_lo
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
-def test_eval_goes_through_the_server_after_the_weight_push_with_async_generation(tmp_path, monkeypatch, eval_data,
-                                                                                  script):
+def test_eval_goes_through_the_server_after_the_weight_push_with_async_generation(
+    tmp_path, monkeypatch, eval_data, script
+):
     server = StandInServer(monkeypatch, delay=0.05)
     train = write_jsonl(tmp_path / "train.jsonl", EVAL_ROWS)
     out = tmp_path / "run"
-    run_in_process(script, monkeypatch, *SMALL, "--use-vllm", "--vllm-mode", "server", "--async-generation",
-                   "--dataset-name", train, "--eval-dataset", eval_data, "--eval-steps", 2, "--max-steps", 4,
-                   "--eval-num-generations", 3, "--output-dir", out)
+    run_in_process(
+        script,
+        monkeypatch,
+        *SMALL,
+        "--use-vllm",
+        "--vllm-mode",
+        "server",
+        "--async-generation",
+        "--dataset-name",
+        train,
+        "--eval-dataset",
+        eval_data,
+        "--eval-steps",
+        2,
+        "--max-steps",
+        4,
+        "--eval-num-generations",
+        3,
+        "--output-dir",
+        out,
+    )
     metrics = read_metrics(out)
     assert server.in_flight == 0 and server.updates_while_serving == 0
     train_metrics = [m for m in metrics if m["step"] > 0]
@@ -121,8 +177,10 @@ def test_eval_goes_through_the_server_after_the_weight_push_with_async_generatio
         assert {r["temperature"] for r in requests} == {0.0, server.args.temperature}  # greedy, and the training one
         texts = [tokenizer.decode(ids, skip_special_tokens=True) for ids in greedy + sampled]
         greedy_solved = [keyword_solved(text, row["keyword"]) for text, row in zip(texts[:5], EVAL_ROWS)]
-        sampled_solved = [[keyword_solved(text, row["keyword"]) for text in texts[5 + 3 * i : 8 + 3 * i]]
-                          for i, row in enumerate(EVAL_ROWS)]
+        sampled_solved = [
+            [keyword_solved(text, row["keyword"]) for text in texts[5 + 3 * i : 8 + 3 * i]]
+            for i, row in enumerate(EVAL_ROWS)
+        ]
         (line,) = [m for m in metrics if m["step"] == step and "eval/pass@1" in m]
         assert line["eval/pass@1"] == pytest.approx(sum(greedy_solved) / 5)
         assert line["eval/mean@3"] == pytest.approx(sum(map(sum, sampled_solved)) / 15)
@@ -133,8 +191,21 @@ def test_two_ranks_give_the_same_eval_as_one(tmp_path, eval_data):
     lines = []
     for n in (1, 2):
         out = tmp_path / f"run{n}"
-        result = torchrun(n, "grpo.py", *SMALL, "--dataset-name", ASSETS / "stories_prompts.jsonl", "--eval-dataset",
-                          eval_data, "--max-completion-length", 12, "--max-steps", 0, "--output-dir", out)
+        result = torchrun(
+            n,
+            "grpo.py",
+            *SMALL,
+            "--dataset-name",
+            ASSETS / "stories_prompts.jsonl",
+            "--eval-dataset",
+            eval_data,
+            "--max-completion-length",
+            12,
+            "--max-steps",
+            0,
+            "--output-dir",
+            out,
+        )
         assert result.returncode == 0, result.stderr[-3000:]
         (line,) = read_metrics(out)
         lines.append(line)
@@ -163,25 +234,50 @@ def test_eval_metrics_by_hand():
     assert metrics["eval/rewards/a/mean@2"] == 0.25 and metrics["eval/rewards/b/mean@2"] == pytest.approx(-1 / 3)
 
 
-@pytest.mark.parametrize("script, extra, expected", [
-    ("grpo.py", ["--eval-steps", 2], ["--eval-steps needs an eval dataset", "--eval-dataset"]),
-    ("grpo.py", ["--max-steps", 0], ["--max-steps 0", "--eval-dataset"]),
-    ("grpo.py", ["--eval-dataset", "tests/assets/nope.jsonl", "--eval-steps", 1],
-     ["--eval-dataset tests/assets/nope.jsonl does not exist"]),
-    ("grpo.py", ["--eval-dataset", "EVAL"], ["--eval-dataset is evaluated with --eval-steps"]),
-    ("grpo.py", ["--eval-dataset", "EVAL", "--eval-steps", 3, "--steps-per-generation", 2],
-     ["--eval-steps 3 must be a multiple"]),
-    ("rloo.py", ["--eval-dataset", "EVAL", "--eval-steps", 1, "--eval-num-generations", 0, "--log-completions", -1],
-     ["--eval-num-generations must be at least 1", "--log-completions must be >= 0"]),
-    ("online_dpo.py", ["--eval-dataset", "EVAL", "--eval-steps", 1, "--eval-max-samples", 0],
-     ["--eval-max-samples must be at least 1"]),
-    ("online_dpo.py", ["--eval-dataset", "NO_KEYWORD", "--eval-steps", 1], ["--eval-dataset", "column 'keyword'"]),
-])
+@pytest.mark.parametrize(
+    "script, extra, expected",
+    [
+        ("grpo.py", ["--eval-steps", 2], ["--eval-steps needs an eval dataset", "--eval-dataset"]),
+        ("grpo.py", ["--max-steps", 0], ["--max-steps 0", "--eval-dataset"]),
+        (
+            "grpo.py",
+            ["--eval-dataset", "tests/assets/nope.jsonl", "--eval-steps", 1],
+            ["--eval-dataset tests/assets/nope.jsonl does not exist"],
+        ),
+        ("grpo.py", ["--eval-dataset", "EVAL"], ["--eval-dataset is evaluated with --eval-steps"]),
+        (
+            "grpo.py",
+            ["--eval-dataset", "EVAL", "--eval-steps", 3, "--steps-per-generation", 2],
+            ["--eval-steps 3 must be a multiple"],
+        ),
+        (
+            "rloo.py",
+            ["--eval-dataset", "EVAL", "--eval-steps", 1, "--eval-num-generations", 0, "--log-completions", -1],
+            ["--eval-num-generations must be at least 1", "--log-completions must be >= 0"],
+        ),
+        (
+            "online_dpo.py",
+            ["--eval-dataset", "EVAL", "--eval-steps", 1, "--eval-max-samples", 0],
+            ["--eval-max-samples must be at least 1"],
+        ),
+        ("online_dpo.py", ["--eval-dataset", "NO_KEYWORD", "--eval-steps", 1], ["--eval-dataset", "column 'keyword'"]),
+    ],
+)
 def test_bad_eval_flags_are_rejected_before_any_model_loads(monkeypatch, tmp_path, eval_data, script, extra, expected):
     no_keyword = write_jsonl(tmp_path / "no_keyword.jsonl", [{"prompt": row["prompt"]} for row in EVAL_ROWS])
     extra = [{"EVAL": eval_data, "NO_KEYWORD": no_keyword}.get(str(a), a) for a in extra]
-    message = run_without_models(monkeypatch, script, *SMALL, "--dataset-name", eval_data, "--output-dir",
-                                 tmp_path / "run", "--max-steps", 1, *extra)
+    message = run_without_models(
+        monkeypatch,
+        script,
+        *SMALL,
+        "--dataset-name",
+        eval_data,
+        "--output-dir",
+        tmp_path / "run",
+        "--max-steps",
+        1,
+        *extra,
+    )
     for text in expected:
         assert text in message, message
     assert not (tmp_path / "run").exists()
@@ -203,8 +299,20 @@ def test_evaluation_leaves_training_as_it_was(tmp_path, eval_data):
     # evaluation samples from a forked RNG and changes no weights: the same run with and without it trains alike
     common = [*SMALL, "--dataset-name", ASSETS / "stories_prompts.jsonl", "--max-steps", 3]
     check(run_script("grpo.py", *common, "--output-dir", tmp_path / "plain"))
-    check(run_script("grpo.py", *common, "--output-dir", tmp_path / "evaluated", "--eval-dataset", eval_data,
-                     "--eval-steps", 1, "--eval-num-generations", 2))
+    check(
+        run_script(
+            "grpo.py",
+            *common,
+            "--output-dir",
+            tmp_path / "evaluated",
+            "--eval-dataset",
+            eval_data,
+            "--eval-steps",
+            1,
+            "--eval-num-generations",
+            2,
+        )
+    )
     plain, evaluated = read_metrics(tmp_path / "plain"), read_metrics(tmp_path / "evaluated")[1:]
     assert [m["step"] for m in evaluated] == [1, 2, 3] and all("eval/pass@2" in m for m in evaluated)
     for a, b in zip(plain, evaluated):

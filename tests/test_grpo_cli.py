@@ -1,14 +1,20 @@
 """grpo.py from the command line on the CPU: outputs, checkpoints and resuming, dynamic sampling, clear errors."""
+
 import json
 import os
 
 import pytest
 import torch
-from grpo_cli import SMALL, STORIES, check, read_metrics, run_grpo, write_jsonl
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-PROMPTS = ["Once upon a time, there was a little girl named Lily.", "One day, a boy named Tim went to the park.",
-           "The cat was sad.", "Sam and Mia wanted to play a game."]
+from grpo_cli import SMALL, STORIES, check, read_metrics, run_grpo, write_jsonl
+
+PROMPTS = [
+    "Once upon a time, there was a little girl named Lily.",
+    "One day, a boy named Tim went to the park.",
+    "The cat was sad.",
+    "Sam and Mia wanted to play a game.",
+]
 
 
 @pytest.fixture
@@ -18,8 +24,21 @@ def stories_jsonl(tmp_path):
 
 def test_train_save_and_resume(tmp_path, stories_jsonl):
     out = tmp_path / "run"
-    common = [*SMALL, "--dataset-name", stories_jsonl, "--output-dir", out, "--max-steps", 4, "--seed", 3,
-              "--save-steps", 1, "--save-total-limit", 2]
+    common = [
+        *SMALL,
+        "--dataset-name",
+        stories_jsonl,
+        "--output-dir",
+        out,
+        "--max-steps",
+        4,
+        "--seed",
+        3,
+        "--save-steps",
+        1,
+        "--save-total-limit",
+        2,
+    ]
     check(run_grpo(*common))
 
     # checkpoints every step but the last, only the newest 2 kept, each resumable
@@ -31,7 +50,10 @@ def test_train_save_and_resume(tmp_path, stories_jsonl):
     # the final model and tokenizer load from output_dir itself, and training changed the weights
     model = AutoModelForCausalLM.from_pretrained(out)
     tokenizer = AutoTokenizer.from_pretrained(out)
-    assert tokenizer("Once upon a time")["input_ids"] == AutoTokenizer.from_pretrained(STORIES)("Once upon a time")["input_ids"]
+    assert (
+        tokenizer("Once upon a time")["input_ids"]
+        == AutoTokenizer.from_pretrained(STORIES)("Once upon a time")["input_ids"]
+    )
     start = AutoModelForCausalLM.from_pretrained(STORIES)
     changed = [n for n, p in model.state_dict().items() if not torch.equal(p, start.state_dict()[n])]
     assert changed, "the saved final model equals the initial model"
@@ -39,8 +61,17 @@ def test_train_save_and_resume(tmp_path, stories_jsonl):
 
     metrics = read_metrics(out)
     assert [m["step"] for m in metrics] == [1, 2, 3, 4]
-    for key in ("reward", "reward_std", "frac_reward_zero_std", "loss", "grad_norm", "learning_rate", "entropy",
-                "completions/mean_length", "rewards/keyword_reward/mean"):
+    for key in (
+        "reward",
+        "reward_std",
+        "frac_reward_zero_std",
+        "loss",
+        "grad_norm",
+        "learning_rate",
+        "entropy",
+        "completions/mean_length",
+        "rewards/keyword_reward/mean",
+    ):
         assert key in metrics[0], key
     assert all(m["completions/max_length"] <= 8 for m in metrics)
 
@@ -66,8 +97,17 @@ def test_train_save_and_resume(tmp_path, stories_jsonl):
 
 
 def test_resume_latest_without_checkpoint_fails(tmp_path, stories_jsonl):
-    result = run_grpo(*SMALL, "--dataset-name", stories_jsonl, "--output-dir", tmp_path / "empty", "--max-steps", 1,
-                      "--resume-from-checkpoint", "latest")
+    result = run_grpo(
+        *SMALL,
+        "--dataset-name",
+        stories_jsonl,
+        "--output-dir",
+        tmp_path / "empty",
+        "--max-steps",
+        1,
+        "--resume-from-checkpoint",
+        "latest",
+    )
     assert result.returncode != 0 and "no checkpoint-N directory" in result.stderr
 
 
@@ -77,8 +117,24 @@ def test_dynamic_sampling_refills_the_batch(tmp_path):
     rows = [{"prompt": p, "keyword": "the"} for p in PROMPTS] + [{"prompt": p, "keyword": "zzzqqq"} for p in PROMPTS]
     data = write_jsonl(tmp_path / "mixed.jsonl", rows)
     out = tmp_path / "run"
-    check(run_grpo(*SMALL, "--dataset-name", data, "--output-dir", out, "--max-steps", 3, "--seed", 1,
-                   "--max-completion-length", 16, "--dynamic-sampling", "--dynamic-sampling-max-rounds", 6))
+    check(
+        run_grpo(
+            *SMALL,
+            "--dataset-name",
+            data,
+            "--output-dir",
+            out,
+            "--max-steps",
+            3,
+            "--seed",
+            1,
+            "--max-completion-length",
+            16,
+            "--dynamic-sampling",
+            "--dynamic-sampling-max-rounds",
+            6,
+        )
+    )
     metrics = read_metrics(out)
     assert [m["step"] for m in metrics] == [1, 2, 3]
     rounds = [m["dynamic_sampling/generation_rounds"] for m in metrics]
@@ -115,7 +171,9 @@ def test_error_missing_answer_column(tmp_path):
 
 
 def test_error_unknown_reward(tmp_path, stories_jsonl):
-    err = failing(*SMALL, "--dataset-name", stories_jsonl, "--output-dir", tmp_path / "run", "--reward-funcs", "no_such_reward")
+    err = failing(
+        *SMALL, "--dataset-name", stories_jsonl, "--output-dir", tmp_path / "run", "--reward-funcs", "no_such_reward"
+    )
     assert "unknown reward function 'no_such_reward'" in err and "--reward-funcs" in err
     names = err.split("takes names from rewards.py:")[-1].strip().splitlines()[0]
     assert "'keyword_reward'" in names and "'gsm8k_accuracy'" in names  # the list of valid names...
@@ -124,15 +182,27 @@ def test_error_unknown_reward(tmp_path, stories_jsonl):
 
 def test_error_prompt_longer_than_context(tmp_path):
     long_prompt = " ".join(["Once upon a time there was a big dog."] * 60)  # ~600 tokens; the model has 512
-    data = write_jsonl(tmp_path / "d.jsonl", [{"prompt": long_prompt, "keyword": "the"}, {"prompt": "Hi", "keyword": "the"}])
+    data = write_jsonl(
+        tmp_path / "d.jsonl", [{"prompt": long_prompt, "keyword": "the"}, {"prompt": "Hi", "keyword": "the"}]
+    )
     err = failing(*SMALL, "--dataset-name", data, "--output-dir", tmp_path / "run")
     assert "exceeds the model's context of 512 tokens" in err and "--max-prompt-length" in err
 
 
 def test_error_reward_function_raises(tmp_path, stories_jsonl):
     # soft_overlong_punishment raises on a buffer longer than --max-completion-length (8): named with its error
-    err = failing(*SMALL, "--dataset-name", stories_jsonl, "--output-dir", tmp_path / "run", "--reward-funcs",
-                  "soft_overlong_punishment", "--reward-kwargs", "overlong_buffer_length", 100)
+    err = failing(
+        *SMALL,
+        "--dataset-name",
+        stories_jsonl,
+        "--output-dir",
+        tmp_path / "run",
+        "--reward-funcs",
+        "soft_overlong_punishment",
+        "--reward-kwargs",
+        "overlong_buffer_length",
+        100,
+    )
     assert "RuntimeError" in err and "reward function 'soft_overlong_punishment' raised ValueError" in err
     assert "overlong_buffer_length" in err
 
@@ -145,8 +215,18 @@ def test_error_missing_dataset_file(tmp_path):
 def test_error_dynamic_sampling_without_signal(tmp_path):
     # a keyword that never appears: every group ties at 0, so dynamic sampling can never fill a step
     data = write_jsonl(tmp_path / "never.jsonl", [{"prompt": p, "keyword": "zzzqqq"} for p in PROMPTS])
-    result = run_grpo(*SMALL, "--dataset-name", data, "--output-dir", tmp_path / "run", "--max-steps", 2,
-                      "--dynamic-sampling", "--dynamic-sampling-max-rounds", 2)
+    result = run_grpo(
+        *SMALL,
+        "--dataset-name",
+        data,
+        "--output-dir",
+        tmp_path / "run",
+        "--max-steps",
+        2,
+        "--dynamic-sampling",
+        "--dynamic-sampling-max-rounds",
+        2,
+    )
     assert result.returncode != 0
     assert "whose 4 completions got different rewards in 2 rounds" in result.stderr
     assert "--dynamic-sampling-max-rounds" in result.stderr

@@ -1,4 +1,5 @@
 """grpo.py's loss and advantage functions against values worked out by hand from the papers' formulas."""
+
 import math
 
 import pytest
@@ -73,7 +74,9 @@ def test_policy_loss_delta_two_sided_clipping():
     for i in range(2):
         for j in range(3):
             assert loss[i, j].item() == pytest.approx(expected[i][j], rel=1e-6)
-            assert loss[i, j].item() == pytest.approx(hand_ppo(math.exp(log_ratio[i][j]), adv[i], 0.2, 0.2, delta), rel=1e-6)
+            assert loss[i, j].item() == pytest.approx(
+                hand_ppo(math.exp(log_ratio[i][j]), adv[i], 0.2, 0.2, delta), rel=1e-6
+            )
     no_delta, _ = grpo.policy_loss(t(logp), t(old), t(adv), t(MASK), 0.2, 0.2)
     assert no_delta[1, 0].item() == pytest.approx(math.e * 3, rel=1e-6)
 
@@ -227,7 +230,9 @@ def test_group_advantages_group_scaling():
     expected = [(r - m0) / (s0 + 1e-4) for r in REWARDS[:4]] + [(r - m1) / (s1 + 1e-4) for r in REWARDS[4:]]
     assert adv == pytest.approx(expected, rel=1e-5)
     assert adv[0] == pytest.approx(0.5 / (0.5773503 + 1e-4), rel=1e-5)
-    assert adv == pytest.approx([(r - mean(g)) / (std(g) + 1e-4) for g in (REWARDS[:4], REWARDS[4:]) for r in g], rel=1e-5)
+    assert adv == pytest.approx(
+        [(r - mean(g)) / (std(g) + 1e-4) for g in (REWARDS[:4], REWARDS[4:]) for r in g], rel=1e-5
+    )
 
 
 def test_group_advantages_batch_scaling():
@@ -276,7 +281,9 @@ IS_MASK = [[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]]
 
 
 def test_vllm_importance_ratio_token_truncate():
-    w, diff = grpo.vllm_importance_ratio(t(TRAIN_LP), t(VLLM_LP), t(IS_MASK), "token_truncate", clip_min=0.5, clip_max=1.5)
+    w, diff = grpo.vllm_importance_ratio(
+        t(TRAIN_LP), t(VLLM_LP), t(IS_MASK), "token_truncate", clip_min=0.5, clip_max=1.5
+    )
     expected = [[1.5, 0.5, 1.0], [math.exp(-0.1), 0.5, 1.0]]  # pad: log ratio 0 -> 1
     assert w.tolist()[0] == pytest.approx(expected[0], rel=1e-6)
     assert w.tolist()[1][:2] == pytest.approx(expected[1][:2], rel=1e-6)
@@ -297,9 +304,13 @@ def test_vllm_importance_ratio_token_mask():
 def test_vllm_importance_ratio_sequence_truncate():
     # one ratio per sequence: exp(sum of the real tokens' log ratios)
     s0, s1 = math.exp(0.5 - 1.0 + 0.0), math.exp(-0.1 - 0.9)  # 0.6065, 0.3679
-    w, _ = grpo.vllm_importance_ratio(t(TRAIN_LP), t(VLLM_LP), t(IS_MASK), "sequence_truncate", clip_min=0.5, clip_max=3.0)
+    w, _ = grpo.vllm_importance_ratio(
+        t(TRAIN_LP), t(VLLM_LP), t(IS_MASK), "sequence_truncate", clip_min=0.5, clip_max=3.0
+    )
     assert w.tolist() == [pytest.approx([s0] * 3, rel=1e-6), pytest.approx([0.5] * 3, rel=1e-6)]
-    w, _ = grpo.vllm_importance_ratio(t(TRAIN_LP), t(VLLM_LP), t(IS_MASK), "sequence_truncate", clip_min=None, clip_max=0.5)
+    w, _ = grpo.vllm_importance_ratio(
+        t(TRAIN_LP), t(VLLM_LP), t(IS_MASK), "sequence_truncate", clip_min=None, clip_max=0.5
+    )
     assert w.tolist() == [pytest.approx([0.5] * 3, rel=1e-6), pytest.approx([s1] * 3, rel=1e-6)]
 
 

@@ -1,4 +1,5 @@
 """per_token_logprobs and hf_generate on a tiny random Llama, against naive per-row references."""
+
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -11,8 +12,17 @@ TEMPERATURE = 0.7
 
 def tiny_llama(seed=0, tie=False):
     torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=tie, pad_token_id=PAD)
+    config = LlamaConfig(
+        vocab_size=300,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        tie_word_embeddings=tie,
+        pad_token_id=PAD,
+    )
     return LlamaForCausalLM(config).eval()
 
 
@@ -49,8 +59,9 @@ def test_per_token_logprobs_matches_naive(tie):
     assert ids[2, :6].tolist() == [PAD] * 6 and pos[1].tolist() == list(range(9)) + [8] * 4  # left-padded prompts
     weights = torch.randn(4, 6, generator=torch.Generator().manual_seed(2))
 
-    logprobs, entropy = grpo.per_token_logprobs(model, ids, attn, pos, cmask, P, TEMPERATURE, chunk_tokens=3,
-                                                with_entropy=True)
+    logprobs, entropy = grpo.per_token_logprobs(
+        model, ids, attn, pos, cmask, P, TEMPERATURE, chunk_tokens=3, with_entropy=True
+    )
     assert logprobs.shape == (4, 6)
     (logprobs * weights).sum().backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}

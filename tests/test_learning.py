@@ -3,6 +3,7 @@
 Untrained, about a quarter of its completions contain the word. Observed with these settings (seeds 1-4, 30 steps):
 mean reward of the first 5 steps 0.35-0.43, of the last 5 steps 0.90-0.96; with learning rate 0 it stays flat.
 The command is grpo_cli.LEARNING; tests/test_plot.py plots these same runs."""
+
 from grpo_cli import read_metrics
 
 

@@ -1,9 +1,18 @@
 """The trainer's log-probs apply the model's own final-logit transform (Gemma 2 soft-capping, Granite logits_scaling,
 Cohere logit_scale), and the start-up check (check_logprobs) fails loudly on a transform it does not know."""
+
 import pytest
 import torch
-from transformers import (CohereConfig, CohereForCausalLM, Gemma2Config, Gemma2ForCausalLM, GraniteConfig,
-                          GraniteForCausalLM, LlamaConfig, LlamaForCausalLM)
+from transformers import (
+    CohereConfig,
+    CohereForCausalLM,
+    Gemma2Config,
+    Gemma2ForCausalLM,
+    GraniteConfig,
+    GraniteForCausalLM,
+    LlamaConfig,
+    LlamaForCausalLM,
+)
 
 import grpo
 import online_dpo
@@ -12,8 +21,17 @@ import rloo
 SCRIPTS = [grpo, rloo, online_dpo]
 PAD = 0
 TEMPERATURE = 0.7
-SIZES = dict(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2, max_position_embeddings=128, pad_token_id=PAD, tie_word_embeddings=False)
+SIZES = dict(
+    vocab_size=300,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+    pad_token_id=PAD,
+    tie_word_embeddings=False,
+)
 ARCHS = {
     "gemma2": lambda: Gemma2ForCausalLM(Gemma2Config(**SIZES, head_dim=8, final_logit_softcapping=30.0)),
     "granite": lambda: GraniteForCausalLM(GraniteConfig(**SIZES, logits_scaling=8.0)),
@@ -25,7 +43,9 @@ ARCHS = {
 def tiny(arch):
     torch.manual_seed(0)
     model = ARCHS[arch]().eval()
-    with torch.no_grad():  # raw logits of up to 100: the soft cap (30) bites, and scaling them changes the log-probs a lot
+    with (
+        torch.no_grad()
+    ):  # raw logits of up to 100: the soft cap (30) bites, and scaling them changes the log-probs a lot
         hidden = model(input_ids=torch.arange(1, 20)[None], output_hidden_states=True).hidden_states[-1]
         model.lm_head.weight.mul_(100 / model.lm_head(hidden).abs().max())
     return model

@@ -1,13 +1,20 @@
 """online_dpo.py's functions: losses against hand-computed values, pairing, temperature-scaled sequence log-probs,
 reward-model scoring, the missing-EOS penalty and the beta schedule."""
+
 import math
 
 import pytest
 import torch
-from grpo_cli import STORIES
-from transformers import AutoModelForSequenceClassification, AutoTokenizer, LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassification
+from transformers import (
+    AutoModelForSequenceClassification,
+    AutoTokenizer,
+    LlamaConfig,
+    LlamaForCausalLM,
+    LlamaForSequenceClassification,
+)
 
 import online_dpo
+from grpo_cli import STORIES
 
 NAN = float("nan")
 
@@ -51,7 +58,9 @@ def test_ipo_loss_by_hand():
 
 
 def test_loss_is_log2_when_policy_equals_reference():
-    assert online_dpo.dpo_loss(t(CHOSEN), t(REJECTED), t(CHOSEN), t(REJECTED), 0.1).tolist() == pytest.approx([math.log(2)] * 2)
+    assert online_dpo.dpo_loss(t(CHOSEN), t(REJECTED), t(CHOSEN), t(REJECTED), 0.1).tolist() == pytest.approx(
+        [math.log(2)] * 2
+    )
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -59,14 +68,34 @@ def test_loss_is_log2_when_policy_equals_reference():
 
 
 def test_select_pairs_best_vs_worst_g4():
-    rewards = t([
-        0.2, 0.9, NAN, -1.0,   # prompt 0: best 1, worst 3
-        NAN, 0.5, 0.3, 0.4,    # prompt 1: the NaN is ignored: best 5, worst 6
-        1.0, 1.0, 1.0, 1.0,    # prompt 2: all tie
-        NAN, 2.0, NAN, 2.0,    # prompt 3: two scorable, tied
-        NAN, NAN, NAN, 7.0,    # prompt 4: one scorable sample: no pair
-        3.0, 0.0, 3.0, 0.0,    # prompt 5: equal best / worst: the first of each
-    ])
+    rewards = t(
+        [
+            0.2,
+            0.9,
+            NAN,
+            -1.0,  # prompt 0: best 1, worst 3
+            NAN,
+            0.5,
+            0.3,
+            0.4,  # prompt 1: the NaN is ignored: best 5, worst 6
+            1.0,
+            1.0,
+            1.0,
+            1.0,  # prompt 2: all tie
+            NAN,
+            2.0,
+            NAN,
+            2.0,  # prompt 3: two scorable, tied
+            NAN,
+            NAN,
+            NAN,
+            7.0,  # prompt 4: one scorable sample: no pair
+            3.0,
+            0.0,
+            3.0,
+            0.0,  # prompt 5: equal best / worst: the first of each
+        ]
+    )
     chosen, rejected, num_tied, num_unscorable = online_dpo.select_pairs(rewards, 4)
     assert chosen == [1, 5, 20] and rejected == [3, 6, 21]
     assert num_tied == 2 and num_unscorable == 1
@@ -87,8 +116,16 @@ def test_select_pairs_g2_and_all_tied():
 
 def tiny_llama(seed=0):
     torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, max_position_embeddings=128, pad_token_id=0)
+    config = LlamaConfig(
+        vocab_size=300,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        pad_token_id=0,
+    )
     return LlamaForCausalLM(config).eval()
 
 
@@ -127,8 +164,17 @@ def reward_model_dir(tmp_path):
     """A tiny random LlamaForSequenceClassification (num_labels 1, no pad token in its config, like many reward
     models) with the stories260K tokenizer, given a chat template."""
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=512, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, max_position_embeddings=256, num_labels=1, pad_token_id=None)
+    config = LlamaConfig(
+        vocab_size=512,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        num_labels=1,
+        pad_token_id=None,
+    )
     LlamaForSequenceClassification(config).save_pretrained(tmp_path / "rm")
     tokenizer = AutoTokenizer.from_pretrained(STORIES)
     tokenizer.chat_template = "{{ bos_token }}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
@@ -159,13 +205,17 @@ def test_reward_model_scores_equal_unpadded_scores(reward_model_dir):
         assert scores[i].item() == pytest.approx(alone(reference, ids), abs=1e-5)
     # one micro-batch for everything, or one row each: the same scores
     for budget in (10**6, 1):
-        torch.testing.assert_close(online_dpo.reward_model_scores(model, inputs, budget, "cpu"), scores, atol=1e-5, rtol=0)
+        torch.testing.assert_close(
+            online_dpo.reward_model_scores(model, inputs, budget, "cpu"), scores, atol=1e-5, rtol=0
+        )
 
     # the check can fail: padding with a token other than config.pad_token_id makes the model read the padding
     L = max(lengths)
     wrong = torch.tensor([ids + [7] * (L - len(ids)) for ids in inputs])
     with torch.no_grad():
-        leaked = model(input_ids=wrong, attention_mask=(torch.arange(L)[None] < torch.tensor(lengths)[:, None]).long()).logits[:, 0]
+        leaked = model(
+            input_ids=wrong, attention_mask=(torch.arange(L)[None] < torch.tensor(lengths)[:, None]).long()
+        ).logits[:, 0]
     assert (leaked - scores).abs().max() > 1e-3
 
 
@@ -183,8 +233,15 @@ def test_reward_model_inputs_chat_template(reward_model_dir):
 
 
 def test_reward_model_must_have_one_label(tmp_path):
-    config = LlamaConfig(vocab_size=512, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
-                         num_key_value_heads=1, num_labels=2)
+    config = LlamaConfig(
+        vocab_size=512,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        num_labels=2,
+    )
     LlamaForSequenceClassification(config).save_pretrained(tmp_path / "rm2")
     AutoTokenizer.from_pretrained(STORIES).save_pretrained(tmp_path / "rm2")
     with pytest.raises(ValueError, match="has 2 labels; a reward model has 1"):

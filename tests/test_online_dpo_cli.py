@@ -1,20 +1,41 @@
 """online_dpo.py from the command line on the CPU: outputs, checkpoints and resuming, the beta schedule, micro-batching,
 all-tied steps, a reward model, clear errors, and learning on the bundled stories260K model."""
+
 import json
 import os
 import shutil
 
 import pytest
 import torch
-from grpo_cli import ASSETS, STORIES, Process, check, read_metrics, run_script, write_jsonl
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForSequenceClassification
 
-PROMPTS = ["Once upon a time, there was a little girl named Lily.", "One day, a boy named Tim went to the park.",
-           "The cat was sad.", "Sam and Mia wanted to play a game."]
+from grpo_cli import ASSETS, STORIES, Process, check, read_metrics, run_script, write_jsonl
+
+PROMPTS = [
+    "Once upon a time, there was a little girl named Lily.",
+    "One day, a boy named Tim went to the park.",
+    "The cat was sad.",
+    "Sam and Mia wanted to play a game.",
+]
 # a short run: 2 prompts x 4 completions of at most 8 tokens per step
-SMALL = ["--model-name-or-path", STORIES, "--prompt-column", "prompt", "--answer-column", "", "--no-use-chat-template",
-         "--no-bf16", "--prompts-per-step", "2", "--num-generations", "4", "--max-completion-length", "8",
-         "--learning-rate", "1e-3"]
+SMALL = [
+    "--model-name-or-path",
+    STORIES,
+    "--prompt-column",
+    "prompt",
+    "--answer-column",
+    "",
+    "--no-use-chat-template",
+    "--no-bf16",
+    "--prompts-per-step",
+    "2",
+    "--num-generations",
+    "4",
+    "--max-completion-length",
+    "8",
+    "--learning-rate",
+    "1e-3",
+]
 
 
 def run_online_dpo(*args, timeout=300):
@@ -32,8 +53,16 @@ def reward_model_dir(tmp_path_factory):
     so a prompt's completions (almost) never tie."""
     path = tmp_path_factory.mktemp("rm")
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=512, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, max_position_embeddings=256, num_labels=1)
+    config = LlamaConfig(
+        vocab_size=512,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        num_labels=1,
+    )
     LlamaForSequenceClassification(config).save_pretrained(path)
     AutoTokenizer.from_pretrained(STORIES).save_pretrained(path)
     return path
@@ -42,8 +71,26 @@ def reward_model_dir(tmp_path_factory):
 def test_train_save_resume_and_beta_schedule(tmp_path, stories_jsonl):
     out = tmp_path / "run"
     # 4 prompts, 2 per step: steps 1-2 are epoch 0, steps 3-4 epoch 1, after which the last beta is reused
-    common = [*SMALL, "--reward-funcs", "keyword_reward", "--dataset-name", stories_jsonl, "--output-dir", out,
-              "--max-steps", 6, "--seed", 3, "--save-steps", 1, "--save-total-limit", 2, "--beta", 0.5, 0.2]
+    common = [
+        *SMALL,
+        "--reward-funcs",
+        "keyword_reward",
+        "--dataset-name",
+        stories_jsonl,
+        "--output-dir",
+        out,
+        "--max-steps",
+        6,
+        "--seed",
+        3,
+        "--save-steps",
+        1,
+        "--save-total-limit",
+        2,
+        "--beta",
+        0.5,
+        0.2,
+    ]
     check(run_online_dpo(*common))
 
     # checkpoints every step but the last, only the newest 2 kept, each resumable
@@ -54,23 +101,49 @@ def test_train_save_resume_and_beta_schedule(tmp_path, stories_jsonl):
 
     # the final model and tokenizer load from output_dir itself, and training changed the weights
     model = AutoModelForCausalLM.from_pretrained(out)
-    assert AutoTokenizer.from_pretrained(out)("Once upon a time")["input_ids"] == AutoTokenizer.from_pretrained(STORIES)("Once upon a time")["input_ids"]
+    assert (
+        AutoTokenizer.from_pretrained(out)("Once upon a time")["input_ids"]
+        == AutoTokenizer.from_pretrained(STORIES)("Once upon a time")["input_ids"]
+    )
     start = AutoModelForCausalLM.from_pretrained(STORIES)
-    assert [n for n, p in model.state_dict().items() if not torch.equal(p, start.state_dict()[n])], "the final model equals the initial one"
+    assert [n for n, p in model.state_dict().items() if not torch.equal(p, start.state_dict()[n])], (
+        "the final model equals the initial one"
+    )
 
     metrics = read_metrics(out)
     assert [m["step"] for m in metrics] == [1, 2, 3, 4, 5, 6]
     assert [m["beta"] for m in metrics] == [0.5, 0.5, 0.2, 0.2, 0.2, 0.2]
     trained = [m for m in metrics if m["num_pairs"] > 0]
     assert trained, metrics
-    for key in ("loss", "grad_norm", "rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies",
-                "logps/chosen", "logps/rejected", "objective/scores_margin", "kl"):
+    for key in (
+        "loss",
+        "grad_norm",
+        "rewards/chosen",
+        "rewards/rejected",
+        "rewards/margins",
+        "rewards/accuracies",
+        "logps/chosen",
+        "logps/rejected",
+        "objective/scores_margin",
+        "kl",
+    ):
         assert key in trained[0], key
-    for key in ("objective/scores", "frac_tied", "learning_rate", "completions/mean_length", "completions/clipped_ratio",
-                "timing/generation", "timing/weight_sync", "step_time", "scores/keyword_reward/mean"):
+    for key in (
+        "objective/scores",
+        "frac_tied",
+        "learning_rate",
+        "completions/mean_length",
+        "completions/clipped_ratio",
+        "timing/generation",
+        "timing/weight_sync",
+        "step_time",
+        "scores/keyword_reward/mean",
+    ):
         assert key in metrics[0], key
     for m in trained:  # keyword_reward is 0 or 1: a pair is always a 1 against a 0
-        assert m["objective/scores_margin"] == 1.0 and m["rewards/margins"] == pytest.approx(m["rewards/chosen"] - m["rewards/rejected"], abs=1e-5)
+        assert m["objective/scores_margin"] == 1.0 and m["rewards/margins"] == pytest.approx(
+            m["rewards/chosen"] - m["rewards/rejected"], abs=1e-5
+        )
         assert 0 <= m["rewards/accuracies"] <= 1
     # step 1 (which has a pair with this seed) runs before any update: the policy is the reference, z = 0, loss log 2
     assert metrics[0]["num_pairs"] > 0 and metrics[0]["loss"] == pytest.approx(0.693147, abs=1e-6)
@@ -85,8 +158,17 @@ def test_train_save_resume_and_beta_schedule(tmp_path, stories_jsonl):
     resumed = read_metrics(out)
     assert [m["step"] for m in resumed] == [1, 2, 3, 4, 5, 6]
     assert resumed[5].keys() == metrics[5].keys()
-    for key in ("learning_rate", "beta", "objective/scores", "num_pairs", "skipped_steps", "completions/mean_length",
-                "loss", "grad_norm", "kl"):
+    for key in (
+        "learning_rate",
+        "beta",
+        "objective/scores",
+        "num_pairs",
+        "skipped_steps",
+        "completions/mean_length",
+        "loss",
+        "grad_norm",
+        "kl",
+    ):
         if key in metrics[5]:  # the pair metrics are absent when every prompt tied
             assert resumed[5][key] == pytest.approx(metrics[5][key], rel=1e-4), key
     resumed_model = AutoModelForCausalLM.from_pretrained(out)
@@ -96,9 +178,27 @@ def test_train_save_resume_and_beta_schedule(tmp_path, stories_jsonl):
 
 def test_micro_batches_give_the_same_step(tmp_path, stories_jsonl, reward_model_dir):
     # one micro-batch for all pairs vs one pair per micro-batch: the same loss and gradient (each pair weighs 1/num_pairs)
-    runs = {budget: Process("online_dpo.py", *SMALL, "--reward-model-path", reward_model_dir, "--dataset-name", stories_jsonl,
-                            "--output-dir", tmp_path / f"mb{budget}", "--max-steps", 2, "--seed", 5, "--prompts-per-step", 4,
-                            "--micro-batch-tokens", budget) for budget in (16384, 1)}  # side by side
+    runs = {
+        budget: Process(
+            "online_dpo.py",
+            *SMALL,
+            "--reward-model-path",
+            reward_model_dir,
+            "--dataset-name",
+            stories_jsonl,
+            "--output-dir",
+            tmp_path / f"mb{budget}",
+            "--max-steps",
+            2,
+            "--seed",
+            5,
+            "--prompts-per-step",
+            4,
+            "--micro-batch-tokens",
+            budget,
+        )
+        for budget in (16384, 1)
+    }  # side by side
     results = []
     for budget, process in runs.items():
         check(process.result())
@@ -117,7 +217,11 @@ def test_all_tied_steps_are_skipped_and_counted(tmp_path):
     # a keyword that never appears: every completion scores 0, every prompt ties, no step has a pair
     data = write_jsonl(tmp_path / "never.jsonl", [{"prompt": p, "keyword": "zzzqqq"} for p in PROMPTS])
     out = tmp_path / "run"
-    check(run_online_dpo(*SMALL, "--reward-funcs", "keyword_reward", "--dataset-name", data, "--output-dir", out, "--max-steps", 3))
+    check(
+        run_online_dpo(
+            *SMALL, "--reward-funcs", "keyword_reward", "--dataset-name", data, "--output-dir", out, "--max-steps", 3
+        )
+    )
     metrics = read_metrics(out)
     assert [m["step"] for m in metrics] == [1, 2, 3]
     assert [m["skipped_steps"] for m in metrics] == [1, 2, 3]
@@ -140,8 +244,23 @@ def test_chat_prompts_reward_model_and_missing_eos_penalty(tmp_path, reward_mode
         tokenizer.save_pretrained(path)
     data = write_jsonl(tmp_path / "chat.jsonl", [{"prompt": [{"role": "user", "content": p}]} for p in PROMPTS])
     out = tmp_path / "run"
-    check(run_online_dpo(*SMALL, "--model-name-or-path", policy, "--reward-model-path", rm, "--dataset-name", data,
-                         "--output-dir", out, "--max-steps", 2, "--missing-eos-penalty", 100))
+    check(
+        run_online_dpo(
+            *SMALL,
+            "--model-name-or-path",
+            policy,
+            "--reward-model-path",
+            rm,
+            "--dataset-name",
+            data,
+            "--output-dir",
+            out,
+            "--max-steps",
+            2,
+            "--missing-eos-penalty",
+            100,
+        )
+    )
     metrics = read_metrics(out)
     assert [m["step"] for m in metrics] == [1, 2]
     for m in metrics:
@@ -169,31 +288,63 @@ def test_error_missing_prompt_column(tmp_path):
 
 
 def test_error_unknown_reward(tmp_path, stories_jsonl):
-    err = failing(*SMALL, "--dataset-name", stories_jsonl, "--output-dir", tmp_path / "run", "--reward-funcs", "no_such_reward")
+    err = failing(
+        *SMALL, "--dataset-name", stories_jsonl, "--output-dir", tmp_path / "run", "--reward-funcs", "no_such_reward"
+    )
     assert "unknown reward function 'no_such_reward'" in err and "'keyword_reward'" in err
 
 
 def test_error_reward_function_raises(tmp_path, stories_jsonl):
     # soft_overlong_punishment raises on a buffer longer than --max-completion-length (8): named with its error
-    err = failing(*SMALL, "--reward-funcs", "soft_overlong_punishment", "--reward-kwargs", "overlong_buffer_length", 100,
-                  "--dataset-name", stories_jsonl, "--output-dir", tmp_path / "run")
+    err = failing(
+        *SMALL,
+        "--reward-funcs",
+        "soft_overlong_punishment",
+        "--reward-kwargs",
+        "overlong_buffer_length",
+        100,
+        "--dataset-name",
+        stories_jsonl,
+        "--output-dir",
+        tmp_path / "run",
+    )
     assert "reward function 'soft_overlong_punishment' raised ValueError" in err and "overlong_buffer_length" in err
 
 
 def test_error_no_reward_or_both(tmp_path, stories_jsonl):
     err = failing(*SMALL, "--dataset-name", stories_jsonl, "--output-dir", tmp_path / "run")
     assert "no reward given" in err and "--reward-funcs" in err and "--reward-model-path" in err
-    err = failing(*SMALL, "--dataset-name", stories_jsonl, "--output-dir", tmp_path / "run", "--reward-funcs", "keyword_reward",
-                  "--reward-model-path", STORIES)
+    err = failing(
+        *SMALL,
+        "--dataset-name",
+        stories_jsonl,
+        "--output-dir",
+        tmp_path / "run",
+        "--reward-funcs",
+        "keyword_reward",
+        "--reward-model-path",
+        STORIES,
+    )
     assert "both --reward-funcs and --reward-model-path" in err
 
 
 def test_error_bad_penalty_and_prompt_too_long(tmp_path, stories_jsonl):
-    err = failing(*SMALL, "--reward-funcs", "keyword_reward", "--dataset-name", stories_jsonl, "--output-dir", tmp_path / "run",
-                  "--missing-eos-penalty", 0)
+    err = failing(
+        *SMALL,
+        "--reward-funcs",
+        "keyword_reward",
+        "--dataset-name",
+        stories_jsonl,
+        "--output-dir",
+        tmp_path / "run",
+        "--missing-eos-penalty",
+        0,
+    )
     assert "--missing-eos-penalty must be > 0" in err
     long_prompt = " ".join(["Once upon a time there was a big dog."] * 60)  # ~600 tokens; the model has 512
-    data = write_jsonl(tmp_path / "d.jsonl", [{"prompt": long_prompt, "keyword": "the"}, {"prompt": "Hi", "keyword": "the"}])
+    data = write_jsonl(
+        tmp_path / "d.jsonl", [{"prompt": long_prompt, "keyword": "the"}, {"prompt": "Hi", "keyword": "the"}]
+    )
     err = failing(*SMALL, "--reward-funcs", "keyword_reward", "--dataset-name", data, "--output-dir", tmp_path / "run")
     assert "exceeds the model's context of 512 tokens" in err and "--max-prompt-length" in err
 
@@ -205,9 +356,30 @@ def test_error_bad_penalty_and_prompt_too_long(tmp_path, stories_jsonl):
 # mean score of the first 5 steps 0.39-0.52, of the last 5 steps 0.91-0.99 (rise 0.44-0.59); the 5-step mean first
 # reaches 0.8 at step 9-15. With learning rate 0 (seeds 1-3): 0.24-0.32 -> 0.22-0.29.
 
-LEARN = ["--model-name-or-path", STORIES, "--dataset-name", ASSETS / "stories_prompts.jsonl", "--prompt-column", "prompt",
-         "--answer-column", "", "--reward-funcs", "keyword_reward", "--no-use-chat-template", "--no-bf16",
-         "--num-generations", 4, "--prompts-per-step", 8, "--max-completion-length", 24, "--max-steps", 30, "--seed", 1]
+LEARN = [
+    "--model-name-or-path",
+    STORIES,
+    "--dataset-name",
+    ASSETS / "stories_prompts.jsonl",
+    "--prompt-column",
+    "prompt",
+    "--answer-column",
+    "",
+    "--reward-funcs",
+    "keyword_reward",
+    "--no-use-chat-template",
+    "--no-bf16",
+    "--num-generations",
+    4,
+    "--prompts-per-step",
+    8,
+    "--max-completion-length",
+    24,
+    "--max-steps",
+    30,
+    "--seed",
+    1,
+]
 
 
 @pytest.fixture(scope="module")

@@ -4,10 +4,10 @@ import math
 
 import pytest
 import torch
-from grpo_cli import SMALL, check, read_metrics, run_script, write_jsonl
 
 import grpo
 import rloo
+from grpo_cli import SMALL, check, read_metrics, run_script, write_jsonl
 
 
 def test_dynamic_sampling_drops_a_group_whose_scored_rewards_all_match():
@@ -30,14 +30,42 @@ def test_reference_model_matches_the_policy_at_step_1(tmp_path, script):
     # the reference is loaded in the policy's dtype: with bf16 weights (and on CUDA, bf16 autocast) the KL before the
     # first update is exactly 0, not the rounding difference between a bf16 and an fp32 copy of the same weights
     data = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "Once upon a time", "keyword": "the"}] * 4)
-    check(run_script(script, *SMALL, "--dataset-name", data, "--output-dir", tmp_path / "run", "--max-steps", 1,
-                     "--beta", 0.1, "--param-dtype", "bfloat16"))
+    check(
+        run_script(
+            script,
+            *SMALL,
+            "--dataset-name",
+            data,
+            "--output-dir",
+            tmp_path / "run",
+            "--max-steps",
+            1,
+            "--beta",
+            0.1,
+            "--param-dtype",
+            "bfloat16",
+        )
+    )
     assert read_metrics(tmp_path / "run")[0]["kl"] == 0.0
 
 
 def test_gspo_with_a_token_level_loss_type_warns(tmp_path):
     data = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "Once upon a time", "keyword": "the"}] * 4)
-    result = check(run_script("grpo.py", *SMALL, "--dataset-name", data, "--output-dir", tmp_path / "run",
-                              "--max-steps", 1, "--importance-sampling-level", "sequence", "--loss-type", "dapo"))
+    result = check(
+        run_script(
+            "grpo.py",
+            *SMALL,
+            "--dataset-name",
+            data,
+            "--output-dir",
+            tmp_path / "run",
+            "--max-steps",
+            1,
+            "--importance-sampling-level",
+            "sequence",
+            "--loss-type",
+            "dapo",
+        )
+    )
     assert "--importance-sampling-level sequence (GSPO) with --loss-type dapo" in result.stdout
     assert not math.isnan(read_metrics(tmp_path / "run")[0]["loss"])

@@ -1,11 +1,13 @@
 """benchmarks/plot.py on the metrics.jsonl of real CPU runs of grpo.py (the learning test's runs, shared through the
 learning_run fixture): the plotted lines are the metrics' values, the bars the median step times, the PNGs are real."""
+
 import importlib.util
 import json
 import statistics
 from itertools import accumulate
 
 import pytest
+
 from grpo_cli import ROOT, read_metrics
 
 spec = importlib.util.spec_from_file_location("plot", ROOT / "benchmarks" / "plot.py")
@@ -33,8 +35,18 @@ def test_plot_runs_and_trl(tmp_path, learning_run):
             row["eval/accuracy"] = row["step"] / 100
     (with_eval / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
     trl = tmp_path / "trl_bench_colocate.json"  # the format /work/shared/gpu/trl_bench.py writes
-    trl.write_text(json.dumps({"trainer": "trl 1.16 GRPOTrainer", "mode": "colocate", "s_per_step": [0.9, 0.8, 0.7, 0.75, 0.8, 0.85, 0.9],
-                               "s_per_step_median_steps_3_8": 0.8, "peak_memory_gib": 10.0, "train_s": 7.0}))
+    trl.write_text(
+        json.dumps(
+            {
+                "trainer": "trl 1.16 GRPOTrainer",
+                "mode": "colocate",
+                "s_per_step": [0.9, 0.8, 0.7, 0.75, 0.8, 0.85, 0.9],
+                "s_per_step_median_steps_3_8": 0.8,
+                "peak_memory_gib": 10.0,
+                "train_s": 7.0,
+            }
+        )
+    )
     out = tmp_path / "plots"
 
     plots = plot.plot_all([str(p) for p in runs] + [str(with_eval)], [str(trl)], str(out))

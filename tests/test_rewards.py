@@ -73,8 +73,14 @@ def test_math_accuracy_right_and_wrong(i):
 
 def test_math_accuracy_equivalent_forms():
     golds = ["\\frac{14}{3}", "\\frac{14}{3}", "p - q", "\\left( 3, \\frac{\\pi}{2} \\right)", "3, 5, 7", "90^\\circ"]
-    preds = ["$\\boxed{\\dfrac{14}{3}}$", "The final answer is 14/3", "$\\boxed{-q + p}$", "$\\boxed{(3, \\pi/2)}$",
-             "$\\boxed{7, 5, 3}$", "$\\boxed{90}$"]
+    preds = [
+        "$\\boxed{\\dfrac{14}{3}}$",
+        "The final answer is 14/3",
+        "$\\boxed{-q + p}$",
+        "$\\boxed{(3, \\pi/2)}$",
+        "$\\boxed{7, 5, 3}$",
+        "$\\boxed{90}$",
+    ]
     assert rewards.math_accuracy(preds, answer=golds) == [1.0] * len(golds)
 
 
@@ -85,8 +91,11 @@ def test_math_accuracy_order_and_interval_type_matter():
 
 
 def test_math_accuracy_boxed_wins_over_later_answers():
-    completions = ["$\\boxed{27}$. Check: 3 * 9 = 28 - 1, step 4", "$\\boxed{27}$. The final answer is 28",
-                   "$\\boxed{28}$. The final answer is 27"]
+    completions = [
+        "$\\boxed{27}$. Check: 3 * 9 = 28 - 1, step 4",
+        "$\\boxed{27}$. The final answer is 28",
+        "$\\boxed{28}$. The final answer is 27",
+    ]
     assert rewards.math_accuracy(completions, answer=["27"] * 3) == [1.0, 1.0, 0.0]
 
 
@@ -131,8 +140,9 @@ def test_math_accuracy_works_off_the_main_thread():
 
     def work():
         try:
-            results.append(rewards.math_accuracy([_boxed("\\frac{14}{3}"), _boxed("3"), "no idea"],
-                                                 answer=["\\frac{14}{3}"] * 3))
+            results.append(
+                rewards.math_accuracy([_boxed("\\frac{14}{3}"), _boxed("3"), "no idea"], answer=["\\frac{14}{3}"] * 3)
+            )
         except BaseException as e:  # noqa: BLE001 - reported by the assert below
             errors.append(e)
 
@@ -144,6 +154,7 @@ def test_math_accuracy_works_off_the_main_thread():
 
 
 # ---------------------------------------------------------------- gsm8k_accuracy
+
 
 def _gsm8k_gold(row):
     return int(row["answer"].split("####")[-1].replace(",", ""))
@@ -177,7 +188,11 @@ def test_gsm8k_number_formats():
     assert rewards.gsm8k_accuracy(["5-3"], answer=["-3"]) == [0.0]  # a minus after a digit is an operator
     assert rewards.gsm8k_accuracy(["is 3.5 not 3"], answer=["3.5"]) == [0.0]
     # the Unicode minus sign (U+2212), in the completion or the gold
-    assert rewards.gsm8k_accuracy(["x = \u22125", "#### \u22125", "x = -5"], answer=["-5", "-5", "#### \u22125"]) == [1.0, 1.0, 1.0]
+    assert rewards.gsm8k_accuracy(["x = \u22125", "#### \u22125", "x = -5"], answer=["-5", "-5", "#### \u22125"]) == [
+        1.0,
+        1.0,
+        1.0,
+    ]
     assert rewards.gsm8k_accuracy(["x = \u22125"], answer=["5"]) == [0.0]
 
 
@@ -193,26 +208,43 @@ def test_gsm8k_addition_task_and_unparseable_gold():
 
 # ---------------------------------------------------------------- think_format
 
+
 def test_think_format():
-    good = ["<think>a</think><answer>b</answer>",
-            "  <think>\nstep 1\nstep 2\n</think>\n\n<answer>\n42\n</answer>\n",
-            "<think></think> <answer></answer>"]
-    bad = ["", "<answer>42</answer>", "<think>x</think>", "<answer>b</answer><think>a</think>",
-           "hi <think>a</think><answer>b</answer>", "<think>a</think><answer>b</answer> bye",
-           "<think>a</think> so <answer>b</answer>", "<think>a</think><answer>b</answer><answer>c</answer>",
-           "<think><think>a</think></think><answer>b</answer>", "<think>a<answer>b</answer></think>",
-           "<think>a</think><answer>b"]
+    good = [
+        "<think>a</think><answer>b</answer>",
+        "  <think>\nstep 1\nstep 2\n</think>\n\n<answer>\n42\n</answer>\n",
+        "<think></think> <answer></answer>",
+    ]
+    bad = [
+        "",
+        "<answer>42</answer>",
+        "<think>x</think>",
+        "<answer>b</answer><think>a</think>",
+        "hi <think>a</think><answer>b</answer>",
+        "<think>a</think><answer>b</answer> bye",
+        "<think>a</think> so <answer>b</answer>",
+        "<think>a</think><answer>b</answer><answer>c</answer>",
+        "<think><think>a</think></think><answer>b</answer>",
+        "<think>a<answer>b</answer></think>",
+        "<think>a</think><answer>b",
+    ]
     assert rewards.think_format(good + [_chat(good[1])]) == [1.0] * 4
     assert rewards.think_format(bad + [_chat(bad[1])]) == [0.0] * (len(bad) + 1)
 
 
 # ---------------------------------------------------------------- soft_overlong_punishment
 
+
 def test_soft_overlong_punishment_hand_computed():
     lengths = [0, 16, 17, 18, 20, 21, 100]
     ids = [[1] * n for n in lengths]
-    got = rewards.soft_overlong_punishment(completions=["x"] * len(ids), completion_ids=ids,
-                                           max_completion_length=20, overlong_buffer_length=4, prompts=["p"] * 7)
+    got = rewards.soft_overlong_punishment(
+        completions=["x"] * len(ids),
+        completion_ids=ids,
+        max_completion_length=20,
+        overlong_buffer_length=4,
+        prompts=["p"] * 7,
+    )
     assert got == [0.0, 0.0, -0.25, -0.5, -1.0, -1.0, -1.0]
 
 
@@ -225,15 +257,25 @@ def test_soft_overlong_punishment_default_buffer_is_a_quarter():
 def test_soft_overlong_punishment_bad_buffer_raises():
     for bad in (0, -1, 21):
         with pytest.raises(ValueError):
-            rewards.soft_overlong_punishment(["x"], completion_ids=[[1]], max_completion_length=20,
-                                             overlong_buffer_length=bad)
+            rewards.soft_overlong_punishment(
+                ["x"], completion_ids=[[1]], max_completion_length=20, overlong_buffer_length=bad
+            )
 
 
 # ---------------------------------------------------------------- keyword_reward
 
+
 def test_keyword_reward():
-    completions = ["The ball was red.", "She had a balloon.", "BALL!", "Tim and Sue went to the park",
-                   "the dog ran", "", _chat("Lily saw a Ball"), "a football game"]
+    completions = [
+        "The ball was red.",
+        "She had a balloon.",
+        "BALL!",
+        "Tim and Sue went to the park",
+        "the dog ran",
+        "",
+        _chat("Lily saw a Ball"),
+        "a football game",
+    ]
     keywords = ["ball", "ball", "ball", "park", "cat", "ball", "ball", "ball"]
     assert rewards.keyword_reward(completions, keyword=keywords) == [1.0, 0.0, 1.0, 1.0, 0.0, 0.0, 1.0, 0.0]
 
@@ -253,9 +295,17 @@ def test_public_functions_are_exactly_the_rewards():
 @pytest.mark.parametrize("name", REWARDS)
 def test_rewards_accept_the_trainer_keywords(name):
     completions = ["<think>7</think><answer>7</answer>", _chat("the ball is 8")]
-    out = getattr(rewards, name)(completions=completions, prompts=["a", "b"], completion_ids=[[1, 2], [3] * 9],
-                                 max_completion_length=8, overlong_buffer_length=2, answer=["7", "7"],
-                                 keyword=["ball", "ball"], question=["q", "q"], unused_extra=3)
+    out = getattr(rewards, name)(
+        completions=completions,
+        prompts=["a", "b"],
+        completion_ids=[[1, 2], [3] * 9],
+        max_completion_length=8,
+        overlong_buffer_length=2,
+        answer=["7", "7"],
+        keyword=["ball", "ball"],
+        question=["q", "q"],
+        unused_extra=3,
+    )
     assert len(out) == 2 and all(isinstance(x, float) for x in out)
 
 

@@ -1,14 +1,15 @@
 """rloo.py: leave-one-out baselines, the KL folded into the reward, the sequence-level loss (hand-computed from
 arXiv 2402.14740), learning on the CPU, and clear errors."""
+
 import json
 import math
 from pathlib import Path
 
 import pytest
 import torch
-from grpo_cli import ASSETS, STORIES, run_script, write_jsonl
 
 import rloo
+from grpo_cli import ASSETS, STORIES, run_script, write_jsonl
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -83,11 +84,34 @@ def test_sequence_policy_loss_gradient_is_reinforce_on_policy():
 
 def test_rloo_learns_on_cpu(tmp_path):
     out = tmp_path / "run"
-    result = run_rloo("--model-name-or-path", STORIES, "--dataset-name", ASSETS / "stories_prompts.jsonl",
-                      "--prompt-column", "prompt", "--answer-column", "", "--reward-funcs", "keyword_reward",
-                      "--no-use-chat-template", "--no-bf16", "--num-generations", 4, "--prompts-per-step", 4,
-                      "--learning-rate", 5e-4, "--max-completion-length", 24, "--max-steps", 30, "--seed", 1,
-                      "--output-dir", out)
+    result = run_rloo(
+        "--model-name-or-path",
+        STORIES,
+        "--dataset-name",
+        ASSETS / "stories_prompts.jsonl",
+        "--prompt-column",
+        "prompt",
+        "--answer-column",
+        "",
+        "--reward-funcs",
+        "keyword_reward",
+        "--no-use-chat-template",
+        "--no-bf16",
+        "--num-generations",
+        4,
+        "--prompts-per-step",
+        4,
+        "--learning-rate",
+        5e-4,
+        "--max-completion-length",
+        24,
+        "--max-steps",
+        30,
+        "--seed",
+        1,
+        "--output-dir",
+        out,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     metrics = [json.loads(line) for line in open(out / "metrics.jsonl")]
     rewards = [m["reward"] for m in metrics]
@@ -100,15 +124,35 @@ def test_rloo_learns_on_cpu(tmp_path):
     AutoModelForCausalLM.from_pretrained(out)  # the final model loads
 
 
-@pytest.mark.parametrize("extra, message", [
-    (["--prompt-column", "text"], "--prompt-column"),
-    (["--reward-funcs", "no_such_reward"], "--reward-funcs takes names from rewards.py"),
-    (["--num-generations", "1"], "leave-one-out baseline needs another completion"),
-])
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--prompt-column", "text"], "--prompt-column"),
+        (["--reward-funcs", "no_such_reward"], "--reward-funcs takes names from rewards.py"),
+        (["--num-generations", "1"], "leave-one-out baseline needs another completion"),
+    ],
+)
 def test_rloo_errors(tmp_path, extra, message):
     data = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "Once upon a time", "keyword": "play"}])
-    args = ["--model-name-or-path", STORIES, "--dataset-name", data, "--prompt-column", "prompt", "--answer-column", "",
-            "--reward-funcs", "keyword_reward", "--no-use-chat-template", "--max-steps", 1, "--max-completion-length", 4,
-            "--output-dir", tmp_path / "run", *extra]
+    args = [
+        "--model-name-or-path",
+        STORIES,
+        "--dataset-name",
+        data,
+        "--prompt-column",
+        "prompt",
+        "--answer-column",
+        "",
+        "--reward-funcs",
+        "keyword_reward",
+        "--no-use-chat-template",
+        "--max-steps",
+        1,
+        "--max-completion-length",
+        4,
+        "--output-dir",
+        tmp_path / "run",
+        *extra,
+    ]
     result = run_rloo(*args)
     assert result.returncode != 0 and message in result.stderr, result.stderr[-2000:]

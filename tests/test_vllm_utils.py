@@ -59,7 +59,7 @@ def test_parse_completions_prompt_major_eos_last_and_alignment():
     ids, lps = vllm_utils.parse_completions(response, num_prompts=2, n=2)
     assert ids == [[5, 6, eos], [7], [8, eos], [9, 9, 9]]
     assert lps[0] == [-0.1, -0.2, -0.3] and lps[2] == [-0.5, None]
-    assert all(len(i) == len(l) for i, l in zip(ids, lps))
+    assert all(len(i) == len(lp) for i, lp in zip(ids, lps))
 
 
 def test_parse_completions_rejects_wrong_count_and_misaligned_logprobs():
@@ -88,7 +88,7 @@ def test_weight_metadata_describes_exactly_the_streamed_tensors():
     assert "lm_head.weight" not in meta["names"]  # tied: the shared tensor is sent once, as embed_tokens
     assert meta["shapes"] == [list(p.shape) for _, p in params]
     assert meta["dtype_names"] == ["bfloat16"] * len(params)
-    for (name, tensor), dtype_name, shape in zip(weights, meta["dtype_names"], meta["shapes"]):
+    for (_name, tensor), dtype_name, shape in zip(weights, meta["dtype_names"], meta["shapes"]):
         assert getattr(torch, dtype_name) == tensor.dtype and list(tensor.shape) == shape
     assert torch.equal(weights[0][1], params[0][1].detach().to(torch.bfloat16))
     # packed sizes the receiver derives from the metadata equal the bytes the sender packs
@@ -150,7 +150,7 @@ def serve():
         server.close()
 
 
-def _routes(weight_transfer={"backend": "nccl"}, version=None, logprobs_mode="processed_logprobs", model="m"):
+def _routes(weight_transfer="nccl", version=None, logprobs_mode="processed_logprobs", model="m"):
     import vllm
 
     model_config = {"model": model, "logprobs_mode": logprobs_mode}
@@ -161,7 +161,12 @@ def _routes(weight_transfer={"backend": "nccl"}, version=None, logprobs_mode="pr
         "/v1/models": (200, {"data": [{"id": "served-model", "max_model_len": 2048}]}),
         "/server_info": (
             200,
-            {"vllm_config": {"weight_transfer_config": weight_transfer, "model_config": model_config}},
+            {
+                "vllm_config": {
+                    "weight_transfer_config": weight_transfer and {"backend": weight_transfer},
+                    "model_config": model_config,
+                }
+            },
         ),
     }
 
@@ -818,10 +823,20 @@ def test_generate_takes_n_and_temperature_per_call(monkeypatch):
     assert len(vllm_utils.generate(engine, [[1], [2]])[0]) == 8
     assert seen == [(1, 0.0), (4, 0.7)] and engine["fields"]["temperature"] == 0.7
     sent = []  # server mode: what goes into the /v1/completions requests
-    monkeypatch.setattr(vllm_utils, "server_generate", lambda url, model_id, prompt_ids, n, fields, *chunking:
-                        sent.append((n, fields["temperature"])) or ([], []))
-    server = {"mode": "server", "base_url": "http://x", "server": {"model_id": "m"}, "n": 4, "fields": fields,
-              "vllm_generation_chunk_size": 8, "vllm_generation_timeout": 1.0}
+    monkeypatch.setattr(
+        vllm_utils,
+        "server_generate",
+        lambda url, model_id, prompt_ids, n, fields, *chunking: sent.append((n, fields["temperature"])) or ([], []),
+    )
+    server = {
+        "mode": "server",
+        "base_url": "http://x",
+        "server": {"model_id": "m"},
+        "n": 4,
+        "fields": fields,
+        "vllm_generation_chunk_size": 8,
+        "vllm_generation_timeout": 1.0,
+    }
     vllm_utils.generate(server, [[1]], 3, 0.5)
     vllm_utils.generate(server, [[1]])
     assert sent == [(3, 0.5), (4, 0.7)] and fields["temperature"] == 0.7

@@ -1,6 +1,7 @@
 """GPU tests: real vLLM on real GPUs. Skipped unless CUDA and vLLM are present and the test model exists.
 Model: $VLLM_TEST_MODEL (default /tmp/smol, SmolLM2-135M-Instruct on the H200 hosts). Numbers measured here are
 written as JSON into $GPU_RESULTS_DIR when it is set."""
+
 import os
 
 import pytest

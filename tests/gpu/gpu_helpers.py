@@ -1,4 +1,5 @@
 """Shared helpers of the GPU tests."""
+
 import json
 import os
 
