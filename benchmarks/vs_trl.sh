@@ -35,9 +35,9 @@ stop_servers() {
 ours() {  # ours NAME TIMEOUT SCRIPT ARGS...
   local name=$1 limit=$2 script=$3; shift 3
   echo "== $name: python $script $*" | tee "$OUT/$name.log"
-  eval timeout "$limit" python3 "$script" --output-dir "/tmp/vs_trl/$name" "$@" >> "$OUT/$name.log" 2>&1
+  eval timeout "$limit" python3 "$script" --output-dir "$OUT/$name" "$@" >> "$OUT/$name.log" 2>&1
   echo "== $name exit $?" | tee -a "$OUT/$name.log"
-  mkdir -p "$OUT/$name" && cp "/tmp/vs_trl/$name/metrics.jsonl" "$OUT/$name/" 2>/dev/null  # not the 1-2 GB model
+  rm -rf "$OUT/$name"/*.safetensors "$OUT/$name"/checkpoint-*  # keep metrics.jsonl, not the 1-2 GB model
 }
 trl() {  # trl NAME TIMEOUT MODE [PORT]
   local name=$1 limit=$2; shift 2
