@@ -1,0 +1,101 @@
+"""One real-model weight-sync check (tests/gpu/test_real_models.py starts it): change the trainer's weights until vLLM's
+stale log-probs of its own samples differ from the trainer's clearly (the control), sync through vllm_utils, compare
+again. Prints a RESULT line of JSON and records it ($GPU_RESULTS_DIR).
+
+    python tests/gpu/real_model_run.py colocate MODEL        # 1 GPU, no sleep mode; also the e895bb7 load path first
+    python tests/gpu/real_model_run.py colocate_sleep MODEL  # 1 GPU, sleep level 2 between sync and generation
+    python tests/gpu/real_model_run.py server MODEL URL      # a `vllm serve MODEL` on another GPU, trainer on GPU 0
+    torchrun --standalone --nproc_per_node 2 tests/gpu/real_model_run.py tp2 MODEL   # TP 2 colocated, sleep mode
+"""
+
+import os
+import sys
+import time
+import traceback
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+from tiny_models import BOUND, EAGER, FIELDS, change_until_control_fails, compare, emit, prompts  # noqa: E402
+from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
+
+import vllm_utils  # noqa: E402
+
+
+def e895bb7_colocate_load_weights(llm, weights):
+    # vllm_utils.colocate_load_weights as of e895bb7 (verbatim): a plain load_weights into the engine's model, which
+    # skips process_weights_after_loading (MLA's W_UK_T / W_UV, MoE repacking)
+    llm.llm_engine.model_executor.driver_worker.model_runner.model.load_weights(weights)
+
+
+def attempt(result, key, fn):
+    """Run fn; on an exception record it under result[key + '_error'] (the run goes on) and return None."""
+    try:
+        return fn()
+    except Exception as error:  # noqa: BLE001
+        result[key + "_error"] = f"{type(error).__name__}: {error}"[:2000]
+        traceback.print_exc()
+        return None
+
+
+def main():
+    mode, model_path = sys.argv[1], sys.argv[2]
+    rank = int(os.environ.get("RANK", "0"))
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    if mode == "tp2":
+        torch.distributed.init_process_group("nccl")
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).cuda()  # fp32 + autocast, as grpo.py
+    prompt_ids = prompts(tokenizer)
+    result = {"mode": mode, "model": model_path, "eager": EAGER, "bound": BOUND}
+    t0 = time.perf_counter()
+    if mode == "server":
+        url = sys.argv[3]
+        server = vllm_utils.check_server(url, model_path)
+        vllm_utils.check_same_model(server, model, model_path)
+        group = vllm_utils.server_init_weight_sync(url, None, version=server["version"])
+        result["init_s"] = time.perf_counter() - t0
+        engine = {"mode": "server", "base_url": url, "server": server, "fields": FIELDS, "n": 4, "model": model_path}
+        engine.update(vllm_utils.SERVER_OPTIONS, group=group, master_address="127.0.0.1", model_checked=True)
+    else:
+        tp = 2 if mode == "tp2" else 1
+        sleep = mode in ("colocate_sleep", "tp2")
+        args = dict(gpu_memory_utilization=0.25, max_model_len=1024, enable_sleep_mode=sleep, enforce_eager=EAGER)
+        llm = vllm_utils.colocate_engine(model_path, tensor_parallel_size=tp, **args)
+        engine = {"mode": "colocate", "llm": llm, "sleep": sleep, "fields": FIELDS, "n": 4, "model": model_path}
+        engine["tp_group"] = vllm_utils.tensor_parallel_group(tp)
+        result["startup_s"] = time.perf_counter() - t0
+
+    def sample(prompt_ids, n):
+        return vllm_utils.generate(engine, prompt_ids, n=n)
+
+    result["fresh"] = compare(sample, model, prompt_ids)  # checkpoint weights on both sides
+    steps = change_until_control_fails(model, sample, prompt_ids)
+    result["control_steps"] = [{"alpha": alpha, **values} for alpha, values in steps]
+    result["control"] = steps[-1][1]
+    if mode == "colocate":  # what HEAD e895bb7's load path gives, then the current one's (in the same engine)
+        t1 = time.perf_counter()
+        attempt(result, "e895bb7_sync", lambda: e895bb7_colocate_load_weights(llm, vllm_utils.named_weights(model)))
+        if "e895bb7_sync_error" not in result:
+            llm.reset_prefix_cache()
+            result["e895bb7_sync_s"] = time.perf_counter() - t1
+            result["after_e895bb7_sync"] = attempt(result, "after_e895bb7", lambda: compare(sample, model, prompt_ids))
+    if mode in ("colocate_sleep", "tp2"):
+        vllm_utils.sleep(engine)  # level 2: weights and KV cache discarded
+    t1 = time.perf_counter()
+    attempt(result, "sync", lambda: vllm_utils.sync_weights(engine, model))
+    if "sync_error" not in result:
+        result["sync_s"] = time.perf_counter() - t1
+        result["after_sync"] = attempt(result, "after_sync", lambda: compare(sample, model, prompt_ids))
+    ok = result.get("after_sync") and result["after_sync"]["mean"] < BOUND and result["control"]["mean"] > BOUND
+    result["ok"] = bool(ok)
+    name = f"real_{mode}_{os.path.basename(model_path)}" + (f"_rank{rank}" if mode == "tp2" else "")
+    emit(name, result)
+    if mode == "tp2":
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
