@@ -2,7 +2,7 @@
 stale log-probs of its own samples differ from the trainer's clearly (the control), sync through vllm_utils, compare
 again. Prints a RESULT line of JSON and records it ($GPU_RESULTS_DIR).
 
-    python tests/gpu/real_model_run.py colocate MODEL        # 1 GPU, no sleep mode; also the e895bb7 load path first
+    python tests/gpu/real_model_run.py colocate MODEL        # 1 GPU, no sleep mode; then also e895bb7's load path
     python tests/gpu/real_model_run.py colocate_sleep MODEL  # 1 GPU, sleep level 2 between sync and generation
     python tests/gpu/real_model_run.py server MODEL URL      # a `vllm serve MODEL` on another GPU, trainer on GPU 0
     torchrun --standalone --nproc_per_node 2 tests/gpu/real_model_run.py tp2 MODEL   # TP 2 colocated, sleep mode
@@ -70,17 +70,17 @@ def main():
     def sample(prompt_ids, n):
         return vllm_utils.generate(engine, prompt_ids, n=n)
 
+    def agree(value):  # under torchrun: the smallest control of all ranks, so that all take the same steps
+        if not torch.distributed.is_initialized():
+            return value
+        value = torch.tensor([value], device="cuda")
+        torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MIN)
+        return value.item()
+
     result["fresh"] = compare(sample, model, prompt_ids)  # checkpoint weights on both sides
-    steps = change_until_control_fails(model, sample, prompt_ids)
+    steps = change_until_control_fails(model, sample, prompt_ids, agree=agree)
     result["control_steps"] = [{"alpha": alpha, **values} for alpha, values in steps]
     result["control"] = steps[-1][1]
-    if mode == "colocate":  # what HEAD e895bb7's load path gives, then the current one's (in the same engine)
-        t1 = time.perf_counter()
-        attempt(result, "e895bb7_sync", lambda: e895bb7_colocate_load_weights(llm, vllm_utils.named_weights(model)))
-        if "e895bb7_sync_error" not in result:
-            llm.reset_prefix_cache()
-            result["e895bb7_sync_s"] = time.perf_counter() - t1
-            result["after_e895bb7_sync"] = attempt(result, "after_e895bb7", lambda: compare(sample, model, prompt_ids))
     if mode in ("colocate_sleep", "tp2"):
         vllm_utils.sleep(engine)  # level 2: weights and KV cache discarded
     t1 = time.perf_counter()
@@ -88,6 +88,15 @@ def main():
     if "sync_error" not in result:
         result["sync_s"] = time.perf_counter() - t1
         result["after_sync"] = attempt(result, "after_sync", lambda: compare(sample, model, prompt_ids))
+    if mode == "colocate":  # then HEAD e895bb7's load path, from stale weights again (the trainer changes once more)
+        steps = change_until_control_fails(model, sample, prompt_ids, seed=100)
+        result["e895bb7_control"] = steps[-1][1]
+        t1 = time.perf_counter()
+        attempt(result, "e895bb7_sync", lambda: e895bb7_colocate_load_weights(llm, vllm_utils.named_weights(model)))
+        if "e895bb7_sync_error" not in result:
+            llm.reset_prefix_cache()
+            result["e895bb7_sync_s"] = time.perf_counter() - t1
+            result["after_e895bb7_sync"] = attempt(result, "after_e895bb7", lambda: compare(sample, model, prompt_ids))
     ok = result.get("after_sync") and result["after_sync"]["mean"] < BOUND and result["control"]["mean"] > BOUND
     result["ok"] = bool(ok)
     name = f"real_{mode}_{os.path.basename(model_path)}" + (f"_rank{rank}" if mode == "tp2" else "")

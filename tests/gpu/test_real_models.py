@@ -2,7 +2,8 @@
 (MLA + MoE) and Qwen3-MoE-shaped. In each mode the trainer's weights are changed until vLLM's log-probs of its own
 samples differ from the trainer's by >= 0.2 mean absolute while vLLM still has the old weights (the control: it must
 exceed the bound 0.02, so the test can fail), then synced through vllm_utils: after it they must be within 0.02.
-Modes: colocate without sleep mode (which also reports what HEAD e895bb7's load path gave, in the same engine),
+Modes: colocate without sleep mode (after the checked sync, the trainer changes again and the same engine reports what
+HEAD e895bb7's load path, a plain load_weights, gives: recorded, not asserted),
 colocate with sleep mode (level 2), server (`vllm serve` on GPU 1, NCCL from GPU 0), and tensor parallel 2 colocated
 under torchrun with sleep mode. Each runs tests/gpu/real_model_run.py in a process of its own (one sleep-mode engine
 per process; a fresh CUDA context per engine). Numbers: $GPU_RESULTS_DIR/real_<mode>_<model>.json.

@@ -53,15 +53,16 @@ def compare(sample, model, prompt_ids, n=4):
     return {"mean": mean, "max": worst, "tokens": int(mask.sum().item())}
 
 
-def change_until_control_fails(model, sample, prompt_ids, seed=0):
+def change_until_control_fails(model, sample, prompt_ids, seed=0, agree=lambda value: value):
     """Perturb the trainer's weights (not vLLM's) in growing steps until vLLM's stale log-probs differ from the
-    trainer's by CONTROL_TARGET; returns the steps [(total alpha, control)], the last one the control."""
+    trainer's by CONTROL_TARGET; returns the steps [(total alpha, control)], the last one the control. `agree` maps a
+    rank's control to the one all ranks decide on (under torchrun every rank must take the same number of steps)."""
     steps, total = [], 0.0
     for alpha in (0.5, 0.5, 1.0, 2.0, 4.0):
         perturb(model, alpha, seed + len(steps))
         total += alpha
         steps.append((total, compare(sample, model, prompt_ids)))
-        if steps[-1][1]["mean"] >= CONTROL_TARGET:
+        if agree(steps[-1][1]["mean"]) >= CONTROL_TARGET:
             break
     return steps
 
@@ -130,7 +131,7 @@ class Servers:
         if self.proc and self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGTERM)
             try:
-                self.proc.wait(30)
+                self.proc.wait(15)
             except subprocess.TimeoutExpired:  # a server wedged in an NCCL receive may not stop on SIGTERM
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait(30)
