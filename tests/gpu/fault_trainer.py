@@ -5,6 +5,9 @@ log-probs of its own samples with its own. With --die it SIGKILLs itself at a ch
     --die after-start     right after POST /start_weight_update answered (the server paused, its layers waiting)
     --die mid-broadcast   after half the tensors of the packed broadcast went out (1 MiB chunks: many broadcasts)
 
+The MoE experts go under the checkpoint's per-expert names (tiny_models.unfused_weights; --fused: the trainer's own
+fused ones, as vllm_utils sends them), so that the faults are tested apart from the fused-expert naming.
+
 Prints a RESULT line: ok, error (the message the trainer would show), seconds_to_outcome (from the first vllm_utils
 call, after imports and the model load), total_s (from process start) and the log-prob comparison after the sync.
 
@@ -67,6 +70,7 @@ def main():
     parser.add_argument("model")
     parser.add_argument("--die", choices=["after-start", "mid-broadcast"])
     parser.add_argument("--name", default="fault_trainer")
+    parser.add_argument("--fused", action="store_true", help="send the trainer's own (fused MoE) names")
     args = parser.parse_args()
     torch.cuda.set_device(0)
     tokenizer = AutoTokenizer.from_pretrained(args.model)
@@ -80,6 +84,10 @@ def main():
         server = vllm_utils.check_server(args.url, args.model)
         result["stage"] = "check_same_model"
         vllm_utils.check_same_model(server, model, args.model)
+        if not args.fused:  # send per-expert checkpoint names: the faults, not the fused-expert naming, are tested here
+            from real_model_run import send_unfused
+
+            send_unfused()
         result["stage"] = "init_weight_sync"
         buffer_bytes = (1 << 20) if args.die == "mid-broadcast" else (1 << 30)
         group = vllm_utils.server_init_weight_sync(args.url, None, version=server["version"], timeout=60)
@@ -101,6 +109,8 @@ def main():
     result["seconds_to_outcome"] = time.perf_counter() - t0
     result["total_s"] = time.perf_counter() - T_START
     emit(args.name, result)
+    sys.stdout.flush()
+    os._exit(0)  # no teardown: a NCCL kernel of a failed update may wait on this GPU forever
 
 
 if __name__ == "__main__":

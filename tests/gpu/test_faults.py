@@ -10,6 +10,8 @@ a process of its own: tests/gpu/fault_trainer.py). The issue asks, and each test
    call) with the restart command, instead of a 300 s timeout (or, if the server got out of the receive by itself,
    syncs against it within 0.02).
 
+The trainers send the MoE experts under per-expert checkpoint names (fault_trainer.py), so that these faults are
+tested apart from the fused-expert naming that test_real_models.py reports.
 What the server/trainer said and how long each took go to $GPU_RESULTS_DIR/fault_*.json. Run in this order (3 wedges
 the server; the session's server fixture is stopped at the end):  pytest tests/gpu/test_faults.py -q
 """

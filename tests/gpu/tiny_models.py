@@ -140,3 +140,21 @@ class Servers:
                 os.killpg(self.proc.pid, signal.SIGKILL)
         self.proc = self.model = None
         self.startup_s = None
+
+
+def unfused_weights(weights):
+    """(name, tensor) pairs with transformers 5's fused MoE experts (mlp.experts.gate_up_proj [E, 2I, H] and
+    mlp.experts.down_proj [E, H, I]) split into the checkpoint's per-expert names (mlp.experts.{e}.gate_proj.weight
+    [I, H], .up_proj.weight, .down_proj.weight), as save_pretrained writes them: a diagnostic for a vLLM loader that
+    knows only those (DeepseekV2's load_weights in vLLM 0.26)."""
+    for name, tensor in weights:
+        if name.endswith("mlp.experts.gate_up_proj") and tensor.ndim == 3:
+            gate, up = tensor.chunk(2, dim=1)
+            for e in range(tensor.shape[0]):
+                yield f"{name[: -len('gate_up_proj')]}{e}.gate_proj.weight", gate[e]
+                yield f"{name[: -len('gate_up_proj')]}{e}.up_proj.weight", up[e]
+        elif name.endswith("mlp.experts.down_proj") and tensor.ndim == 3:
+            for e in range(tensor.shape[0]):
+                yield f"{name[: -len('down_proj')]}{e}.down_proj.weight", tensor[e]
+        else:
+            yield name, tensor
