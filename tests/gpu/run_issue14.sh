@@ -31,16 +31,24 @@ echo "pytest rc ${PIPESTATUS[0]} after $(( $(date +%s) - T0 )) s"
 [ -f "$OUT/server.pid" ] && kill -9 -- -"$(cat "$OUT/server.pid")" 2>/dev/null
 python3 - "$OUT" <<'PY'
 import glob, json, os, sys
+
 out = sys.argv[1]
-results = {os.path.basename(p)[:-5]: json.load(open(p)) for p in sorted(glob.glob(os.path.join(out, "*.json")))
-           if not p.endswith("results.json")}
+paths = sorted(p for p in glob.glob(os.path.join(out, "*.json")) if not p.endswith("results.json"))
+results = {os.path.basename(p)[:-5]: json.load(open(p)) for p in paths}
 json.dump(results, open(os.path.join(out, "results.json"), "w"), indent=1)
+SKIP = {"model", "mode", "bound", "eager", "control_steps", "tokens", "killed_stdout"}
+
+
+def flat(value, prefix=""):  # leaves as key=value, a comparison dict as its mean (and max), strings cut short
+    if isinstance(value, dict) and "mean" in value:
+        return [f"{prefix}={value['mean']:.4f}(max {value['max']:.2f})"]
+    if isinstance(value, dict):
+        return [item for k, v in value.items() if k not in SKIP for item in flat(v, f"{prefix}.{k}" if prefix else k)]
+    if isinstance(value, float):
+        return [f"{prefix}={value:.3g}"]
+    return [f"{prefix}={str(value)[:300]}"]
+
+
 for name, r in results.items():
-    keys = ("ok", "fresh", "control", "after_e895bb7_sync", "after_sync", "sync_error", "e895bb7_sync_error", "error",
-            "stage", "seconds_to_outcome", "startup_s")
-    if name.startswith("fault_"):
-        print(name, json.dumps(r)[:1500])
-        continue
-    print(name, json.dumps({k: (round(v["mean"], 4) if isinstance(v, dict) and "mean" in v else v)
-                            for k, v in r.items() if k in keys})[:700])
+    print(f"{name}: " + " ".join(flat(r)))
 PY

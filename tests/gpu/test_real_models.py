@@ -15,13 +15,14 @@ in a process of its own (one sleep-mode engine per process; a fresh CUDA context
     pytest tests/gpu/test_real_models.py -q                     # 2 GPUs for server and tp2; or tests/gpu/run_issue14.sh
 """
 
+import json
 import os
 import subprocess
 import sys
 
 import pytest
 import torch
-from tiny_models import BOUND, MODELS, parse_result
+from tiny_models import BOUND, MODELS, RESULT, parse_result
 
 HERE = os.path.dirname(__file__)
 SCRIPT = os.path.join(HERE, "real_model_run.py")
@@ -98,9 +99,7 @@ def test_tensor_parallel_2(model_key, tiny_servers):
     tiny_servers.stop()  # GPU 1 is the second rank's
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", SCRIPT, "tp2"]
     _, done = run([*cmd, MODELS[model_key]], env={"CUDA_VISIBLE_DEVICES": "0,1"})
-    # both ranks print a RESULT line; parse_result keeps the last, check both
-    from tiny_models import RESULT, json
-
+    # both ranks print a RESULT line: check both
     results = [json.loads(line[len(RESULT) :]) for line in done.stdout.splitlines() if line.startswith(RESULT)]
     assert len(results) == 2, f"rc {done.returncode}\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
     for result in results:
