@@ -6,30 +6,40 @@
 #   tensor parallel 2 (both models)
 # Each model's server boots on GPU 1 while its colocate runs use GPU 0. Results: OUT/*.json, OUT/results.json (all of
 # them), OUT/pytest.log, OUT/serve_*.log.  Usage (from the project root, after `source .gpu/setup.sh`):
-#   bash tests/gpu/run_issue14.sh OUT
+#   bash tests/gpu/run_issue14.sh OUT [all|dsv2|faults|qwen|tp2|qwen+tp2|faults+qwen+tp2]
+# pytest gets ISSUE14_TIMEOUT s (default 520, then SIGINT: the session's server is stopped); what it cut can be run in
+# a second call by naming its part.
 set -u
 OUT=$(realpath -m "${1:-/tmp/issue14}")
 mkdir -p "$OUT"
 cd "$(dirname "$0")/../.."
 export GPU_RESULTS_DIR=$OUT VLLM_TEST_TINY_DIR=${VLLM_TEST_TINY_DIR:-/tmp/tiny-models} VLLM_TEST_EAGER=${VLLM_TEST_EAGER:-1}
+PY=${PYTHON:-python3}
 export VLLM_TEST_OVERLAP=1 VLLM_TEST_RUN_TIMEOUT=${VLLM_TEST_RUN_TIMEOUT:-180} PYTHONUNBUFFERED=1
+R=tests/gpu/test_real_models.py F=tests/gpu/test_faults.py
+DSV2=("$R::test_colocate_without_sleep[dsv2]" "$R::test_colocate_with_sleep[dsv2]" "$R::test_server[dsv2]")
+FAULTS=("$F::test_1_wrong_model_is_refused_before_nccl_and_the_server_stays_usable"
+  "$F::test_2_trainer_killed_after_start_weight_update" "$F::test_3_trainer_killed_mid_broadcast_is_reported_within_30s")
+QWEN=("$R::test_colocate_without_sleep[qwen3moe]" "$R::test_colocate_with_sleep[qwen3moe]" "$R::test_server[qwen3moe]")
+TP2=("$R::test_tensor_parallel_2[dsv2]" "$R::test_tensor_parallel_2[qwen3moe]")
+case "${2:-all}" in  # a second call can run what the first one's timeout cut: e.g. `... OUT2 tp2`
+  all) TESTS=("${DSV2[@]}" "${FAULTS[@]}" "${QWEN[@]}" "${TP2[@]}") ;;
+  dsv2) TESTS=("${DSV2[@]}") ;; faults) TESTS=("${FAULTS[@]}") ;; qwen) TESTS=("${QWEN[@]}") ;; tp2) TESTS=("${TP2[@]}") ;;
+  qwen+tp2) TESTS=("${QWEN[@]}" "${TP2[@]}") ;; faults+qwen+tp2) TESTS=("${FAULTS[@]}" "${QWEN[@]}" "${TP2[@]}") ;;
+  *) echo "unknown part $2 (all, dsv2, faults, qwen, tp2, qwen+tp2, faults+qwen+tp2)"; exit 2 ;;
+esac
 T0=$(date +%s)
 if [ ! -f "$VLLM_TEST_TINY_DIR/tiny-qwen3moe/config.json" ]; then
   TOK=/tmp/smol; [ -f $TOK/tokenizer_config.json ] || TOK=/tmp/bench-qwen05b
-  timeout 180 python3 tests/gpu/make_tiny_models.py "$VLLM_TEST_TINY_DIR" --tokenizer $TOK 2>&1 | grep -v Writing | tee "$OUT/make_tiny_models.log"
+  timeout 180 $PY tests/gpu/make_tiny_models.py "$VLLM_TEST_TINY_DIR" --tokenizer $TOK 2>&1 | grep -v Writing | tee "$OUT/make_tiny_models.log"
 fi
 echo "models ready after $(( $(date +%s) - T0 )) s"
-R=tests/gpu/test_real_models.py F=tests/gpu/test_faults.py
-timeout -s INT -k 30 ${ISSUE14_TIMEOUT:-520} python3 -m pytest -v -rA -p no:cacheprovider --junitxml "$OUT/junit.xml" \
-  "$R::test_colocate_without_sleep[dsv2]" "$R::test_colocate_with_sleep[dsv2]" "$R::test_server[dsv2]" \
-  "$F::test_1_wrong_model_is_refused_before_nccl_and_the_server_stays_usable" \
-  "$F::test_2_trainer_killed_after_start_weight_update" "$F::test_3_trainer_killed_mid_broadcast_is_reported_within_30s" \
-  "$R::test_colocate_without_sleep[qwen3moe]" "$R::test_colocate_with_sleep[qwen3moe]" "$R::test_server[qwen3moe]" \
-  "$R::test_tensor_parallel_2[dsv2]" "$R::test_tensor_parallel_2[qwen3moe]" 2>&1 | tee "$OUT/pytest.log" | grep -E "PASSED|FAILED|SKIPPED|ERROR|RESULT|passed|failed|^E " | cut -c1-600
+timeout -s INT -k 30 ${ISSUE14_TIMEOUT:-520} $PY -m pytest -v -rA -p no:cacheprovider --junitxml "$OUT/junit.xml" \
+  "${TESTS[@]}" 2>&1 | tee "$OUT/pytest.log" | grep -E "PASSED|FAILED|SKIPPED|ERROR|passed|failed|^E " | cut -c1-400
 echo "pytest rc ${PIPESTATUS[0]} after $(( $(date +%s) - T0 )) s"
 # a server a killed pytest left behind (its process group, started by tiny_models.Servers)
 [ -f "$OUT/server.pid" ] && kill -9 -- -"$(cat "$OUT/server.pid")" 2>/dev/null
-python3 - "$OUT" <<'PY'
+$PY - "$OUT" <<'PY'
 import glob, json, os, sys
 
 out = sys.argv[1]

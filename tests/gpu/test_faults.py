@@ -110,7 +110,7 @@ def test_3_trainer_killed_mid_broadcast_is_reported_within_30s(server):
         "fault_mid_broadcast",
         {"killed_stdout": done.stdout[-500:], "healthy_after_kill": health, "next": nxt, "next_wall_s": wall2},
     )
-    servers.stop()  # wedged (or dead): the next test that needs one starts a fresh one
+    servers.stop(kill=True)  # wedged (or dead): the next test that needs one starts a fresh one
     assert nxt is not None, done2.stdout[-3000:] + done2.stderr[-5000:]
     if nxt["ok"]:  # the server got out of the broadcast by itself (NCCL noticed the peer's death): no wedge
         assert nxt["after_sync"]["mean"] < BOUND, nxt

@@ -127,9 +127,10 @@ class Servers:
         self.startup_s = None
         return self.get(model, timeout)
 
-    def stop(self):
+    def stop(self, kill=False):
+        """SIGTERM (SIGKILL with `kill`: a server wedged in a NCCL receive) to its process group, then SIGKILL."""
         if self.proc and self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
+            os.killpg(self.proc.pid, signal.SIGKILL if kill else signal.SIGTERM)
             try:
                 self.proc.wait(15)
             except subprocess.TimeoutExpired:  # a server wedged in an NCCL receive may not stop on SIGTERM
