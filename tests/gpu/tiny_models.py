@@ -103,7 +103,8 @@ class Servers:
         self.stop()
         env = {**os.environ, "CUDA_VISIBLE_DEVICES": "1", "VLLM_SERVER_DEV_MODE": "1"}
         name = os.path.basename(model)
-        log = open(os.path.join(self.log_dir, f"serve_{name}_{int(time.time())}.log"), "w")
+        self.log_path = os.path.join(self.log_dir, f"serve_{name}_{int(time.time())}.log")
+        log = open(self.log_path, "w")
         self.proc = subprocess.Popen(  # its own process group: stop() ends the engine-core children with it
             serve_args(model, self.port), env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
         )
@@ -113,12 +114,21 @@ class Servers:
 
     def get(self, model, timeout=300):
         """The URL of a healthy server of `model` and its startup seconds (from start to healthy)."""
-        import vllm_utils
+        import requests
 
         self.start(model)
-        vllm_utils.wait_for_server(self.url, timeout, model)
-        if self.proc.poll() is not None:
-            raise RuntimeError(f"vllm serve {model} exited with {self.proc.returncode}")
+        deadline = time.monotonic() + timeout
+        while True:  # as vllm_utils.wait_for_server, but a server that exited is reported at once, with its log
+            if self.proc.poll() is not None:
+                with open(self.log_path) as f:
+                    tail = f.read()[-4000:]
+                raise RuntimeError(f"vllm serve {model} exited with {self.proc.returncode}:\n{tail}")
+            with contextlib.suppress(requests.RequestException):
+                if requests.get(f"{self.url}/health", timeout=5).status_code == 200:
+                    break
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"vllm serve {model} not healthy within {timeout} s (log: {self.log_path})")
+            time.sleep(1)
         self.startup_s = getattr(self, "startup_s", None) or time.perf_counter() - self.started
         return self.url
 
