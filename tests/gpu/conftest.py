@@ -28,3 +28,17 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if reason and "tests/gpu" in str(item.fspath):
             item.add_marker(pytest.mark.skip(reason=reason))
+
+
+@pytest.fixture(scope="session")
+def tiny_servers():
+    """One `vllm serve` of a tiny model at a time on GPU 1 (tests/gpu/tiny_models.py), shared by test_real_models.py
+    and test_faults.py. $VLLM_TEST_PRESTART (dsv2 or qwen3moe) starts that one at once, so that it boots while the
+    colocate tests run on GPU 0."""
+    from tiny_models import MODELS, Servers
+
+    servers = Servers()
+    if os.environ.get("VLLM_TEST_PRESTART") in MODELS and torch.cuda.device_count() >= 2:
+        servers.start(MODELS[os.environ["VLLM_TEST_PRESTART"]])
+    yield servers
+    servers.stop()
