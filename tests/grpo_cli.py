@@ -40,7 +40,8 @@ SMALL = [
 
 # the learning test's run (tests/test_learning.py): 4 prompts x 8 completions of at most 24 tokens, 30 steps; add
 # --learning-rate and --output-dir
-LEARNING = [
+# the bundled model rewarded for "play" on the bundled prompts (README's quickstarts), on the CPU
+STORIES_TASK = [
     "--model-name-or-path",
     STORIES,
     "--dataset-name",
@@ -53,6 +54,10 @@ LEARNING = [
     "keyword_reward",
     "--no-use-chat-template",
     "--no-bf16",
+]
+
+LEARNING = [
+    *STORIES_TASK,
     "--max-completion-length",
     24,
     "--prompts-per-step",

@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForSequenceClassification
 
-from grpo_cli import ASSETS, STORIES, Process, check, read_metrics, run_script, write_jsonl
+from grpo_cli import STORIES, STORIES_TASK, Process, check, read_metrics, run_script, write_jsonl
 
 PROMPTS = [
     "Once upon a time, there was a little girl named Lily.",
@@ -357,18 +357,7 @@ def test_error_bad_penalty_and_prompt_too_long(tmp_path, stories_jsonl):
 # reaches 0.8 at step 9-15. With learning rate 0 (seeds 1-3): 0.24-0.32 -> 0.22-0.29.
 
 LEARN = [
-    "--model-name-or-path",
-    STORIES,
-    "--dataset-name",
-    ASSETS / "stories_prompts.jsonl",
-    "--prompt-column",
-    "prompt",
-    "--answer-column",
-    "",
-    "--reward-funcs",
-    "keyword_reward",
-    "--no-use-chat-template",
-    "--no-bf16",
+    *STORIES_TASK,
     "--num-generations",
     4,
     "--prompts-per-step",

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import rloo
-from grpo_cli import ASSETS, STORIES, run_script, write_jsonl
+from grpo_cli import STORIES, STORIES_TASK, run_script, write_jsonl
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -85,18 +85,7 @@ def test_sequence_policy_loss_gradient_is_reinforce_on_policy():
 def test_rloo_learns_on_cpu(tmp_path):
     out = tmp_path / "run"
     result = run_rloo(
-        "--model-name-or-path",
-        STORIES,
-        "--dataset-name",
-        ASSETS / "stories_prompts.jsonl",
-        "--prompt-column",
-        "prompt",
-        "--answer-column",
-        "",
-        "--reward-funcs",
-        "keyword_reward",
-        "--no-use-chat-template",
-        "--no-bf16",
+        *STORIES_TASK,
         "--num-generations",
         4,
         "--prompts-per-step",
