@@ -57,7 +57,6 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import tyro
-from torch.utils.checkpoint import checkpoint
 from tqdm import tqdm
 
 import rewards
@@ -397,17 +396,54 @@ def final_logits(logits, config):
     return logits
 
 
-def _token_logprobs(hidden, targets, lm_head, config, temperature, with_entropy=False):
-    # hidden: (n, H) -> logits (n, V) in float32 for this chunk only; the model's transform first, in the LM head's
-    # dtype as its forward applies it, then the temperature. The entropy (a metric) comes from the same pass
-    logits = final_logits(lm_head(hidden), config).float()
-    if temperature != 1:  # dividing by 1 would still be a pass over a vocabulary-wide tensor, and one in the backward
-        logits = logits / temperature
-    all_logprobs = logits.log_softmax(-1)
-    logprobs = all_logprobs.gather(-1, targets[:, None]).squeeze(-1)
-    if not with_entropy:
-        return logprobs
-    return logprobs, -(all_logprobs.exp() * all_logprobs).sum(-1).detach()
+class TokenLogprobs(torch.autograd.Function):
+    """log pi(target) and the entropy (None unless asked) of one chunk of final hidden states, (n,) each, keeping no
+    vocabulary-wide tensor for the backward: the forward saves the hidden states and the log-sum-exp; the backward
+    recomputes the logits once and writes their gradient in one pass, d log pi(t) / dz = onehot(t) - softmax(z), where z
+    are the logits after the model's own transform and the temperature. (Log-softmax + gather under activation
+    checkpointing computes the same numbers with more vocabulary-wide passes: benchmarks/logprob_variants.py.)"""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, config, temperature, with_entropy):
+        # the LM head computes in autocast's dtype when autocast is on, as the model's own forward would
+        device = hidden.device.type
+        ctx.dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else weight.dtype
+        ctx.config, ctx.temperature = config, temperature
+        z = TokenLogprobs.logits(hidden, weight, bias, ctx)
+        lse = z.logsumexp(-1)
+        logprobs = z.gather(-1, targets[:, None]).squeeze(-1) - lse
+        ctx.save_for_backward(hidden, weight, bias, targets, lse)
+        if not with_entropy:
+            return logprobs, None
+        z = z.sub_(lse[:, None])  # log softmax(z), in place: the entropy is -sum_v p_v log p_v
+        return logprobs, -z.exp().mul_(z).sum(-1)
+
+    @staticmethod
+    def head(hidden, weight, bias, dtype):
+        return torch.nn.functional.linear(hidden.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype))
+
+    @staticmethod
+    def logits(hidden, weight, bias, ctx, raw=None):
+        """z in float32: the LM head, the model's transform in the head's dtype (as its forward applies it), 1 / T."""
+        if raw is None:
+            raw = TokenLogprobs.head(hidden, weight, bias, ctx.dtype)
+        z = final_logits(raw, ctx.config).float()
+        return z / ctx.temperature if ctx.temperature != 1 else z  # dividing by 1 would be two more passes
+
+    @staticmethod
+    def backward(ctx, grad_logprobs, _grad_entropy):  # the entropy is a metric: no gradient flows from it
+        hidden, weight, bias, targets, lse = ctx.saved_tensors
+        h, w = hidden.to(ctx.dtype), weight.to(ctx.dtype)
+        raw = TokenLogprobs.head(h, w, bias, ctx.dtype)
+        plain = final_logits(raw, ctx.config) is raw and ctx.temperature == 1  # z = raw.float(): dz/draw is the cast
+        with torch.enable_grad():  # otherwise autograd differentiates the elementwise transform (no parameters in it)
+            z = TokenLogprobs.logits(None, None, None, ctx, raw.requires_grad_(not plain))
+        grad = (z.sub_(lse[:, None]) if plain else z.detach() - lse[:, None]).exp_()  # softmax(z), in place if we may
+        grad.mul_(-grad_logprobs[:, None])  # -g softmax(z) ...
+        grad[torch.arange(len(targets), device=grad.device), targets] += grad_logprobs  # ... + g onehot(t)
+        grad = grad.to(ctx.dtype) if plain else torch.autograd.grad(z, raw, grad)[0]
+        grad_bias = grad.sum(0).to(bias.dtype) if bias is not None else None
+        return (grad @ w).to(hidden.dtype), (grad.T @ h).to(weight.dtype), grad_bias, None, None, None, None
 
 
 def per_token_logprobs(
@@ -424,8 +460,8 @@ def per_token_logprobs(
     """log pi(token) of each completion token at the sampling temperature, (B, C), 0 on padding.
 
     The fp32 logits of a 150k vocabulary would be the memory peak, so they never exist for the whole batch: the LM
-    head runs on chunks of `chunk_tokens` completion tokens, each under activation checkpointing, so the backward pass
-    recomputes one chunk at a time too."""
+    head runs on chunks of `chunk_tokens` completion tokens (TokenLogprobs), and the backward pass recomputes one chunk
+    at a time too."""
     # the model's own forward (not its backbone alone), so that FSDP2 gathers every parameter; it computes the logits
     # of one position only, and its last hidden state is the final, normed one
     hidden = model(
@@ -441,24 +477,16 @@ def per_token_logprobs(
     mask = completion_mask.bool()
     hidden, targets = hidden[mask], targets[mask]  # (n_tokens, H), (n_tokens,)
     lm_head = model.get_output_embeddings()
-    pieces, entropies = [], []
-    for start in range(0, targets.numel(), chunk_tokens):
-        h, t = hidden[start : start + chunk_tokens], targets[start : start + chunk_tokens]
-        if torch.is_grad_enabled():
-            out = checkpoint(
-                _token_logprobs, h, t, lm_head, model.config, temperature, with_entropy, use_reentrant=False
-            )
-        else:
-            out = _token_logprobs(h, t, lm_head, model.config, temperature, with_entropy)
-        pieces.append(out[0] if with_entropy else out)
-        if with_entropy:
-            entropies.append(out[1])
+    pieces = [
+        TokenLogprobs.apply(h, lm_head.weight, lm_head.bias, t, model.config, temperature, with_entropy)
+        for h, t in zip(hidden.split(chunk_tokens), targets.split(chunk_tokens))
+    ]
     logprobs = torch.zeros(mask.shape, device=input_ids.device)
-    logprobs = logprobs.masked_scatter(mask, torch.cat(pieces)) if pieces else logprobs
+    logprobs = logprobs.masked_scatter(mask, torch.cat([p[0] for p in pieces])) if pieces else logprobs
     if not with_entropy:
         return logprobs
     entropy = torch.zeros(mask.shape, device=input_ids.device)
-    return logprobs, entropy.masked_scatter(mask, torch.cat(entropies)) if entropies else entropy
+    return logprobs, entropy.masked_scatter(mask, torch.cat([p[1] for p in pieces])) if pieces else entropy
 
 
 def check_logprobs(model, input_ids, device, world_size):
@@ -1344,7 +1372,9 @@ if __name__ == "__main__":
     random.seed(args.seed)
     np.random.seed(args.seed)
     torch.manual_seed(args.seed)
+    # no weight cache: each weight is cast once per forward anyway, and the cache would outlive gradient checkpointing
     autocast = dict(device_type=device.type, dtype=torch.bfloat16, enabled=args.bf16 and device.type == "cuda")
+    autocast["cache_enabled"] = False
 
     # Model, tokenizer, reference model
     from transformers import AutoModelForCausalLM, AutoTokenizer, get_scheduler

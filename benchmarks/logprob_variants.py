@@ -6,7 +6,7 @@ part: fp32 copies of vocabulary-wide logits, the log-softmax, the gather's backw
 per chunk) and the entropy. Each variant here computes the same numbers; `--check` (CPU is enough) verifies that
 against the scripts' own function, and the default run times them on a GPU at the bench's sizes.
 
-    python benchmarks/logprob_variants.py --check      # exactness of every variant against grpo.py's
+    python benchmarks/logprob_variants.py --check      # exactness of every variant against log-softmax + gather
     python benchmarks/logprob_variants.py              # GPU: ms per step (65,536 tokens, vocabulary 151,936)
 """
 
@@ -30,10 +30,25 @@ class _Config:  # no final-logit transform (Qwen2, Llama): grpo.final_logits is 
 
 
 def scripts_version(hidden, targets, weight, chunk):
-    """grpo.py's per-chunk function under activation checkpointing, as per_token_logprobs runs it."""
-    lm_head = lambda h: torch.nn.functional.linear(h, weight)  # noqa: E731
+    """grpo.py's TokenLogprobs, chunk by chunk, as per_token_logprobs runs it."""
     outs = [
-        checkpoint(grpo._token_logprobs, h, t, lm_head, _Config(), 1.0, True, use_reentrant=False)
+        grpo.TokenLogprobs.apply(h, weight, None, t, _Config(), 1.0, True)
+        for h, t in zip(hidden.split(chunk), targets.split(chunk))
+    ]
+    return torch.cat([o[0] for o in outs]), torch.cat([o[1] for o in outs])
+
+
+def _log_softmax_chunk(hidden, targets, weight):
+    logits = torch.nn.functional.linear(hidden, weight).float()
+    all_logprobs = logits.log_softmax(-1)
+    logprobs = all_logprobs.gather(-1, targets[:, None]).squeeze(-1)
+    return logprobs, -(all_logprobs.exp() * all_logprobs).sum(-1).detach()
+
+
+def checkpointed_version(hidden, targets, weight, chunk):
+    """The scripts' implementation before TokenLogprobs: log-softmax + gather under activation checkpointing."""
+    outs = [
+        checkpoint(_log_softmax_chunk, h, t, weight, use_reentrant=False)
         for h, t in zip(hidden.split(chunk), targets.split(chunk))
     ]
     return torch.cat([o[0] for o in outs]), torch.cat([o[1] for o in outs])
@@ -86,7 +101,12 @@ def fused_version(hidden, targets, weight, chunk):
     return torch.cat([o[0] for o in outs]), torch.cat([o[1] for o in outs])
 
 
-VARIANTS = {"scripts": scripts_version, "logsumexp": logsumexp_version, "fused": fused_version}
+VARIANTS = {
+    "scripts": scripts_version,
+    "checkpointed": checkpointed_version,
+    "logsumexp": logsumexp_version,
+    "fused": fused_version,
+}
 
 
 def run(variant, hidden, targets, weight, chunk, grad):
@@ -97,18 +117,18 @@ def run(variant, hidden, targets, weight, chunk, grad):
 
 
 def check():
-    """Every variant against grpo.py's function, in float32 on the CPU: values and gradients (to float32 rounding)."""
+    """Every variant against plain log-softmax + gather, in float32 on the CPU: values and gradients (to float32 rounding)."""
     g = torch.Generator().manual_seed(0)
     n, h, v = 300, 32, 1000
     hidden, weight = torch.randn(n, h, generator=g), torch.randn(v, h, generator=g)
     targets, grad = torch.randint(0, v, (n,), generator=g), torch.randn(n, generator=g)
-    reference = run("scripts", hidden, targets, weight, 128, grad)
+    reference = run("checkpointed", hidden, targets, weight, 128, grad)
     for name in VARIANTS:
         for a, b, what in zip(
             run(name, hidden, targets, weight, 128, grad), reference, ("logprobs", "entropy", "d hidden", "d weight")
         ):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=f"{name}: {what}")
-        print(f"{name}: logprobs, entropy and both gradients equal grpo.py's")
+        print(f"{name}: logprobs, entropy and both gradients equal log-softmax + gather's")
 
 
 def time_variants(tokens=65536, hidden_size=896, vocab=151936, chunks=(1024, 4096)):
@@ -133,5 +153,7 @@ def time_variants(tokens=65536, hidden_size=896, vocab=151936, chunks=(1024, 409
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
-    parser.add_argument("--check", action="store_true", help="verify every variant against grpo.py's (CPU is enough)")
+    parser.add_argument(
+        "--check", action="store_true", help="verify every variant against log-softmax + gather (CPU is enough)"
+    )
     check() if parser.parse_args().check else time_variants()

@@ -4,9 +4,12 @@
 # path). Each phase fits a 10-minute call; runs alternate which goes first, two pairs per mode.
 # Usage: bash benchmarks/vs_trl.sh server|colocate|learn_async OUT_DIR; then python benchmarks/ratios.py OUT_DIR
 #   server:      bench-0.5b, trainer on GPU 0 and one `vllm serve` on GPU 1 shared by all runs (each pushes its own
-#                weights first): PAIR=1 runs TRL, ours, ours --async-generation; PAIR=2 the same in reverse order.
+#                weights first): PAIR=1 runs TRL, ours, ours --async-generation, ours --gradient-checkpointing (the
+#                memory-lean setting, TRL's default); PAIR=2 the same in reverse order.
 #   colocate:    bench-0.5b on GPU 0, vLLM at 0.3 of the GPU, no sleep: TRL, ours, ours, TRL.
-#   learn_async: the addition task with SmolLM2-135M-Instruct, --async-generation, grpo.py / rloo.py / online_dpo.py.
+#   learn_async: the addition task with SmolLM2-135M-Instruct, --async-generation, grpo.py / rloo.py / online_dpo.py
+#                (SCRIPTS="online_dpo" runs a subset; SERVE_GPU / TRAIN_GPU pick the GPUs, default 1 / 0).
+#   stop:        stop the `vllm serve` processes these phases started (colocate and learn_async expect a free GPU 1).
 # Extra flags for our bench runs (e.g. --gradient-checkpointing) go in $OURS_EXTRA.
 set -u
 PHASE=$1; OUT=$2; mkdir -p "$OUT"
@@ -14,16 +17,16 @@ python3 benchmarks/make_tasks.py /tmp/tasks > /dev/null
 export WANDB_MODE=offline PYTHONUNBUFFERED=1
 BENCH="--model-name-or-path /tmp/bench-qwen05b --dataset-name /tmp/tasks/bench.jsonl --prompt-column prompt
        --answer-column '' --no-use-chat-template --reward-funcs keyword_reward --prompts-per-step 32 --num-generations 8
-       --max-completion-length 256 --micro-batch-tokens 11520 --beta 0 --learning-rate 1e-6 --max-steps 8 --use-vllm
+       --max-completion-length 256 --beta 0 --learning-rate 1e-6 --max-steps 8 --use-vllm
        ${OURS_EXTRA:-}"
 ADD="--model-name-or-path /tmp/smol --dataset-name /tmp/tasks/addition.jsonl --prompt-column prompt --answer-column answer
      --reward-funcs gsm8k_accuracy --max-completion-length 32 --learning-rate 1e-5 --max-steps 100 --use-vllm
      --vllm-mode server --async-generation"
 
-serve() {  # serve MODEL PORT [ARGS]: `vllm serve` on GPU 1 in its own session, so that it outlives this call
+serve() {  # serve MODEL PORT [ARGS]: `vllm serve` on GPU ${SERVE_GPU:-1} in its own session, so that it outlives this call
   local model=$1 port=$2; shift 2
   pgrep -f "serve $model --port $port" > /dev/null && return
-  CUDA_VISIBLE_DEVICES=1 VLLM_SERVER_DEV_MODE=1 setsid python3 -m vllm.entrypoints.cli.main serve "$model" --port "$port" "$@" \
+  CUDA_VISIBLE_DEVICES=${SERVE_GPU:-1} VLLM_SERVER_DEV_MODE=1 setsid python3 -m vllm.entrypoints.cli.main serve "$model" --port "$port" "$@" \
     --weight-transfer-config '{"backend": "nccl"}' --logprobs-mode processed_logprobs --max-logprobs -1 \
     > "$OUT/server_$port.log" 2>&1 &
 }
@@ -52,13 +55,15 @@ if [ "$PHASE" = server ]; then  # PAIR=1: TRL, ours, ours async; PAIR=2: the rev
   export CUDA_VISIBLE_DEVICES=0
   P=${PAIR:-1}
   [ "$P" = 1 ] && trl trl_server_1 200 server 8001
+  [ "$P" = 2 ] && ours ours_lean_2 150 grpo.py $BENCH $S --gradient-checkpointing
   [ "$P" = 2 ] && ours ours_async_2 150 grpo.py $BENCH $S --async-generation
   ours ours_server_$P 150 grpo.py $BENCH $S
   [ "$P" = 1 ] && ours ours_async_1 150 grpo.py $BENCH $S --async-generation
+  [ "$P" = 1 ] && ours ours_lean_1 150 grpo.py $BENCH $S --gradient-checkpointing
   [ "$P" = 2 ] && trl trl_server_2 200 server 8001
 fi
+[ "$PHASE" = stop ] && stop_servers
 if [ "$PHASE" = colocate ]; then
-  stop_servers
   export CUDA_VISIBLE_DEVICES=0
   trl trl_colocate_1 200 colocate
   ours ours_colocate_1 180 grpo.py $BENCH --vllm-mode colocate
@@ -66,9 +71,10 @@ if [ "$PHASE" = colocate ]; then
   trl trl_colocate_2 200 colocate
 fi
 if [ "$PHASE" = learn_async ]; then
-  stop_servers; serve /tmp/smol 8000 --gpu-memory-utilization 0.5; wait_server 8000
-  export CUDA_VISIBLE_DEVICES=0
-  ours grpo_addition_async 200 grpo.py $ADD --prompts-per-step 16 --num-generations 8 --vllm-group-port 51311
-  ours rloo_addition_async 200 rloo.py $ADD --prompts-per-step 16 --num-generations 8 --vllm-group-port 51312
-  ours online_dpo_addition_async 200 online_dpo.py $ADD --prompts-per-step 64 --num-generations 4 --vllm-group-port 51313
+  serve /tmp/smol 8000 --gpu-memory-utilization "${SERVER_MEM:-0.5}"; wait_server 8000
+  export CUDA_VISIBLE_DEVICES=${TRAIN_GPU:-0}
+  for s in ${SCRIPTS:-grpo rloo online_dpo}; do
+    [ "$s" = online_dpo ] && n="--prompts-per-step 64 --num-generations 4" || n="--prompts-per-step 16 --num-generations 8"
+    ours "${s}_addition_async" 200 "$s.py" $ADD $n --vllm-group-port 51313
+  done
 fi

@@ -107,3 +107,43 @@ def test_check_logprobs_raises_for_an_unknown_transform(script, monkeypatch):
     monkeypatch.setattr(script, "final_logits", lambda logits, config: logits)
     with pytest.raises(ValueError, match="Gemma2ForCausalLM"):
         script.check_logprobs(tiny("gemma2"), list(range(5, 25)), "cpu", world_size=1)
+
+
+@pytest.mark.parametrize("temperature", [TEMPERATURE, 1.0])
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda m: m.__name__)
+def test_per_token_logprobs_gradients_equal_autograd_of_the_model_logits(script, arch, temperature):
+    """TokenLogprobs writes its own backward (onehot - softmax, chained through the model's transform): every
+    parameter's gradient, the LM head's and the layers' below it, equals autograd's through the model's own logits."""
+    model, (ids, attn, pos, cmask, P) = tiny(arch), batch()
+    if arch == "llama":  # an LM head with a bias (GPT-J, Phi-2 have one): its gradient too
+        model.lm_head.bias = torch.nn.Parameter(torch.randn(model.lm_head.out_features))
+    weights = torch.randn(cmask.shape, generator=torch.Generator().manual_seed(2)) * cmask
+
+    def gradients(logprobs):
+        model.zero_grad()
+        (logprobs * weights).sum().backward()
+        return {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+
+    logits = model(input_ids=ids, attention_mask=attn, position_ids=pos).logits[:, P - 1 : -1].float() / temperature
+    expected = gradients(logits.log_softmax(-1).gather(-1, ids[:, P:, None]).squeeze(-1))
+    ours = gradients(script.per_token_logprobs(model, ids, attn, pos, cmask, P, temperature, chunk_tokens=5))
+    assert expected.keys() == ours.keys() and "lm_head.weight" in ours
+    for name in expected:  # to float32 rounding, relative to the largest entry (the logits reach 100 here)
+        assert (ours[name] - expected[name]).abs().max() <= 1e-5 * expected[name].abs().max(), name
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda m: m.__name__)
+def test_per_token_logprobs_under_bfloat16_autocast(script):
+    """The GPU path: fp32 weights, the forward under bf16 autocast (the scripts' --bf16 on CUDA; CPU autocast here).
+    TokenLogprobs computes the LM head in bf16 as the model would, and hands back fp32 gradients to fp32 weights."""
+    model, (ids, attn, pos, cmask, P) = tiny("llama"), batch()
+    with torch.no_grad():
+        reference = script.per_token_logprobs(model, ids, attn, pos, cmask, P, TEMPERATURE)
+    with torch.autocast("cpu", torch.bfloat16):
+        logprobs = script.per_token_logprobs(model, ids, attn, pos, cmask, P, TEMPERATURE, chunk_tokens=5)
+    logprobs.sum().backward()
+    assert logprobs.dtype == torch.float32 and model.lm_head.weight.grad.dtype == torch.float32
+    difference = (logprobs - reference).abs()[cmask.bool()]  # bf16 rounding of logits that reach 100 here
+    assert 0 < difference.mean() < 0.25 and reference.abs()[cmask.bool()].mean() > 10 * difference.mean()
+    assert all(p.grad is not None and p.grad.isfinite().all() for p in model.parameters() if p.requires_grad)
