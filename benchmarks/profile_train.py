@@ -28,7 +28,7 @@ def step(budget=11520, chunk_tokens=1024, with_entropy=True, forward_only=False)
     optimizer.zero_grad(set_to_none=True)
     for mb in batches:
         ids, attn, pos, cmask, P = grpo.collate([prompts[i] for i in mb], [completions[i] for i in mb], device, 0)
-        with torch.autocast("cuda", torch.bfloat16), torch.set_grad_enabled(not forward_only):
+        with torch.autocast("cuda", torch.bfloat16, cache_enabled=False), torch.set_grad_enabled(not forward_only):
             out = grpo.per_token_logprobs(model, ids, attn, pos, cmask, P, 1.0, chunk_tokens, with_entropy)
             logprobs = out[0] if with_entropy else out
             if forward_only:
@@ -56,14 +56,17 @@ def timed(name, **kwargs):
 
 
 lines = [
-    timed("default (budget 11520, chunk 1024, entropy)"),
+    timed("budget 11520, chunk 1024, entropy"),
+    timed("budget 16384 (the scripts' default)", budget=16384),
     timed("no entropy", with_entropy=False),
     timed("chunk 4096", chunk_tokens=4096),
     timed("budget 23040", budget=23040),
     timed("forward only, no grad", forward_only=True),
 ]
 model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-lines.append(timed("gradient checkpointing"))
+for budget in (11520, 16384, 32768):
+    lines.append(timed(f"gradient checkpointing, budget {budget}", budget=budget))
+lines.append(timed("gradient checkpointing, budget 11520, chunk 512", chunk_tokens=512))
 model.gradient_checkpointing_disable()
 with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
     step()
