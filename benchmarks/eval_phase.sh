@@ -24,12 +24,12 @@ OUT=$1
 if [ -n "$(ls -A "$OUT" 2> /dev/null)" ]; then echo "eval_phase.sh: $OUT is not empty: give a new folder"; exit 2; fi
 mkdir -p "$OUT"
 START=$(date +%s); END=$((START + ${EVAL_BUDGET_S:-480}))
-python3 benchmarks/make_tasks.py /tmp/tasks > /dev/null || exit 1
+timeout 60 python3 benchmarks/make_tasks.py /tmp/tasks > /dev/null || exit 1
 if [ "${EVAL_DRY_RUN:-0}" != 1 ] && command -v nvidia-smi > /dev/null; then  # the GPU must be (nearly) free
-  read -r used total <<< "$(nvidia-smi -i "${EVAL_GPU:-1}" --query-gpu=memory.used,memory.total --format=csv,noheader,nounits | tr -d ',')"
+  read -r used total <<< "$(timeout 30 nvidia-smi -i "${EVAL_GPU:-1}" --query-gpu=memory.used,memory.total --format=csv,noheader,nounits | tr -d ',')"
   echo "eval_phase.sh: GPU ${EVAL_GPU:-1}: ${used} of ${total} MiB in use before the runs"
   if [ "$((used * 4))" -gt "$total" ]; then  # the six runs need 6 x 0.07 for engines and ~35 GB for trainers
-    nvidia-smi -i "${EVAL_GPU:-1}" --query-compute-apps=pid,used_memory,process_name --format=csv
+    timeout 30 nvidia-smi -i "${EVAL_GPU:-1}" --query-compute-apps=pid,used_memory,process_name --format=csv
     echo "eval_phase.sh: GPU ${EVAL_GPU:-1} is taken (a \`vllm serve\` left there?): free it or set EVAL_GPU"; exit 3
   fi
 fi
@@ -39,7 +39,7 @@ MEM=${EVAL_VLLM_MEM:-0.07}
 MODEL=/tmp/smol STEPS=100 EVERY=25 GEN="--use-vllm --vllm-mode colocate --vllm-gpu-memory-utilization $MEM"
 if [ "${EVAL_DRY_RUN:-0}" = 1 ]; then  # stories260K, given a chat template for the task's chat-message prompts
   MODEL=$OUT/dry_run_model STEPS=2 EVERY=1 GEN="--no-use-vllm --no-bf16" OMP_NUM_THREADS=1
-  python3 -c "import shutil, sys, transformers as t
+  timeout 120 python3 -c "import shutil, sys, transformers as t
 shutil.copytree('tests/assets/stories260K', sys.argv[1]); tok = t.AutoTokenizer.from_pretrained(sys.argv[1])
 tok.chat_template = \"{{ bos_token }}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}\"
 tok.save_pretrained(sys.argv[1])" "$MODEL" || exit 1
@@ -85,9 +85,9 @@ for i in "${!RUNS[@]}"; do
   [ -s "$OUT/$name/metrics.jsonl" ] && DONE+=("$OUT/$name")
 done
 if [ ${#DONE[@]} -gt 0 ]; then
-  python3 benchmarks/plot.py "${DONE[@]}" --out "$OUT/plots" > /dev/null || echo "eval_phase.sh: plot.py failed"
-  python3 benchmarks/eval_summary.py "${DONE[@]}" --out "$OUT/addition_eval.json" ${EVAL_COMMIT:+--commit $EVAL_COMMIT} ||
+  timeout 180 python3 benchmarks/plot.py "${DONE[@]}" --out "$OUT/plots" > /dev/null || echo "eval_phase.sh: plot.py failed"
+  timeout 60 python3 benchmarks/eval_summary.py "${DONE[@]}" --out "$OUT/addition_eval.json" ${EVAL_COMMIT:+--commit $EVAL_COMMIT} ||
     echo "eval_phase.sh: eval_summary.py failed"
 fi
-(cd "$OUT" && tar czf eval_runs.tgz --exclude=eval_runs.tgz ./*)
+(cd "$OUT" && timeout 120 tar czf eval_runs.tgz --exclude=eval_runs.tgz ./*)
 echo "eval_phase.sh: done in $(( $(date +%s) - START )) s"
