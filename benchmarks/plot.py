@@ -2,16 +2,20 @@
 
     python benchmarks/plot.py runs/a runs/b --trl trl_bench_colocate.json --out plots/
 
-Each RUN is an --output-dir of grpo.py, rloo.py or online_dpo.py (or its metrics.jsonl); each --trl file is a JSON
-written by trl_bench.py ({"s_per_step": [...], "s_per_step_median_steps_3_8": x, ...}). Writes to --out:
+Each RUN is an --output-dir of grpo.py, rloo.py or online_dpo.py (or its metrics.jsonl), or of
+benchmarks/trl_addition.py (TRL's trainers, same row format); each --trl file is a JSON written by trl_bench.py
+({"s_per_step": [...], "s_per_step_median_steps_3_8": x, ...}). Writes to --out:
   <metric>.png     the metric against optimizer steps (left) and against wall-clock seconds, the running sum of
-                   step_time (right), one line per run; for reward, online DPO's objective/scores and every eval/...
+                   step_time (right), one line per run; for reward (online_dpo.py's runs: their objective/scores, the
+                   mean sample reward) and every eval/... metric but eval/num_prompts; file names keep letters, digits, "_", "-" and "."
+                   (eval/pass@1 -> eval_pass_at_1.png). Runs named trl_X are dashed, in the colour of ours_X or X.
   step_time.png    per-run median seconds per step over steps 3-8 (the TRL benchmark's window), TRL beside ours
 """
 
 import argparse
 import json
 import os
+import re
 import statistics
 from itertools import accumulate
 
@@ -20,7 +24,29 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-CURVES = ["reward", "objective/scores"]  # online_dpo.py logs its mean sample reward as objective/scores
+# plotted metric: the keys it is read from, the first a row has (online_dpo.py logs its mean sample reward as
+# objective/scores, so that its curve is drawn beside the other scripts' reward)
+CURVES = {"reward": ("reward", "objective/scores")}
+
+
+def value(row, key):
+    """The row's value of the plotted metric `key`, or None."""
+    for name in CURVES.get(key, (key,)):
+        if row.get(name) is not None:
+            return row[name]
+    return None
+
+
+def file_name(key):
+    """A PNG name for a metric: eval/pass@1 -> eval_pass_at_1.png."""
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", key.replace("@", "_at_")) + ".png"
+
+
+def line_style(name, names):
+    """TRL's run trl_X dashed, in the colour of ours_X (or X); other runs solid, a colour each."""
+    bases = list(dict.fromkeys(n.removeprefix("trl_").removeprefix("ours_") for n in names))
+    base = name.removeprefix("trl_").removeprefix("ours_")
+    return {"color": f"C{bases.index(base) % 10}", "linestyle": "--" if name.startswith("trl_") else "-"}
 
 
 def load_run(path):
@@ -42,11 +68,12 @@ def plot_curves(runs, key):
     fig, (by_step, by_time) = plt.subplots(1, 2, figsize=(12, 4.5))
     for name, rows in runs.items():
         elapsed = list(accumulate(row.get("step_time", 0.0) for row in rows))  # wall clock at the end of each row
-        points = [(row["step"], t, row[key]) for row, t in zip(rows, elapsed) if row.get(key) is not None]
+        points = [(row["step"], t, value(row, key)) for row, t in zip(rows, elapsed) if value(row, key) is not None]
         if points:
             steps, times, values = zip(*points)
-            by_step.plot(steps, values, marker=".", label=name)
-            by_time.plot(times, values, marker=".", label=name)
+            style = line_style(name, list(runs))
+            by_step.plot(steps, values, marker=".", label=name, **style)
+            by_time.plot(times, values, marker=".", label=name, **style)
     for ax, xlabel in ((by_step, "optimizer step"), (by_time, "wall-clock seconds (sum of step_time)")):
         ax.set_xlabel(xlabel)
         ax.set_ylabel(key)
@@ -58,7 +85,9 @@ def plot_curves(runs, key):
 
 
 def median_step_time(rows):
-    """Median step_time over steps 3-8 (warm-up left out, as trl_bench.py does), or over every row of a shorter run."""
+    """Median step_time over steps 3-8 (warm-up left out, as trl_bench.py does), or over every row of a shorter run;
+    rows without a step_time (the evaluation before training, at step 0) are left out."""
+    rows = [row for row in rows if "step_time" in row]
     window = [row["step_time"] for row in rows if 3 <= row["step"] <= 8] or [row["step_time"] for row in rows]
     return statistics.median(window)
 
@@ -68,7 +97,7 @@ def plot_step_times(runs, trl):
     names = list(runs) + list(trl)
     values = [median_step_time(rows) for rows in runs.values()]
     values += [r.get("s_per_step_median_steps_3_8") or statistics.median(r["s_per_step"]) for r in trl.values()]
-    colors = ["tab:blue"] * len(runs) + ["tab:orange"] * len(trl)
+    colors = ["tab:orange" if n.startswith("trl_") else "tab:blue" for n in runs] + ["tab:orange"] * len(trl)
     fig, ax = plt.subplots(figsize=(max(4, 1.3 * len(names) + 2), 4.5))
     bars = ax.bar(range(len(names)), values, color=colors)
     ax.bar_label(bars, fmt="%.2f")
@@ -86,16 +115,17 @@ def plot_all(run_paths, trl_paths=(), out_dir="plots"):
     for path in trl_paths:
         with open(path) as f:
             trl[os.path.splitext(os.path.basename(path))[0]] = json.load(f)  # trl_bench_<mode>
-    keys = [k for k in CURVES if any(k in row for rows in runs.values() for row in rows)]
-    keys += sorted({k for rows in runs.values() for row in rows for k in row if k.startswith("eval/")})
+    keys = [k for k in CURVES if any(value(row, k) is not None for rows in runs.values() for row in rows)]
+    keys += sorted(
+        {k for rows in runs.values() for row in rows for k in row if k.startswith("eval/")} - {"eval/num_prompts"}
+    )
     os.makedirs(out_dir, exist_ok=True)
     plots = {}
     for key in keys:
-        plots[os.path.join(out_dir, key.replace("/", "_") + ".png")] = plot_curves(runs, key)
-    if any("step_time" in row for rows in runs.values() for row in rows) or trl:
-        plots[os.path.join(out_dir, "step_time.png")] = plot_step_times(
-            {n: rows for n, rows in runs.items() if all("step_time" in row for row in rows)}, trl
-        )
+        plots[os.path.join(out_dir, file_name(key))] = plot_curves(runs, key)
+    timed = {n: rows for n, rows in runs.items() if any("step_time" in row for row in rows)}
+    if timed or trl:
+        plots[os.path.join(out_dir, "step_time.png")] = plot_step_times(timed, trl)
     for path, (fig, _) in plots.items():
         fig.savefig(path, dpi=120)
     return plots

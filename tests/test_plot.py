@@ -91,3 +91,52 @@ def test_plot_command_line(tmp_path, learning_run, capsys):
     assert capsys.readouterr().out.split() == [str(out / "reward.png"), str(out / "step_time.png")]
     with pytest.raises(SystemExit):
         plot.main(["--out", str(out)])  # nothing to plot
+
+
+def write_run(folder, rows):
+    folder.mkdir()
+    (folder / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return str(folder)
+
+
+def test_plot_eval_runs_and_trl_runs(tmp_path):
+    """The runs of benchmarks/eval_phase.sh: ours with an evaluation before training (a step-0 row of its own, no
+    step_time), online_dpo.py's reward under objective/scores, and benchmarks/trl_addition.py's TRL runs (reward,
+    time, step_time): one reward plot with all of them, TRL's dashed in the colour of ours, eval/pass@1 under a plain
+    file name, no eval/num_prompts plot, and step-time bars over the rows that have a step_time."""
+    evals = {0: 0.1, 2: 0.5, 4: 0.9}
+    ours = [{"step": 0, "eval/pass@1": 0.1, "eval/num_prompts": 200, "timing/eval": 9.0}]
+    ours += [{"step": s, "reward": s / 10, "step_time": 1.0 + s} for s in range(1, 5)]
+    for row in ours[2::2]:
+        row.update({"eval/pass@1": evals[row["step"]], "eval/num_prompts": 200})
+    dpo = [{"step": s, "objective/scores": s / 20, "step_time": 2.0} for s in range(1, 5)]
+    trl = [{"step": s, "reward": s / 40, "time": 3.0 * s, "step_time": 3.0, "trl/loss": 0.5} for s in range(1, 5)]
+    paths = [
+        write_run(tmp_path / "ours_grpo", ours),
+        write_run(tmp_path / "ours_online_dpo", dpo),
+        write_run(tmp_path / "trl_grpo", trl),
+    ]
+
+    plots = plot.plot_all(paths, (), str(tmp_path / "plots"))
+
+    names = sorted(p.split("/")[-1] for p in plots)
+    assert names == ["eval_pass_at_1.png", "reward.png", "step_time.png"]
+    for path in plots:
+        check_png(tmp_path / "plots" / path.split("/")[-1])
+    _, (by_step, by_time) = plots[str(tmp_path / "plots" / "reward.png")]
+    lines = {line.get_label(): line for line in by_step.get_lines()}
+    assert list(lines) == ["ours_grpo", "ours_online_dpo", "trl_grpo"]
+    assert list(lines["ours_grpo"].get_ydata()) == [0.1, 0.2, 0.3, 0.4]
+    assert list(lines["ours_online_dpo"].get_ydata()) == [0.05, 0.1, 0.15, 0.2]
+    assert list(lines["trl_grpo"].get_ydata()) == [0.025, 0.05, 0.075, 0.1]
+    assert lines["trl_grpo"].get_linestyle() == "--" and lines["ours_grpo"].get_linestyle() == "-"
+    assert lines["trl_grpo"].get_color() == lines["ours_grpo"].get_color() != lines["ours_online_dpo"].get_color()
+    assert list(by_time.get_lines()[2].get_xdata()) == [3.0, 6.0, 9.0, 12.0]
+
+    _, (by_step, _) = plots[str(tmp_path / "plots" / "eval_pass_at_1.png")]
+    (line,) = by_step.get_lines()
+    assert list(line.get_xdata()) == list(evals) and list(line.get_ydata()) == list(evals.values())
+
+    _, ax = plots[str(tmp_path / "plots" / "step_time.png")]
+    assert [bar.get_height() for bar in ax.patches] == [4.5, 2.0, 3.0]  # ours: steps 3 and 4 (window 3-8)
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["ours_grpo", "ours_online_dpo", "trl_grpo"]
