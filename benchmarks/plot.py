@@ -111,10 +111,13 @@ def plot_step_times(runs, trl):
 def plot_all(run_paths, trl_paths=(), out_dir="plots"):
     """Write every plot to out_dir; returns {png path: (figure, axes)} for the caller to inspect or close."""
     runs = {name: load_run(path) for name, path in zip(run_names(run_paths), run_paths)}
+    names = [os.path.splitext(os.path.basename(p))[0] for p in trl_paths]  # trl_bench_<mode> ...
+    if len(set(names)) < len(names):  # ... or, when two share that name (pairs of one sitting), their folders' names
+        names = [os.path.basename(os.path.dirname(os.path.abspath(p))) for p in trl_paths]
     trl = {}
-    for path in trl_paths:
+    for name, path in zip(names, trl_paths):
         with open(path) as f:
-            trl[os.path.splitext(os.path.basename(path))[0]] = json.load(f)  # trl_bench_<mode>
+            trl[name] = json.load(f)
     keys = [k for k in CURVES if any(value(row, k) is not None for rows in runs.values() for row in rows)]
     keys += sorted(
         {k for rows in runs.values() for row in rows for k in row if k.startswith("eval/")} - {"eval/num_prompts"}

@@ -140,3 +140,17 @@ def test_plot_eval_runs_and_trl_runs(tmp_path):
     _, ax = plots[str(tmp_path / "plots" / "step_time.png")]
     assert [bar.get_height() for bar in ax.patches] == [4.5, 2.0, 3.0]  # ours: steps 3 and 4 (window 3-8)
     assert [t.get_text() for t in ax.get_xticklabels()] == ["ours_grpo", "ours_online_dpo", "trl_grpo"]
+
+
+def test_plot_keeps_both_trl_runs_of_a_pair(tmp_path):
+    """benchmarks/vs_trl.sh writes TRL's pairs as trl_colocate_1/trl_bench_colocate.json and trl_colocate_2/...: two
+    files of one name, both bars drawn (labelled by their folders), not the second one in place of the first."""
+    paths = []
+    for i, median in ((1, 5.6), (2, 5.3)):
+        (tmp_path / f"trl_colocate_{i}").mkdir()
+        path = tmp_path / f"trl_colocate_{i}" / "trl_bench_colocate.json"
+        path.write_text(json.dumps({"s_per_step": [median] * 7, "s_per_step_median_steps_3_8": median}))
+        paths.append(str(path))
+    _, ax = plot.plot_all([], paths, str(tmp_path / "plots"))[str(tmp_path / "plots" / "step_time.png")]
+    assert [bar.get_height() for bar in ax.patches] == [5.6, 5.3]
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["trl_colocate_1", "trl_colocate_2"]
