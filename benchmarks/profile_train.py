@@ -15,7 +15,9 @@ import grpo  # noqa: E402
 
 model_path, out = sys.argv[1], sys.argv[2]
 device = torch.device("cuda")
-model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).to(device).train()  # checkpointing needs it
+model = (
+    AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).to(device).train()
+)  # checkpointing needs it
 optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6, fused=True)
 g = torch.Generator().manual_seed(0)
 prompts = [torch.randint(0, 150000, (70,), generator=g).tolist() for _ in range(32) for _ in range(8)]
