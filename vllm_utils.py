@@ -114,7 +114,7 @@ def colocate_generate(llm, prompt_ids, n, fields):
     """n completions per prompt from an in-process engine: (completion ids, sampled-token log-probs), prompt-major."""
     from vllm import SamplingParams
 
-    params = SamplingParams(n=n, logprobs=0, **fields)
+    params = SamplingParams(n=n, logprobs=0, detokenize=False, **fields)  # no text: detokenizing here stalls decoding
     outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], params, use_tqdm=False)
     samples = [sample for output in outputs for sample in output.outputs]
     logprobs = [[step[token].logprob for token, step in zip(s.token_ids, s.logprobs)] for s in samples]
