@@ -628,28 +628,32 @@ def set_up(args):
     resumed checkpoint's state), the generator and the metrics file. Returns the run's state as one namespace."""
     # several processes (torchrun): each rank takes an equal share of every step's prompts, whole groups
     world_size, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
+    run = SimpleNamespace(args=args, world_size=world_size, rank=rank, is_main=rank == 0)
+    run.prompts_per_rank = args.prompts_per_step // world_size
     # every mistake in the flags or the data stops the run here: before any model loads or anything is written
     check_args(args, world_size)
-    reward_fns = reward_functions(args.reward_funcs)
+    run.reward_fns = reward_functions(args.reward_funcs)
+    run.reward_weights = torch.tensor(args.reward_weights or [1.0] * len(run.reward_fns))
     dataset = read_dataset(args)
-    check_dataset(args, dataset, reward_fns)
+    check_dataset(args, dataset, run.reward_fns)
     eval_dataset = None  # --eval-steps / --max-steps 0: the eval prompts, read and checked like the training ones
     if args.eval_steps or args.max_steps == 0:
         eval_dataset = read_dataset(args, evaluation=True)
         eval_dataset = {column: values[: args.eval_max_samples] for column, values in eval_dataset.items()}
-        check_dataset(args, eval_dataset, reward_fns, "--eval-dataset", eval_source(args)[0])
+        check_dataset(args, eval_dataset, run.reward_fns, "--eval-dataset", eval_source(args)[0])
     if args.importance_sampling_level == "sequence" and args.loss_type != "grpo":
         print(
             f"warning: --importance-sampling-level sequence (GSPO) with --loss-type {args.loss_type} weights each "
             f"completion's sequence loss by its length; GSPO's objective (arXiv 2507.18071) is --loss-type grpo"
         )
-    device = torch.device(f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if torch.cuda.is_available() else "cpu")
+    run.device = device = torch.device(
+        f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if torch.cuda.is_available() else "cpu"
+    )
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if world_size > 1:
         # rank 0 alone may spend minutes writing a checkpoint while the others wait in the next collective
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timedelta(hours=1))
-    is_main = rank == 0
     truncated_sampling = args.top_p < 1 or args.top_k > 0 or args.min_p > 0 or args.repetition_penalty != 1
     if args.use_vllm and args.vllm_importance_sampling_correction and truncated_sampling:
         print(
@@ -658,118 +662,109 @@ def set_up(args):
             "level (product over tokens) it shrinks the updates of long completions. Prefer token_truncate, or neutral values."
         )
     # the output directory is this run's alone (a lock); another run's files are refused; only this run's checkpoints
-    identity, checkpoint_dir, output_lock = claim_output_dir(args, "grpo.py") if is_main else (None, None, None)
+    run.identity, checkpoint_dir, run.output_lock = claim_output_dir(args, "grpo.py") if run.is_main else (None,) * 3
     if world_size > 1:  # rank 0 decided which checkpoint to resume
         shared = [checkpoint_dir]
         dist.broadcast_object_list(shared, src=0)
         checkpoint_dir = shared[0]
-    preemption = on_sigterm()  # SIGTERM: a checkpoint at the end of the step, then exit
+    run.preemption = on_sigterm()  # SIGTERM: a checkpoint at the end of the step, then exit
 
     # seeding: the same on every rank until sampling, so that all ranks hold the same weights
     random.seed(args.seed)
     np.random.seed(args.seed)
     torch.manual_seed(args.seed)
     # no weight cache: each weight is cast once per forward anyway, and the cache would outlive gradient checkpointing
-    autocast = dict(device_type=device.type, dtype=torch.bfloat16, enabled=args.bf16 and device.type == "cuda")
-    autocast["cache_enabled"] = False
+    run.autocast = dict(device_type=device.type, dtype=torch.bfloat16, enabled=args.bf16 and device.type == "cuda")
+    run.autocast["cache_enabled"] = False
 
     # model, tokenizer, reference model
     from transformers import AutoModelForCausalLM, AutoTokenizer, get_scheduler
 
     model_path = checkpoint_dir or args.model_name_or_path
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, args.param_dtype)).to(device)
+    run.tokenizer = tokenizer = AutoTokenizer.from_pretrained(model_path)
+    run.model = model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, args.param_dtype))
+    model.to(device)
     for module in model.modules():  # dropout would make two passes over the same tokens disagree (ratio != 1)
         if isinstance(module, torch.nn.Dropout):
             module.p = 0.0
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    ref_model = None
+    run.ref_model = None
     if args.beta > 0:  # the policy's dtype and compute (mixed precision included): the KL at step 1 is exactly 0
-        ref_model = AutoModelForCausalLM.from_pretrained(
+        run.ref_model = AutoModelForCausalLM.from_pretrained(
             args.model_name_or_path, dtype=getattr(torch, args.param_dtype)
         )
-        ref_model = ref_model.to(device).eval().requires_grad_(False)
+        run.ref_model.to(device).eval().requires_grad_(False)
     if world_size > 1:  # FSDP2: every rank keeps 1/world_size of the weights, gradients and AdamW states
-        for m in [model, ref_model] if ref_model is not None else [model]:
-            shard_model(m, mixed_precision=args.bf16 and device.type == "cuda")
+        for each in [model, run.ref_model] if run.ref_model is not None else [model]:
+            shard_model(each, mixed_precision=args.bf16 and device.type == "cuda")
     # a forward that transforms its logits in a way the trainer does not model fails now, not after training on them
     sentence = "The quick brown fox jumps over the lazy dog, and then it ran away."
     check_logprobs(model, tokenizer(sentence)["input_ids"], device, world_size)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    run.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     eos_ids = model.generation_config.eos_token_id
     eos_ids = set(eos_ids if isinstance(eos_ids, list) else [eos_ids])
-    eos_ids = sorted((eos_ids | {tokenizer.eos_token_id}) - {None})
+    run.eos_ids = sorted((eos_ids | {tokenizer.eos_token_id}) - {None})
 
-    # data and rewards
+    # prompts: token ids, the columns the reward functions get, whether the dataset's prompts are chat messages
     max_context = getattr(model.config, "max_position_embeddings", None) or 10**9
-    prompt_ids, columns, prompts_are_messages = load_prompts(args, dataset, tokenizer, max_context)
-    eval_prompt_ids, eval_columns, eval_prompts_are_messages = None, {}, False
+    run.prompt_ids, run.columns, run.prompts_are_messages = load_prompts(args, dataset, tokenizer, max_context)
+    run.eval_prompt_ids, run.eval_columns, run.eval_prompts_are_messages = None, {}, False
     if eval_dataset is not None:
-        eval_prompt_ids, eval_columns, eval_prompts_are_messages = load_prompts(
+        run.eval_prompt_ids, run.eval_columns, run.eval_prompts_are_messages = load_prompts(
             args, eval_dataset, tokenizer, max_context
         )
-    reward_weights = torch.tensor(args.reward_weights or [1.0] * len(reward_fns))
 
     # optimizer and schedule
     # fused: one kernel for all parameters on CUDA, with no full-size temporaries (the foreach default allocates them)
-    optimizer = torch.optim.AdamW(
+    run.optimizer = torch.optim.AdamW(
         model.parameters(),
         lr=args.learning_rate,
         betas=(args.adam_beta1, args.adam_beta2),
         weight_decay=args.weight_decay,
         fused=device.type == "cuda",
     )
-    scheduler = get_scheduler(args.lr_scheduler_type, optimizer, args.warmup_steps, args.max_steps)
-    global_step, prompts_consumed = 0, 0
+    run.scheduler = get_scheduler(args.lr_scheduler_type, run.optimizer, args.warmup_steps, args.max_steps)
+    run.global_step, run.prompts_consumed = 0, 0
     torch.manual_seed(args.seed + rank)  # from here on each rank samples its own completions
     if checkpoint_dir:
-        global_step, prompts_consumed = load_checkpoint(
-            checkpoint_dir, model, optimizer, scheduler, device, rank, world_size
-        )
-        print(f"resumed from {checkpoint_dir} at step {global_step}")
+        run.global_step, run.prompts_consumed = load_checkpoint(run, checkpoint_dir)
+        print(f"resumed from {checkpoint_dir} at step {run.global_step}")
+    run.prompts = prompt_stream(len(run.prompt_ids), args.seed, start=run.prompts_consumed)
+    run.weights_version = run.global_step  # the optimizer step whose weights the generator holds
 
     # generator: Hugging Face generate, or vLLM (colocated engine or a `vllm serve` server)
-    engine = None
+    run.engine = None
     if args.use_vllm:
-        engine = vllm_utils.start(args, model_path, max(len(p) for p in prompt_ids + (eval_prompt_ids or [])))
+        longest = max(len(p) for p in run.prompt_ids + (run.eval_prompt_ids or []))
+        run.engine = vllm_utils.start(args, model_path, longest)
         if (
             args.vllm_mode == "server"
         ):  # the server may hold other weights (an earlier run, or this one before a resume)
-            vllm_utils.sync_weights(engine, model)
+            vllm_utils.sync_weights(run.engine, model)
 
-    if args.track and is_main:
+    # logs: wandb, metrics.jsonl (rank 0), the progress bar
+    if args.track and run.is_main:
         import wandb
 
         wandb.init(
             project=args.wandb_project_name,
             entity=args.wandb_entity,
             config=asdict(args),
-            name=identity["run_name"],
-            id=identity["run_id"],
+            name=run.identity["run_name"],
+            id=run.identity["run_id"],
             resume="allow",
         )  # a resumed run continues its wandb run
     metrics_path = os.path.join(args.output_dir, "metrics.jsonl")
-    if checkpoint_dir and is_main and os.path.exists(metrics_path):  # steps logged after the checkpoint are redone
-        kept = [line for line in open(metrics_path) if json.loads(line)["step"] <= global_step]
+    if checkpoint_dir and run.is_main and os.path.exists(metrics_path):  # steps logged after the checkpoint are redone
+        kept = [line for line in open(metrics_path) if json.loads(line)["step"] <= run.global_step]
         with open(metrics_path, "w") as f:
             f.writelines(kept)
-    return SimpleNamespace(
-        **dict(args=args, world_size=world_size, rank=rank, is_main=is_main, device=device, autocast=autocast),
-        **dict(identity=identity, output_lock=output_lock, preemption=preemption, engine=engine),
-        **dict(model=model, ref_model=ref_model, tokenizer=tokenizer, pad_id=pad_id, eos_ids=eos_ids),
-        **dict(optimizer=optimizer, scheduler=scheduler, global_step=global_step, weights_version=global_step),
-        **dict(
-            reward_fns=reward_fns, reward_weights=reward_weights, prompts_per_rank=args.prompts_per_step // world_size
-        ),
-        **dict(prompt_ids=prompt_ids, columns=columns, prompts_are_messages=prompts_are_messages),
-        **dict(eval_prompt_ids=eval_prompt_ids, eval_columns=eval_columns),
-        eval_prompts_are_messages=eval_prompts_are_messages,
-        prompts_consumed=prompts_consumed,
-        prompts=prompt_stream(len(prompt_ids), args.seed, start=prompts_consumed),
-        metrics_file=open(metrics_path, "a") if is_main else None,
-        progress=tqdm(total=args.max_steps, initial=global_step, desc="grpo", dynamic_ncols=True, disable=not is_main),
+    run.metrics_file = open(metrics_path, "a") if run.is_main else None
+    run.progress = tqdm(
+        total=args.max_steps, initial=run.global_step, desc="grpo", dynamic_ncols=True, disable=not run.is_main
     )
+    return run
 
 
 def generate(run, prompt_ids, num_generations=None, temperature=None):
@@ -1383,12 +1378,13 @@ def log_completions(tokenizer, prompt_ids, completion_ids, rewards, count, step,
 # Checkpoints
 
 
-def load_checkpoint(checkpoint_dir, model, optimizer, scheduler, device, rank, world_size):
+def load_checkpoint(run, checkpoint_dir):
     """Restore a checkpoint's optimizer, schedule and this rank's RNG states (its weights were loaded as the model);
     returns (global_step, prompts_consumed)."""
+    model, optimizer, scheduler, device, rank = run.model, run.optimizer, run.scheduler, run.device, run.rank
     # mmap: pages of the full optimizer state are read as used, not all into every rank's memory (copy-on-write)
     state = torch.load(os.path.join(checkpoint_dir, "trainer_state.pt"), weights_only=False, mmap=True)
-    if world_size > 1:  # the full optimizer state, sharded like the weights (resume with the same number of ranks)
+    if run.world_size > 1:  # the full optimizer state, sharded like the weights (resume with the same number of ranks)
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
         set_optimizer_state_dict(model, optimizer, state["optimizer"], options=StateDictOptions(full_state_dict=True))
