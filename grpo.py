@@ -376,6 +376,8 @@ def train(args):
     model, optimizer, device, world_size, rank = run.model, run.optimizer, run.device, run.world_size, run.rank
     num_generations, global_step = args.num_generations, run.global_step
     epsilon_high = args.epsilon_high if args.epsilon_high is not None else args.epsilon
+    clipping = (args.epsilon, epsilon_high, args.delta, args.importance_sampling_level)  # policy_loss's options
+    vllm_is = {k: getattr(args, f"vllm_importance_sampling_{k}") for k in ("mode", "clip_min", "clip_max")}
     steps_per_round = args.steps_per_generation * args.num_iterations  # optimizer steps per generation round
     next_round = None  # --async-generation: the round generating in the background while this one trains
     if run.eval_prompt_ids is not None and (global_step == 0 or args.max_steps == 0):  # the model before training
@@ -450,10 +452,9 @@ def train(args):
         completion_lengths = [len(c) for c in completion_ids]
         truncated = torch.tensor([not (c and c[-1] in run.eos_ids) for c in completion_ids])  # no EOS: cut off
         C = max(max(completion_lengths), 1)
-        completion_mask = (torch.arange(C)[None] < torch.tensor(completion_lengths)[:, None]).float()  # (N, C)
-        loss_mask = (
-            completion_mask * (~truncated[:, None]).float() if args.mask_truncated_completions else completion_mask
-        )
+        loss_mask = (torch.arange(C)[None] < torch.tensor(completion_lengths)[:, None]).float()  # (N, C)
+        if args.mask_truncated_completions:  # DAPO overlong filtering: completions without EOS get no loss
+            loss_mask *= (~truncated[:, None]).float()
         need_old = args.num_iterations > 1 or args.steps_per_generation > 1
         old_logprobs, ref_logprobs = old_and_ref_logprobs(run, prompt_ids, completion_ids, need_old)  # (N, C) or None
         # vLLM's log-probs of the sampled tokens, NaN where it gave none (N, C); None without the correction
@@ -476,9 +477,8 @@ def train(args):
             for s in range(args.steps_per_generation):
                 if global_step >= args.max_steps:
                     break
-                step_rows = list(
-                    range(s * groups_per_step * num_generations, (s + 1) * groups_per_step * num_generations)
-                )
+                step_size = groups_per_step * num_generations
+                step_rows = list(range(s * step_size, (s + 1) * step_size))
                 # normalisers count every rank's rows; FSDP averages gradients over ranks, hence the x world_size below
                 loss_weights = policy_loss_weights(
                     loss_mask[step_rows],
@@ -497,35 +497,20 @@ def train(args):
                 for mb in same_count_on_all_ranks(micro_batches, world_size, device):
                     padding_pass = mb is None  # only to keep FSDP's collectives in step with the other ranks
                     mb = [step_rows[0]] if padding_pass else mb
-                    ids, attn, pos, mb_completion_mask, P = collate(
+                    ids, attn, pos, completion_mask, P = collate(
                         [prompt_ids[i] for i in mb], [completion_ids[i] for i in mb], device, run.pad_id
                     )
-                    Cm = mb_completion_mask.shape[1]
+                    Cm = completion_mask.shape[1]
                     with torch.autocast(**run.autocast):
                         logprobs, entropy = per_token_logprobs(
-                            model, ids, attn, pos, mb_completion_mask, P, args.temperature, with_entropy=True
+                            model, ids, attn, pos, completion_mask, P, args.temperature, with_entropy=True
                         )
                     old = old_logprobs[mb, :Cm].to(device) if need_old else logprobs.detach()
                     A = advantages[mb].to(device)
-                    per_token_loss, ratio = policy_loss(
-                        logprobs,
-                        old,
-                        A,
-                        mb_completion_mask,
-                        args.epsilon,
-                        epsilon_high,
-                        args.delta,
-                        args.importance_sampling_level,
-                    )
+                    per_token_loss, ratio = policy_loss(logprobs, old, A, completion_mask, *clipping)
                     if use_vllm_is:  # pi_old / pi_vllm: vLLM's numerics and, with --async-generation, the older weights
-                        is_ratio, logp_difference = vllm_importance_ratio(
-                            old,
-                            sampling_logprobs[mb, :Cm].to(device),
-                            mb_completion_mask,
-                            args.vllm_importance_sampling_mode,
-                            args.vllm_importance_sampling_clip_min,
-                            args.vllm_importance_sampling_clip_max,
-                        )
+                        sampled = sampling_logprobs[mb, :Cm].to(device)
+                        is_ratio, logp_difference = vllm_importance_ratio(old, sampled, completion_mask, **vllm_is)
                         per_token_loss = per_token_loss * is_ratio
                     if run.ref_model is not None:
                         kl = k3_kl(logprobs, ref_logprobs[mb, :Cm].to(device))
@@ -538,8 +523,8 @@ def train(args):
                     if padding_pass:
                         continue
                     # metrics (TRL's definitions): clipped low with A < 0, high with A > 0, token means
-                    mask = mb_completion_mask.bool()
-                    token_mean = lambda x: (x * mb_completion_mask).sum().detach() / mask.sum().clamp(min=1)
+                    mask = completion_mask.bool()
+                    token_mean = lambda x: (x * completion_mask).sum().detach() / mask.sum().clamp(min=1)
                     if use_vllm_is:
                         is_stats["logp_difference"].append(logp_difference[mask])
                         is_stats["ratio"].append(is_ratio[mask])
@@ -1766,9 +1751,8 @@ def check_dataset(args, dataset, reward_fns, flag="--dataset-name", name=None):
                 f"Pass {option} with one of those"
                 + (', or --answer-column "" if it has none.' if "answer" in option else ".")
             )
-    given = set(columns) - {
-        args.prompt_column
-    }  # what reward functions receive (load_prompts: answer column as `answer`)
+    # what reward functions receive (load_prompts: the answer column as `answer`)
+    given = set(columns) - {args.prompt_column}
     if args.answer_column and args.answer_column != "answer":
         given = given - {args.answer_column} | {"answer"}
     given |= {"completions", "prompts", "completion_ids", "max_completion_length", *args.reward_kwargs}
@@ -1934,9 +1918,8 @@ def claim_output_dir(args, script):
         if checkpoint:
             step = resumed.get("global_step")
             if step is None:  # a checkpoint written before run.json existed
-                step = torch.load(os.path.join(checkpoint, "trainer_state.pt"), weights_only=False, mmap=True)[
-                    "global_step"
-                ]
+                state = torch.load(os.path.join(checkpoint, "trainer_state.pt"), weights_only=False, mmap=True)
+                step = state["global_step"]
             if step >= args.max_steps:
                 raise SystemExit(
                     f"error: --resume-from-checkpoint {checkpoint} is at step {step} and --max-steps is "
