@@ -732,14 +732,8 @@ def set_up(args):
     if args.track and run.is_main:
         import wandb
 
-        wandb.init(
-            project=args.wandb_project_name,
-            entity=args.wandb_entity,
-            config=asdict(args),
-            name=run.identity["run_name"],
-            id=run.identity["run_id"],
-            resume="allow",
-        )  # a resumed run continues its wandb run
+        identity = dict(name=run.identity["run_name"], id=run.identity["run_id"], resume="allow")  # resumed: continued
+        wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, config=asdict(args), **identity)
     metrics_path = os.path.join(args.output_dir, "metrics.jsonl")
     if checkpoint_dir and run.is_main and os.path.exists(metrics_path):  # steps logged after the checkpoint are redone
         kept = [line for line in open(metrics_path) if json.loads(line)["step"] <= run.global_step]

@@ -78,9 +78,9 @@ def test_reward_functions_get_messages_only_when_the_dataset_prompts_are(tmp_pat
     # template wraps (--use-chat-template) give reward functions plain strings
     import shutil
 
-    import rewards
     from transformers import AutoTokenizer
 
+    import rewards
     from grpo_cli import STORIES
 
     model = shutil.copytree(STORIES, tmp_path / "model")
