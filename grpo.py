@@ -26,6 +26,10 @@ More examples:
   python grpo.py --use-vllm --vllm-mode colocate --vllm-enable-sleep-mode
   # trainer on GPU 0, a stock vLLM server on GPU 1 (README.md, "Using vLLM")
   python grpo.py --use-vllm --vllm-mode server
+
+Reading order: Args (the options), ALGO LOGIC (advantages, the loss, the KL and importance-sampling terms, each with
+its equation), train() (the loop: generate, score, advantages, loss, optimizer step, weight sync, log), then the
+plumbing under TRY NOT TO MODIFY (set-up, data, log-probs, FSDP2, generation, evaluation, checkpoints, start-up checks).
 """
 
 import ast
@@ -420,8 +424,7 @@ def train(args):
         if args.use_vllm:
             vllm_utils.sleep(run.engine)  # sleep mode: vLLM's memory goes to training until the next generation
         if args.dynamic_sampling and world_size > 1:  # ranks kept different numbers of groups: pool them, split evenly
-            pooled = [None] * world_size
-            dist.all_gather_object(pooled, kept)
+            pooled = gather_objects(kept, world_size)
             share = min(sum(len(p) for p in pooled), args.prompts_per_step) // world_size
             kept = [group for rank_kept in pooled for group in rank_kept][rank * share : (rank + 1) * share]
         # groups kept per rank: the same on every rank, a multiple of steps_per_generation
@@ -835,8 +838,7 @@ def round_metrics(run, scores, completion_lengths, truncated, stats, step_loss):
     lengths = torch.tensor(completion_lengths, dtype=torch.float)
     means = {k: torch.stack(v).mean() for k, v in stats.items() if v}
     if world_size > 1:
-        gathered = [None] * world_size
-        dist.all_gather_object(gathered, (scores, lengths, truncated))
+        gathered = gather_objects((scores, lengths, truncated), world_size)
         scores, lengths, truncated = (torch.cat([g[i] for g in gathered]) for i in range(3))
         for value in [step_loss, *means.values()]:
             dist.all_reduce(value)
@@ -901,8 +903,7 @@ def evaluate(run):
     sampled = score(run, rows, sampled_ids, k, evaluation=True).view(len(rows), k, -1)[:real] if k > 1 else None
     lengths = torch.tensor([len(c) for c in greedy_ids[:real]], dtype=torch.float)
     if world_size > 1:  # every rank's scores, in rank order: the prompts in order, as on one rank
-        parts = [None] * world_size
-        dist.all_gather_object(parts, (greedy, sampled, lengths))
+        parts = gather_objects((greedy, sampled, lengths), world_size)
         greedy, lengths = torch.cat([p[0] for p in parts]), torch.cat([p[2] for p in parts])
         sampled = torch.cat([p[1] for p in parts]) if k > 1 else None
     metrics = eval_metrics(greedy, sampled, run.reward_weights, [fn.__name__ for fn in run.reward_fns])
@@ -1236,6 +1237,15 @@ def gather_rows(tensor, world_size):
     return torch.cat(parts)
 
 
+def gather_objects(value, world_size):
+    """Every rank's `value` (any picklable object), in rank order."""
+    if world_size == 1:
+        return [value]
+    parts = [None] * world_size
+    dist.all_gather_object(parts, value)
+    return parts
+
+
 def global_sum(value, world_size, device):
     """Sum of a number over all ranks."""
     if world_size == 1:
@@ -1389,9 +1399,7 @@ def save_checkpoint(run, global_step, prompts_consumed):
     args, world_size, cuda = run.args, run.world_size, run.device.type == "cuda"
     model_state, optimizer_state = full_state(run.model, run.optimizer, world_size)
     rng = (torch.get_rng_state(), torch.cuda.get_rng_state() if cuda else None)
-    rng_states = [rng] * world_size
-    if world_size > 1:
-        dist.all_gather_object(rng_states, rng)
+    rng_states = gather_objects(rng, world_size)
     if not run.is_main:
         return
     path = os.path.join(args.output_dir, f"checkpoint-{global_step}")
