@@ -26,6 +26,10 @@ More examples:
   python grpo.py --use-vllm --vllm-mode colocate --vllm-enable-sleep-mode
   # trainer on GPU 0, a stock vLLM server on GPU 1 (README.md, "Using vLLM")
   python grpo.py --use-vllm --vllm-mode server
+
+Reading order: Args (the options), ALGO LOGIC (advantages, the loss, the KL and importance-sampling terms, each with
+its equation), train() (the loop: generate, score, advantages, loss, optimizer step, weight sync, log), then the
+plumbing under TRY NOT TO MODIFY (set-up, data, log-probs, FSDP2, generation, evaluation, checkpoints, start-up checks).
 """
 
 import ast
@@ -51,6 +55,7 @@ from concurrent.futures import Future
 from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
+from types import SimpleNamespace
 from typing import Annotated, Literal
 
 import numpy as np
@@ -60,6 +65,7 @@ import tyro
 from tqdm import tqdm
 
 import rewards
+import vllm_utils
 
 
 @dataclass
@@ -255,84 +261,9 @@ class Args:
     greedy only). A completion solves its prompt when its weighted total reward is > 0"""
 
 
-# ------------------------------------------------------------------------------------------------------------------
-# Data
-
-
-def load_prompts(args, dataset, tokenizer, max_context):
-    """Tokenize the prompts of `dataset` ({column: values}, from read_dataset) and return (prompt_ids, columns,
-    is_conversational): token ids per row, and the other columns (answer column renamed to `answer`) that reward
-    functions receive by name."""
-    prompts = dataset[args.prompt_column]
-    conversational = isinstance(prompts[0], list)
-    use_template = conversational or (args.use_chat_template and tokenizer.chat_template is not None)
-    prompt_ids = []
-    for prompt in prompts:
-        if use_template:
-            messages = prompt if conversational else [{"role": "user", "content": prompt}]
-            if args.system_prompt:
-                messages = [{"role": "system", "content": args.system_prompt}] + messages
-            ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-            ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
-        else:
-            text = f"{args.system_prompt}\n\n{prompt}" if args.system_prompt else prompt
-            ids = tokenizer(text)["input_ids"]
-        prompt_ids.append(list(ids))
-    columns = {c: values for c, values in dataset.items() if c != args.prompt_column}
-    if args.answer_column and args.answer_column != "answer":
-        columns["answer"] = columns.pop(args.answer_column)
-
-    keep = list(range(len(prompt_ids)))
-    if args.max_prompt_length is not None:
-        keep = [i for i in keep if len(prompt_ids[i]) <= args.max_prompt_length]
-        print(f"--max-prompt-length {args.max_prompt_length}: kept {len(keep)} of {len(prompt_ids)} prompts")
-        if not keep:
-            raise ValueError(f"no prompt is at most {args.max_prompt_length} tokens long; raise --max-prompt-length")
-    longest = max(keep, key=lambda i: len(prompt_ids[i]))
-    if len(prompt_ids[longest]) + args.max_completion_length > max_context:
-        raise ValueError(
-            f"prompt {longest} has {len(prompt_ids[longest])} tokens, and with --max-completion-length "
-            f"{args.max_completion_length} it exceeds the model's context of {max_context} tokens. Pass "
-            f"--max-prompt-length {max_context - args.max_completion_length} to drop such prompts, or lower "
-            f"--max-completion-length."
-        )
-    return [prompt_ids[i] for i in keep], {c: [v[i] for i in keep] for c, v in columns.items()}, use_template
-
-
-def prompt_stream(num_prompts, seed, start=0):
-    """Yield prompt indices forever: a new seeded permutation each epoch. `start` skips that many (for resuming)."""
-    epoch = 0
-    while True:
-        order = torch.randperm(num_prompts, generator=torch.Generator().manual_seed(seed + epoch)).tolist()
-        for index in order:
-            if start > 0:
-                start -= 1
-                continue
-            yield index
-        epoch += 1
-
-
-# ------------------------------------------------------------------------------------------------------------------
-# Rewards and advantages
-
-
-def score_completions(reward_fns, completions, columns):
-    """Call each reward function; returns rewards (num_completions, num_funcs) with NaN where a function gave None."""
-    scores = torch.full((len(completions), len(reward_fns)), float("nan"))
-    for k, fn in enumerate(reward_fns):
-        try:
-            values = fn(completions=completions, **columns)
-        except Exception as error:
-            raise RuntimeError(
-                f"reward function '{fn.__name__}' raised {type(error).__name__}: {error}. It receives completions and "
-                f"the keyword columns {sorted(columns)}; fix the function or the dataset columns it reads."
-            ) from error
-        if len(values) != len(completions):
-            raise ValueError(
-                f"reward function '{fn.__name__}' returned {len(values)} values for {len(completions)} completions"
-            )
-        scores[:, k] = torch.tensor([float("nan") if v is None else float(v) for v in values])
-    return scores
+# ==================================================================================================================
+# ALGO LOGIC: advantages, the policy loss and its token weights, the KL penalty, the vLLM importance ratio
+# ==================================================================================================================
 
 
 def group_advantages(rewards, num_generations, scale_rewards="group", eps=1e-4):
@@ -361,8 +292,722 @@ def has_signal(group_rewards):
     return scored.unique().numel() > 1
 
 
+def policy_loss(
+    logprobs,
+    old_logprobs,
+    advantages,
+    completion_mask,
+    epsilon_low=0.2,
+    epsilon_high=0.2,
+    delta=None,
+    importance_sampling_level="token",
+):
+    """Per-token clipped surrogate loss, (B, C): -min(r * A, clip(r, 1 - eps_low, 1 + eps_high) * A).
+
+    token level (PPO / GRPO, arXiv 2402.03300 eq. 3):  r_t = pi(o_t) / pi_old(o_t)
+    sequence level (GSPO, arXiv 2507.18071 eq. 7):     s = exp(mean_t log r_t), one ratio per completion
+    delta (INTELLECT-2, arXiv 2505.07291): the unclipped branch uses min(r, delta), bounding the loss when A < 0.
+    Returns the loss and the ratio (for clip metrics)."""
+    log_ratio = logprobs - old_logprobs
+    if importance_sampling_level == "sequence":
+        log_ratio = (log_ratio * completion_mask).sum(-1, keepdim=True) / completion_mask.sum(-1, keepdim=True).clamp(
+            min=1
+        )
+    ratio = torch.exp(log_ratio)  # (B, C) or (B, 1)
+    A = advantages[:, None]
+    unclipped = (torch.clamp(ratio, max=delta) if delta is not None else ratio) * A
+    clipped = torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high) * A
+    return -torch.min(unclipped, clipped), ratio.expand_as(logprobs)
+
+
+def policy_loss_weights(
+    completion_mask, loss_type, max_completion_length, total_tokens=None, num_sequences=None, step_tokens=None
+):
+    """Weight of each token's loss so that summing loss * weight gives the batch loss of `loss_type`:
+
+      grpo    (arXiv 2402.03300 eq. 3):  1/N sum_i 1/|o_i| sum_t l_it   (mean over sequences of token means)
+      bnpo:                              sum_it l_it / sum_it m_it      (token mean over this mini-batch)
+      dr_grpo (arXiv 2503.20783 eq. 2):  sum_it l_it / (N * max_completion_length)
+      dapo    (arXiv 2503.14476 eq. 8):  sum_it l_it / total_tokens     (token mean over the whole generated batch,
+                                         per mini-batch; equals bnpo when steps_per_generation = 1)
+    completion_mask: (N, C) for every completion of one optimizer step, so micro-batching does not change the loss.
+    With several ranks it holds this rank's rows, and num_sequences / step_tokens count those of all ranks."""
+    N = num_sequences or completion_mask.shape[0]
+    if loss_type == "grpo":
+        return completion_mask / completion_mask.sum(-1, keepdim=True).clamp(min=1) / N
+    if loss_type == "bnpo":
+        return completion_mask / max(step_tokens if step_tokens is not None else completion_mask.sum().item(), 1)
+    if loss_type == "dr_grpo":
+        return completion_mask / (N * max_completion_length)
+    if loss_type == "dapo":
+        return completion_mask / max(total_tokens, 1)
+    raise ValueError(f"unknown loss_type {loss_type}")
+
+
+def k3_kl(logprobs, ref_logprobs):
+    """Per-token KL(pi || pi_ref) estimate k3 = exp(ref - logp) - (ref - logp) - 1 >= 0 (Schulman 2020;
+    DeepSeekMath eq. 4)."""
+    diff = ref_logprobs - logprobs
+    return torch.exp(diff) - diff - 1
+
+
+def vllm_importance_ratio(
+    old_logprobs, sampling_logprobs, completion_mask, mode="sequence_mask", clip_min=None, clip_max=3.0
+):
+    """Importance weight pi_trainer / pi_vllm that corrects for vLLM sampling from slightly different numerics
+    (truncated IS, "Your efficient RL framework secretly brings you off-policy RL training", Yao et al. 2025).
+
+    token_*: one ratio per token; sequence_*: exp(sum_t log ratio_t), one per completion (the product of token
+    ratios). *_truncate clamps to [clip_min, clip_max]; *_mask sets ratios outside the bounds to 0. NaN log-probs
+    (vLLM gave none) count as ratio 1. Returns (B, C) weights (no gradient) and |log ratio| per token."""
+    diff = torch.nan_to_num((old_logprobs - sampling_logprobs) * completion_mask, nan=0.0)
+    log_ratio = diff.sum(-1, keepdim=True) if mode.startswith("sequence") else diff
+    ratio = torch.exp(log_ratio)
+    low = clip_min if clip_min is not None else 0.0
+    high = clip_max if clip_max is not None else float("inf")
+    if mode.endswith("truncate"):
+        ratio = ratio.clamp(min=low, max=high)
+    else:
+        ratio = torch.where((ratio >= low) & (ratio <= high), ratio, torch.zeros_like(ratio))
+    return ratio.expand_as(old_logprobs).detach(), diff.abs()
+
+
+def train(args):
+    """One generation round per iteration: generate -> score -> advantages -> (old / reference log-probs) -> loss and
+    optimizer steps -> sync the weights to the generator -> log (evaluate, checkpoint). The set-up and the plumbing
+    of each phase are functions below, under "TRY NOT TO MODIFY"."""
+    run = set_up(args)  # flags and data checked, output directory claimed, models, optimizer, resume, generator
+    model, optimizer, device, world_size, rank = run.model, run.optimizer, run.device, run.world_size, run.rank
+    num_generations, global_step = args.num_generations, run.global_step
+    epsilon_high = args.epsilon_high if args.epsilon_high is not None else args.epsilon
+    clipping = (args.epsilon, epsilon_high, args.delta, args.importance_sampling_level)  # policy_loss's options
+    vllm_is = {k: getattr(args, f"vllm_importance_sampling_{k}") for k in ("mode", "clip_min", "clip_max")}
+    steps_per_round = args.steps_per_generation * args.num_iterations  # optimizer steps per generation round
+    next_round = None  # --async-generation: the round generating in the background while this one trains
+    if run.eval_prompt_ids is not None and (global_step == 0 or args.max_steps == 0):  # the model before training
+        log_metrics(run, {"step": global_step, **evaluate(run)}, show=True)
+
+    while global_step < args.max_steps:
+        round_start = time.perf_counter()
+        timing = defaultdict(float, {"timing/weight_sync": 0.0})
+        # ALGO LOGIC: 1. sample prompts and generate G completions each (dynamic sampling: until the round is full
+        # of groups whose rewards differ). --async-generation: this step's round was generated during the last step, by
+        # the weights before it; the next round starts now, from the current weights, and generates while we train
+        kept = []  # one (prompt row, its G completions, their rewards, their vLLM log-probs or None) per kept group
+        all_scores, num_generation_rounds, staleness = [], 0, []
+        max_rounds = args.dynamic_sampling_max_rounds if args.dynamic_sampling else 1
+        # every rank samples the same number of rounds (they share the prompt stream): until all ranks together kept
+        # a full step's groups
+        while global_sum(len(kept), world_size, device) < args.prompts_per_step and num_generation_rounds < max_rounds:
+            rows, version, generation = next_round if next_round and not num_generation_rounds else start_round(run)
+            if args.async_generation and not num_generation_rounds:
+                next_round = start_round(run) if global_step + steps_per_round < args.max_steps else None
+            num_generation_rounds += 1
+            t0 = time.perf_counter()
+            (completion_ids, sampling_logprobs), seconds = generation.result()
+            timing["timing/generation_wait"] += time.perf_counter() - t0  # what generation costs the trainer
+            timing["timing/generation"] += seconds
+            staleness.append(global_step - version)  # optimizer steps between the sampling and the trained weights
+            t0 = time.perf_counter()
+            # 2. score: reward functions see the decoded completions and this row's dataset columns by name
+            scores = score(run, rows, completion_ids, num_generations)  # (len(rows) * G, num_funcs)
+            all_scores.append(scores)
+            total = (scores * run.reward_weights).nansum(-1).masked_fill(scores.isnan().all(-1), float("nan"))
+            for g, row in enumerate(rows):
+                group = slice(g * num_generations, (g + 1) * num_generations)
+                if args.dynamic_sampling and not has_signal(total[group]):
+                    continue  # every scorable completion of this prompt got the same reward: no signal
+                group_sampling_logprobs = None if sampling_logprobs is None else sampling_logprobs[group]
+                # a clone: a view would pickle all of `total`
+                kept.append((row, completion_ids[group], total[group].clone(), group_sampling_logprobs))
+            timing["timing/scoring"] += time.perf_counter() - t0
+        if args.use_vllm:
+            vllm_utils.sleep(run.engine)  # sleep mode: vLLM's memory goes to training until the next generation
+        if args.dynamic_sampling and world_size > 1:  # ranks kept different numbers of groups: pool them, split evenly
+            pooled = gather_objects(kept, world_size)
+            share = min(sum(len(p) for p in pooled), args.prompts_per_step) // world_size
+            kept = [group for rank_kept in pooled for group in rank_kept][rank * share : (rank + 1) * share]
+        # groups kept per rank: the same on every rank, a multiple of steps_per_generation
+        keep = min(len(kept), run.prompts_per_rank) // args.steps_per_generation * args.steps_per_generation
+        if keep == 0:
+            raise RuntimeError(
+                f"dynamic sampling found fewer than {args.steps_per_generation * world_size} prompt(s) whose "
+                f"{num_generations} completions got different rewards in {num_generation_rounds} rounds of "
+                f"{args.prompts_per_step} prompts: the rewards carry no signal for this model and data. Check the "
+                f"reward functions and the answer column, or raise --dynamic-sampling-max-rounds."
+            )
+        kept = kept[:keep]
+        N = keep * num_generations
+        prompt_ids = [run.prompt_ids[row] for row, _, _, _ in kept for _ in range(num_generations)]  # (N,) rows
+        completion_ids = [c for _, completions, _, _ in kept for c in completions]
+        rewards = torch.cat([group_rewards for _, _, group_rewards, _ in kept])  # (N,)
+
+        # 3. advantages: group-relative (over all ranks' rewards for --scale-rewards batch; each rank keeps its rows)
+        advantages = group_advantages(
+            gather_rows(rewards.to(device), world_size).cpu(), num_generations, args.scale_rewards
+        )[rank * N : (rank + 1) * N]
+
+        # 4. old and reference log-probs, before any update (no gradient). The old log-probs need a pass of their own
+        # only when the weights change before the batch's last use; otherwise the training pass's own (detached) are
+        # the same
+        t0 = clock(device)
+        prompt_lengths = [len(p) for p in prompt_ids]
+        completion_lengths = [len(c) for c in completion_ids]
+        truncated = torch.tensor([not (c and c[-1] in run.eos_ids) for c in completion_ids])  # no EOS: cut off
+        C = max(max(completion_lengths), 1)
+        loss_mask = (torch.arange(C)[None] < torch.tensor(completion_lengths)[:, None]).float()  # (N, C)
+        if args.mask_truncated_completions:  # DAPO overlong filtering: completions without EOS get no loss
+            loss_mask *= (~truncated[:, None]).float()
+        need_old = args.num_iterations > 1 or args.steps_per_generation > 1
+        old_logprobs, ref_logprobs = old_and_ref_logprobs(run, prompt_ids, completion_ids, need_old)  # (N, C) or None
+        # vLLM's log-probs of the sampled tokens, NaN where it gave none (N, C); None without the correction
+        sampling_logprobs = [lp for _, _, _, lps in kept if lps is not None for lp in lps]
+        use_vllm_is = args.use_vllm and args.vllm_importance_sampling_correction and len(sampling_logprobs) > 0
+        if use_vllm_is:
+            padded = torch.zeros(N, C)
+            for i, lp in enumerate(sampling_logprobs):
+                padded[i, : len(lp)] = torch.tensor([float("nan") if v is None else v for v in lp])
+        sampling_logprobs = padded if use_vllm_is else None
+        timing["timing/old_ref_logprobs"] = clock(device) - t0
+
+        # 5. optimise: num_iterations passes; each pass is steps_per_generation optimizer steps over whole groups
+        model.train()
+        stats, is_stats = defaultdict(list), defaultdict(list)  # token means per micro-batch; IS values per token
+        groups_per_step = keep // args.steps_per_generation
+        # DAPO: tokens of the generated batch per optimizer step, over all ranks
+        total_tokens = global_sum(loss_mask.sum(), world_size, device) / args.steps_per_generation
+        for _iteration in range(args.num_iterations):
+            for s in range(args.steps_per_generation):
+                if global_step >= args.max_steps:
+                    break
+                step_size = groups_per_step * num_generations
+                step_rows = list(range(s * step_size, (s + 1) * step_size))
+                # normalisers count every rank's rows; FSDP averages gradients over ranks, hence the x world_size below
+                loss_weights = policy_loss_weights(
+                    loss_mask[step_rows],
+                    args.loss_type,
+                    args.max_completion_length,
+                    total_tokens,
+                    num_sequences=len(step_rows) * world_size,
+                    step_tokens=global_sum(loss_mask[step_rows].sum(), world_size, device),
+                )
+                t0 = clock(device)
+                optimizer.zero_grad(set_to_none=True)
+                step_loss = 0.0
+                micro_batches = token_budget_batches(
+                    step_rows, prompt_lengths, completion_lengths, args.micro_batch_tokens
+                )
+                for mb in same_count_on_all_ranks(micro_batches, world_size, device):
+                    padding_pass = mb is None  # only to keep FSDP's collectives in step with the other ranks
+                    mb = [step_rows[0]] if padding_pass else mb
+                    ids, attn, pos, completion_mask, P = collate(
+                        [prompt_ids[i] for i in mb], [completion_ids[i] for i in mb], device, run.pad_id
+                    )
+                    Cm = completion_mask.shape[1]
+                    with torch.autocast(**run.autocast):
+                        logprobs, entropy = per_token_logprobs(
+                            model, ids, attn, pos, completion_mask, P, args.temperature, with_entropy=True
+                        )
+                    old = old_logprobs[mb, :Cm].to(device) if need_old else logprobs.detach()
+                    A = advantages[mb].to(device)
+                    per_token_loss, ratio = policy_loss(logprobs, old, A, completion_mask, *clipping)
+                    if use_vllm_is:  # pi_old / pi_vllm: vLLM's numerics and, with --async-generation, the older weights
+                        sampled = sampling_logprobs[mb, :Cm].to(device)
+                        is_ratio, logp_difference = vllm_importance_ratio(old, sampled, completion_mask, **vllm_is)
+                        per_token_loss = per_token_loss * is_ratio
+                    if run.ref_model is not None:
+                        kl = k3_kl(logprobs, ref_logprobs[mb, :Cm].to(device))
+                        per_token_loss = per_token_loss + args.beta * kl
+                    local = [i - step_rows[0] for i in mb]  # step_rows is a contiguous range
+                    loss = (per_token_loss * loss_weights[local, :Cm].to(device)).sum()
+                    loss = loss * (0 if padding_pass else world_size)
+                    loss.backward()
+                    step_loss += loss.detach()  # summed on the device: no host sync per micro-batch
+                    if padding_pass:
+                        continue
+                    # metrics (TRL's definitions): clipped low with A < 0, high with A > 0, token means
+                    mask = completion_mask.bool()
+                    token_mean = lambda x: (x * completion_mask).sum().detach() / mask.sum().clamp(min=1)
+                    if use_vllm_is:
+                        is_stats["logp_difference"].append(logp_difference[mask])
+                        is_stats["ratio"].append(is_ratio[mask])
+                    if run.ref_model is not None:
+                        stats["kl/k3_token_mean"].append(token_mean(kl))
+                    low = ((ratio < 1 - args.epsilon) & (A[:, None] < 0)).float()
+                    high = ((ratio > 1 + epsilon_high) & (A[:, None] > 0)).float()
+                    stats["entropy"].append(token_mean(entropy))
+                    stats["clip_ratio/low_mean"].append(token_mean(low))
+                    stats["clip_ratio/high_mean"].append(token_mean(high))
+                    stats["clip_ratio/region_mean"].append(token_mean((low + high).clamp(max=1)))
+                t1 = clock(device)
+                grad_norm = clip_gradients(model, args.max_grad_norm)
+                optimizer.step()
+                run.scheduler.step()
+                global_step += 1
+                run.progress.update(1)
+                timing["timing/forward_backward"] += t1 - t0
+                timing["timing/optimizer"] += clock(device) - t1
+
+        # 6. push the new weights to vLLM before the next generation round. --async-generation: once the round in
+        # flight is complete (on every rank), so that vLLM never switches weights in the middle of a round
+        if args.use_vllm:
+            t0 = time.perf_counter()
+            if next_round is not None:
+                next_round[2].result()
+                if world_size > 1:
+                    dist.barrier()
+            t1 = time.perf_counter()
+            timing["timing/generation_wait"] += t1 - t0
+            vllm_utils.sync_weights(run.engine, model)
+            timing["timing/weight_sync"] = time.perf_counter() - t1
+        run.weights_version = global_step  # `generate` without vLLM samples from the trained model itself
+
+        # 7. evaluate every --eval-steps steps and after the last one. Here the generator holds this step's weights and
+        # no request is in flight (--async-generation: step 6 waited for the next round before the push, and the round
+        # after it starts only at the top of the loop), so evaluation samples the current policy
+        evaluated = run.eval_prompt_ids is not None and (
+            global_step % args.eval_steps == 0 or global_step >= args.max_steps
+        )
+        eval_results = evaluate(run) if evaluated else {}
+
+        # TRY NOT TO MODIFY: logging (TRL's metric names, over all ranks) and checkpoints
+        metrics = {"step": global_step}
+        metrics |= round_metrics(run, torch.cat(all_scores), completion_lengths, truncated, stats, step_loss)
+        metrics |= {
+            "grad_norm": grad_norm.item(),
+            "learning_rate": run.scheduler.get_last_lr()[0],
+            "num_tokens": global_sum(sum(prompt_lengths) + sum(completion_lengths), world_size, device),
+            **timing,
+            "sampling/staleness": sum(staleness) / len(staleness),
+            "step_time": time.perf_counter() - round_start,
+        }
+        metrics |= sampling_metrics(run, is_stats)
+        if args.dynamic_sampling:
+            metrics["dynamic_sampling/generation_rounds"] = num_generation_rounds
+            metrics["dynamic_sampling/kept_groups"] = keep * world_size
+        metrics.update(eval_results)
+        if run.is_main and args.log_completions and global_step % args.logging_steps == 0:  # rank 0's rows
+            log_completions(
+                run.tokenizer, prompt_ids, completion_ids, rewards, args.log_completions, global_step, args.track
+            )
+        log_metrics(run, metrics, show=global_step % args.logging_steps == 0 or evaluated)
+        preempted = global_sum(run.preemption.is_set(), world_size, device) > 0 and global_step < args.max_steps
+        if preempted or (args.save_steps and global_step % args.save_steps == 0 and global_step < args.max_steps):
+            # a round generated in the background is not trained yet: a resume generates it again
+            unused_prompts = args.prompts_per_step if next_round else 0
+            save_checkpoint(run, global_step, run.prompts_consumed - unused_prompts)
+        if preempted:
+            stop_preempted(run, global_step)
+    finish(run)
+
+
+# ==================================================================================================================
+# TRY NOT TO MODIFY: plumbing
+# ==================================================================================================================
+
+
 # ------------------------------------------------------------------------------------------------------------------
-# Log-probabilities and losses
+# The training loop's set-up and the plumbing of its phases
+
+
+def set_up(args):
+    """Everything before the first round: the checks of the flags and the data (before any model loads or anything is
+    written), the output directory, seeding, the policy and reference models, the prompts, the optimizer (and a
+    resumed checkpoint's state), the generator and the metrics file. Returns the run's state as one namespace."""
+    # several processes (torchrun): each rank takes an equal share of every step's prompts, whole groups
+    world_size, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
+    run = SimpleNamespace(args=args, world_size=world_size, rank=rank, is_main=rank == 0)
+    run.prompts_per_rank = args.prompts_per_step // world_size
+    # every mistake in the flags or the data stops the run here: before any model loads or anything is written
+    check_args(args, world_size)
+    run.reward_fns = reward_functions(args.reward_funcs)
+    run.reward_weights = torch.tensor(args.reward_weights or [1.0] * len(run.reward_fns))
+    dataset = read_dataset(args)
+    check_dataset(args, dataset, run.reward_fns)
+    eval_dataset = None  # --eval-steps / --max-steps 0: the eval prompts, read and checked like the training ones
+    if args.eval_steps or args.max_steps == 0:
+        eval_dataset = read_dataset(args, evaluation=True)
+        eval_dataset = {column: values[: args.eval_max_samples] for column, values in eval_dataset.items()}
+        check_dataset(args, eval_dataset, run.reward_fns, "--eval-dataset", eval_source(args)[0])
+    if args.importance_sampling_level == "sequence" and args.loss_type != "grpo":
+        print(
+            f"warning: --importance-sampling-level sequence (GSPO) with --loss-type {args.loss_type} weights each "
+            f"completion's sequence loss by its length; GSPO's objective (arXiv 2507.18071) is --loss-type grpo"
+        )
+    run.device = device = torch.device(
+        f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if torch.cuda.is_available() else "cpu"
+    )
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if world_size > 1:
+        # rank 0 alone may spend minutes writing a checkpoint while the others wait in the next collective
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timedelta(hours=1))
+    truncated_sampling = args.top_p < 1 or args.top_k > 0 or args.min_p > 0 or args.repetition_penalty != 1
+    if args.use_vllm and args.vllm_importance_sampling_correction and truncated_sampling:
+        print(
+            "warning: with top_p / top_k / min_p / repetition_penalty, vLLM's processed log-probs come from a truncated "
+            "distribution that the trainer does not model: the importance ratio is biased below 1, and at the sequence "
+            "level (product over tokens) it shrinks the updates of long completions. Prefer token_truncate, or neutral values."
+        )
+    # the output directory is this run's alone (a lock); another run's files are refused; only this run's checkpoints
+    run.identity, checkpoint_dir, run.output_lock = claim_output_dir(args, "grpo.py") if run.is_main else (None,) * 3
+    if world_size > 1:  # rank 0 decided which checkpoint to resume
+        shared = [checkpoint_dir]
+        dist.broadcast_object_list(shared, src=0)
+        checkpoint_dir = shared[0]
+    run.preemption = on_sigterm()  # SIGTERM: a checkpoint at the end of the step, then exit
+
+    # seeding: the same on every rank until sampling, so that all ranks hold the same weights
+    random.seed(args.seed)
+    np.random.seed(args.seed)
+    torch.manual_seed(args.seed)
+    # no weight cache: each weight is cast once per forward anyway, and the cache would outlive gradient checkpointing
+    run.autocast = dict(device_type=device.type, dtype=torch.bfloat16, enabled=args.bf16 and device.type == "cuda")
+    run.autocast["cache_enabled"] = False
+
+    # model, tokenizer, reference model
+    from transformers import AutoModelForCausalLM, AutoTokenizer, get_scheduler
+
+    model_path = checkpoint_dir or args.model_name_or_path
+    run.tokenizer = tokenizer = AutoTokenizer.from_pretrained(model_path)
+    run.model = model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, args.param_dtype))
+    model.to(device)
+    for module in model.modules():  # dropout would make two passes over the same tokens disagree (ratio != 1)
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+    if args.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    run.ref_model = None
+    if args.beta > 0:  # the policy's dtype and compute (mixed precision included): the KL at step 1 is exactly 0
+        run.ref_model = AutoModelForCausalLM.from_pretrained(
+            args.model_name_or_path, dtype=getattr(torch, args.param_dtype)
+        )
+        run.ref_model.to(device).eval().requires_grad_(False)
+    if world_size > 1:  # FSDP2: every rank keeps 1/world_size of the weights, gradients and AdamW states
+        for each in [model, run.ref_model] if run.ref_model is not None else [model]:
+            shard_model(each, mixed_precision=args.bf16 and device.type == "cuda")
+    # a forward that transforms its logits in a way the trainer does not model fails now, not after training on them
+    sentence = "The quick brown fox jumps over the lazy dog, and then it ran away."
+    check_logprobs(model, tokenizer(sentence)["input_ids"], device, world_size)
+    run.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    eos_ids = model.generation_config.eos_token_id
+    eos_ids = set(eos_ids if isinstance(eos_ids, list) else [eos_ids])
+    run.eos_ids = sorted((eos_ids | {tokenizer.eos_token_id}) - {None})
+
+    # prompts: token ids, the columns the reward functions get, whether the dataset's prompts are chat messages
+    max_context = getattr(model.config, "max_position_embeddings", None) or 10**9
+    run.prompt_ids, run.columns, run.prompts_are_messages = load_prompts(args, dataset, tokenizer, max_context)
+    run.eval_prompt_ids, run.eval_columns, run.eval_prompts_are_messages = None, {}, False
+    if eval_dataset is not None:
+        run.eval_prompt_ids, run.eval_columns, run.eval_prompts_are_messages = load_prompts(
+            args, eval_dataset, tokenizer, max_context
+        )
+
+    # optimizer and schedule
+    # fused: one kernel for all parameters on CUDA, with no full-size temporaries (the foreach default allocates them)
+    run.optimizer = torch.optim.AdamW(
+        model.parameters(),
+        lr=args.learning_rate,
+        betas=(args.adam_beta1, args.adam_beta2),
+        weight_decay=args.weight_decay,
+        fused=device.type == "cuda",
+    )
+    run.scheduler = get_scheduler(args.lr_scheduler_type, run.optimizer, args.warmup_steps, args.max_steps)
+    run.global_step, run.prompts_consumed = 0, 0
+    torch.manual_seed(args.seed + rank)  # from here on each rank samples its own completions
+    if checkpoint_dir:
+        run.global_step, run.prompts_consumed = load_checkpoint(run, checkpoint_dir)
+        print(f"resumed from {checkpoint_dir} at step {run.global_step}")
+    run.prompts = prompt_stream(len(run.prompt_ids), args.seed, start=run.prompts_consumed)
+    run.weights_version = run.global_step  # the optimizer step whose weights the generator holds
+
+    # generator: Hugging Face generate, or vLLM (colocated engine or a `vllm serve` server)
+    run.engine = None
+    if args.use_vllm:
+        longest = max(len(p) for p in run.prompt_ids + (run.eval_prompt_ids or []))
+        run.engine = vllm_utils.start(args, model_path, longest)
+        if (
+            args.vllm_mode == "server"
+        ):  # the server may hold other weights (an earlier run, or this one before a resume)
+            vllm_utils.sync_weights(run.engine, model)
+
+    # logs: wandb, metrics.jsonl (rank 0), the progress bar
+    if args.track and run.is_main:
+        import wandb
+
+        identity = dict(name=run.identity["run_name"], id=run.identity["run_id"], resume="allow")  # resumed: continued
+        wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, config=asdict(args), **identity)
+    metrics_path = os.path.join(args.output_dir, "metrics.jsonl")
+    if checkpoint_dir and run.is_main and os.path.exists(metrics_path):  # steps logged after the checkpoint are redone
+        kept = [line for line in open(metrics_path) if json.loads(line)["step"] <= run.global_step]
+        with open(metrics_path, "w") as f:
+            f.writelines(kept)
+    run.metrics_file = open(metrics_path, "a") if run.is_main else None
+    run.progress = tqdm(
+        total=args.max_steps, initial=run.global_step, desc="grpo", dynamic_ncols=True, disable=not run.is_main
+    )
+    return run
+
+
+def generate(run, prompt_ids, num_generations=None, temperature=None):
+    """(completion ids, vLLM log-probs or None), num_generations per prompt, prompt-major; None: training's number
+    and temperature (0: greedy)."""
+    if run.engine is not None:
+        return vllm_utils.generate(run.engine, prompt_ids, num_generations, temperature)
+    with unsharded(run.model, run.world_size):  # FSDP2: full weights while decoding, ranks stop at different steps
+        return hf_generate(run.model, prompt_ids, run.args, run.eos_ids, run.pad_id, num_generations, temperature)
+
+
+def start_round(run):
+    """Draw the next prompts_per_step prompts (the same on every rank), keep this rank's share and start generating
+    them: in the background with --async-generation, else now. Returns (rows, the optimizer step of the weights that
+    generate them, a Future of ((completion ids, vLLM log-probs), seconds))."""
+    args = run.args
+    rows = [next(run.prompts) for _ in range(args.prompts_per_step)]
+    rows = rows[run.rank * run.prompts_per_rank : (run.rank + 1) * run.prompts_per_rank]
+    run.prompts_consumed += args.prompts_per_step
+
+    def work():
+        t0 = time.perf_counter()
+        return generate(run, [run.prompt_ids[i] for i in rows]), time.perf_counter() - t0
+
+    return rows, run.weights_version, future_of(work, background=args.async_generation)
+
+
+def clock(device):
+    """Phase timings: wait for the GPU's queued work so that each phase is charged its own time."""
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter()
+
+
+def score(run, rows, completion_ids, num_generations, evaluation=False):
+    """The reward functions' scores (len(rows) * num_generations, num_funcs) of the completions of each prompt row
+    (prompt-major): each function gets the decoded completions (chat messages when the dataset's prompts are, else
+    strings, as in TRL) and, by name, the rows' dataset columns (training set, or with `evaluation` the eval set)."""
+    prompt_ids, columns, prompts_are_messages = (
+        (run.eval_prompt_ids, run.eval_columns, run.eval_prompts_are_messages)
+        if evaluation
+        else (run.prompt_ids, run.columns, run.prompts_are_messages)
+    )
+    texts = run.tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+    completions = [[{"role": "assistant", "content": t}] for t in texts] if prompts_are_messages else texts
+    repeated = lambda values: [values[i] for i in rows for _ in range(num_generations)]
+    reward_columns = {c: repeated(v) for c, v in columns.items()}
+    prompt_texts = {i: run.tokenizer.decode(prompt_ids[i]) for i in rows}
+    reward_columns.update(
+        prompts=repeated(prompt_texts),
+        completion_ids=completion_ids,
+        max_completion_length=run.args.max_completion_length,
+        **run.args.reward_kwargs,
+    )
+    return score_completions(run.reward_fns, completions, reward_columns)
+
+
+def old_and_ref_logprobs(run, prompt_ids, completion_ids, need_old):
+    """The policy's log-probs before any update (if need_old) and the reference model's (if there is one), (N, C) on
+    the CPU or None, in token-budget micro-batches without gradient."""
+    if not need_old and run.ref_model is None:
+        return None, None
+    args, model, ref_model, world_size = run.args, run.model, run.ref_model, run.world_size
+    prompt_lengths, completion_lengths = [len(p) for p in prompt_ids], [len(c) for c in completion_ids]
+    shape = (len(completion_ids), max(max(completion_lengths), 1))
+    old_logprobs = torch.zeros(shape) if need_old else None
+    ref_logprobs = torch.zeros(shape) if ref_model is not None else None
+    model.eval()
+    with (
+        torch.no_grad(),
+        torch.autocast(**run.autocast),
+        unsharded(model, world_size),
+        unsharded(ref_model, world_size) if ref_model is not None else nullcontext(),
+    ):
+        for mb in token_budget_batches(range(shape[0]), prompt_lengths, completion_lengths, args.micro_batch_tokens):
+            batch = collate([prompt_ids[i] for i in mb], [completion_ids[i] for i in mb], run.device, run.pad_id)
+            C = batch[3].shape[1]
+            if need_old:
+                old_logprobs[mb, :C] = per_token_logprobs(model, *batch, args.temperature).cpu()
+            if ref_model is not None:
+                ref_logprobs[mb, :C] = per_token_logprobs(ref_model, *batch, args.temperature).cpu()
+    return old_logprobs, ref_logprobs
+
+
+def round_metrics(run, scores, completion_lengths, truncated, stats, step_loss):
+    """The round's metrics over all ranks (TRL's names): rewards (scores: this rank's generated rows, num_funcs),
+    completion lengths, the last step's loss and the token means of the training passes (stats)."""
+    world_size = run.world_size
+    lengths = torch.tensor(completion_lengths, dtype=torch.float)
+    means = {k: torch.stack(v).mean() for k, v in stats.items() if v}
+    if world_size > 1:
+        gathered = gather_objects((scores, lengths, truncated), world_size)
+        scores, lengths, truncated = (torch.cat([g[i] for g in gathered]) for i in range(3))
+        for value in [step_loss, *means.values()]:
+            dist.all_reduce(value)
+            value /= world_size
+    total = (scores * run.reward_weights).nansum(-1)
+    metrics = {
+        "reward": total.mean().item(),
+        "reward_std": total.std().item(),
+        "frac_reward_zero_std": (total.view(-1, run.args.num_generations).std(1) < 1e-6).float().mean().item(),
+        "completions/mean_length": lengths.mean().item(),
+        "completions/min_length": int(lengths.min()),
+        "completions/max_length": int(lengths.max()),
+        "completions/clipped_ratio": truncated.float().mean().item(),  # TRL's name for the share without EOS
+        "loss": step_loss.item(),
+    }
+    for k, fn in enumerate(run.reward_fns):
+        scored = scores[:, k][~scores[:, k].isnan()]
+        metrics[f"rewards/{fn.__name__}/mean"] = scores[:, k].nanmean().item()
+        metrics[f"rewards/{fn.__name__}/std"] = scored.std().item() if scored.numel() > 1 else 0.0
+    return metrics | {k: v.item() for k, v in means.items()}
+
+
+def sampling_metrics(run, is_stats):
+    """This rank's peak GPU memory and the vLLM importance-sampling correction's log-prob differences and ratios."""
+    metrics = {}
+    if run.device.type == "cuda":
+        metrics["memory/peak_gib"] = torch.cuda.max_memory_allocated(run.device) / 2**30
+    if is_stats:
+        logp_difference, ratio = torch.cat(is_stats["logp_difference"]), torch.cat(is_stats["ratio"])
+        metrics["sampling/sampling_logp_difference/mean"] = logp_difference.mean().item()
+        metrics["sampling/sampling_logp_difference/max"] = logp_difference.max().item()
+        metrics["sampling/importance_sampling_ratio/min"] = ratio.min().item()
+        metrics["sampling/importance_sampling_ratio/mean"] = ratio.mean().item()
+        metrics["sampling/importance_sampling_ratio/max"] = ratio.max().item()
+    return metrics
+
+
+def evaluate(run):
+    """Greedy (temperature 0) and, with --eval-num-generations k > 1, k sampled completions of every eval prompt,
+    from the run's generator (which must hold the current weights: the loop calls this right after the weight push),
+    scored by the reward functions. Each rank generates its share of the prompts, in calls of one training round's
+    size; the scores are gathered, so every rank returns the eval/... metrics of all prompts."""
+    t0 = time.perf_counter()
+    args, device, world_size = run.args, run.device, run.world_size
+    rows, real = rank_share(len(run.eval_prompt_ids), run.rank, world_size)
+    k = args.eval_num_generations
+    round_size = run.prompts_per_rank * args.num_generations  # completions per generate call
+
+    def complete(num_generations, temperature):  # this rank's rows, num_generations completions each, prompt-major
+        size, ids = max(1, round_size // num_generations), []
+        for start in range(0, len(rows), size):
+            batch = [run.eval_prompt_ids[i] for i in rows[start : start + size]]
+            ids += generate(run, batch, num_generations, temperature)[0]
+        return ids
+
+    # HF sampling draws from the global RNG: fork it, so that training samples what it would without evaluation
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.manual_seed(args.seed + run.rank)
+        greedy_ids = complete(1, 0.0)
+        sampled_ids = complete(k, args.temperature) if k > 1 else None
+    greedy = score(run, rows, greedy_ids, 1, evaluation=True)[:real]  # (real, num_funcs)
+    sampled = score(run, rows, sampled_ids, k, evaluation=True).view(len(rows), k, -1)[:real] if k > 1 else None
+    lengths = torch.tensor([len(c) for c in greedy_ids[:real]], dtype=torch.float)
+    if world_size > 1:  # every rank's scores, in rank order: the prompts in order, as on one rank
+        parts = gather_objects((greedy, sampled, lengths), world_size)
+        greedy, lengths = torch.cat([p[0] for p in parts]), torch.cat([p[2] for p in parts])
+        sampled = torch.cat([p[1] for p in parts]) if k > 1 else None
+    metrics = eval_metrics(greedy, sampled, run.reward_weights, [fn.__name__ for fn in run.reward_fns])
+    metrics.update({"eval/num_prompts": len(greedy), "eval/completions/mean_length": lengths.mean().item()})
+    return {**metrics, "timing/eval": time.perf_counter() - t0}
+
+
+def log_metrics(run, metrics, show):
+    """Rank 0: update the progress bar, print the metrics line if `show`, append it to metrics.jsonl, send it to
+    wandb."""
+    if not run.is_main:
+        return
+    if "reward" in metrics:  # a training step's line (not the evaluation before training)
+        kl, length = metrics.get("kl/k3_token_mean", 0), metrics["completions/mean_length"]
+        run.progress.set_postfix(reward=f"{metrics['reward']:.3f}", kl=f"{kl:.4f}", len=f"{length:.0f}")
+    if show:
+        tqdm.write(" | ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in metrics.items()))
+    run.metrics_file.write(json.dumps(metrics) + "\n")
+    run.metrics_file.flush()
+    if run.args.track:
+        import wandb
+
+        wandb.log(metrics, step=metrics["step"])
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Data and rewards
+
+
+def load_prompts(args, dataset, tokenizer, max_context):
+    """Tokenize the prompts of `dataset` ({column: values}, from read_dataset) and return (prompt_ids, columns,
+    prompts_are_messages): token ids per row, the other columns (answer column renamed to `answer`) that reward
+    functions receive by name, and whether the dataset's prompts are chat messages (then reward functions get
+    completions as messages too; plain-text prompts that the chat template wraps give them strings, as in TRL)."""
+    prompts = dataset[args.prompt_column]
+    prompts_are_messages = isinstance(prompts[0], list)
+    use_template = prompts_are_messages or (args.use_chat_template and tokenizer.chat_template is not None)
+    prompt_ids = []
+    for prompt in prompts:
+        if use_template:
+            messages = prompt if prompts_are_messages else [{"role": "user", "content": prompt}]
+            if args.system_prompt:
+                messages = [{"role": "system", "content": args.system_prompt}] + messages
+            ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+        else:
+            text = f"{args.system_prompt}\n\n{prompt}" if args.system_prompt else prompt
+            ids = tokenizer(text)["input_ids"]
+        prompt_ids.append(list(ids))
+    columns = {c: values for c, values in dataset.items() if c != args.prompt_column}
+    if args.answer_column and args.answer_column != "answer":
+        columns["answer"] = columns.pop(args.answer_column)
+
+    keep = list(range(len(prompt_ids)))
+    if args.max_prompt_length is not None:
+        keep = [i for i in keep if len(prompt_ids[i]) <= args.max_prompt_length]
+        print(f"--max-prompt-length {args.max_prompt_length}: kept {len(keep)} of {len(prompt_ids)} prompts")
+        if not keep:
+            raise ValueError(f"no prompt is at most {args.max_prompt_length} tokens long; raise --max-prompt-length")
+    longest = max(keep, key=lambda i: len(prompt_ids[i]))
+    if len(prompt_ids[longest]) + args.max_completion_length > max_context:
+        raise ValueError(
+            f"prompt {longest} has {len(prompt_ids[longest])} tokens, and with --max-completion-length "
+            f"{args.max_completion_length} it exceeds the model's context of {max_context} tokens. Pass "
+            f"--max-prompt-length {max_context - args.max_completion_length} to drop such prompts, or lower "
+            f"--max-completion-length."
+        )
+    return [prompt_ids[i] for i in keep], {c: [v[i] for i in keep] for c, v in columns.items()}, prompts_are_messages
+
+
+def prompt_stream(num_prompts, seed, start=0):
+    """Yield prompt indices forever: a new seeded permutation each epoch. `start` skips that many (for resuming)."""
+    epoch = 0
+    while True:
+        order = torch.randperm(num_prompts, generator=torch.Generator().manual_seed(seed + epoch)).tolist()
+        for index in order:
+            if start > 0:
+                start -= 1
+                continue
+            yield index
+        epoch += 1
+
+
+def score_completions(reward_fns, completions, columns):
+    """Call each reward function; returns rewards (num_completions, num_funcs) with NaN where a function gave None."""
+    scores = torch.full((len(completions), len(reward_fns)), float("nan"))
+    for k, fn in enumerate(reward_fns):
+        try:
+            values = fn(completions=completions, **columns)
+        except Exception as error:
+            raise RuntimeError(
+                f"reward function '{fn.__name__}' raised {type(error).__name__}: {error}. It receives completions and "
+                f"the keyword columns {sorted(columns)}; fix the function or the dataset columns it reads."
+            ) from error
+        if len(values) != len(completions):
+            raise ValueError(
+                f"reward function '{fn.__name__}' returned {len(values)} values for {len(completions)} completions"
+            )
+        scores[:, k] = torch.tensor([float("nan") if v is None else float(v) for v in values])
+    return scores
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Log-probabilities (chunked, at the sampling temperature, with the model's own logit transform)
 
 
 def collate(prompt_ids, completion_ids, device, pad_id):
@@ -510,86 +1155,6 @@ def check_logprobs(model, input_ids, device, world_size):
         )
 
 
-def policy_loss(
-    logprobs,
-    old_logprobs,
-    advantages,
-    completion_mask,
-    epsilon_low=0.2,
-    epsilon_high=0.2,
-    delta=None,
-    importance_sampling_level="token",
-):
-    """Per-token clipped surrogate loss, (B, C): -min(r * A, clip(r, 1 - eps_low, 1 + eps_high) * A).
-
-    token level (PPO / GRPO, arXiv 2402.03300 eq. 3):  r_t = pi(o_t) / pi_old(o_t)
-    sequence level (GSPO, arXiv 2507.18071 eq. 7):     s = exp(mean_t log r_t), one ratio per completion
-    delta (INTELLECT-2, arXiv 2505.07291): the unclipped branch uses min(r, delta), bounding the loss when A < 0.
-    Returns the loss and the ratio (for clip metrics)."""
-    log_ratio = logprobs - old_logprobs
-    if importance_sampling_level == "sequence":
-        log_ratio = (log_ratio * completion_mask).sum(-1, keepdim=True) / completion_mask.sum(-1, keepdim=True).clamp(
-            min=1
-        )
-    ratio = torch.exp(log_ratio)  # (B, C) or (B, 1)
-    A = advantages[:, None]
-    unclipped = (torch.clamp(ratio, max=delta) if delta is not None else ratio) * A
-    clipped = torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high) * A
-    return -torch.min(unclipped, clipped), ratio.expand_as(logprobs)
-
-
-def policy_loss_weights(
-    completion_mask, loss_type, max_completion_length, total_tokens=None, num_sequences=None, step_tokens=None
-):
-    """Weight of each token's loss so that summing loss * weight gives the batch loss of `loss_type`:
-
-      grpo    (arXiv 2402.03300 eq. 3):  1/N sum_i 1/|o_i| sum_t l_it   (mean over sequences of token means)
-      bnpo:                              sum_it l_it / sum_it m_it      (token mean over this mini-batch)
-      dr_grpo (arXiv 2503.20783 eq. 2):  sum_it l_it / (N * max_completion_length)
-      dapo    (arXiv 2503.14476 eq. 8):  sum_it l_it / total_tokens     (token mean over the whole generated batch,
-                                         per mini-batch; equals bnpo when steps_per_generation = 1)
-    completion_mask: (N, C) for every completion of one optimizer step, so micro-batching does not change the loss.
-    With several ranks it holds this rank's rows, and num_sequences / step_tokens count those of all ranks."""
-    N = num_sequences or completion_mask.shape[0]
-    if loss_type == "grpo":
-        return completion_mask / completion_mask.sum(-1, keepdim=True).clamp(min=1) / N
-    if loss_type == "bnpo":
-        return completion_mask / max(step_tokens if step_tokens is not None else completion_mask.sum().item(), 1)
-    if loss_type == "dr_grpo":
-        return completion_mask / (N * max_completion_length)
-    if loss_type == "dapo":
-        return completion_mask / max(total_tokens, 1)
-    raise ValueError(f"unknown loss_type {loss_type}")
-
-
-def k3_kl(logprobs, ref_logprobs):
-    """Per-token KL(pi || pi_ref) estimate k3 = exp(ref - logp) - (ref - logp) - 1 >= 0 (Schulman 2020;
-    DeepSeekMath eq. 4)."""
-    diff = ref_logprobs - logprobs
-    return torch.exp(diff) - diff - 1
-
-
-def vllm_importance_ratio(
-    old_logprobs, sampling_logprobs, completion_mask, mode="sequence_mask", clip_min=None, clip_max=3.0
-):
-    """Importance weight pi_trainer / pi_vllm that corrects for vLLM sampling from slightly different numerics
-    (truncated IS, "Your efficient RL framework secretly brings you off-policy RL training", Yao et al. 2025).
-
-    token_*: one ratio per token; sequence_*: exp(sum_t log ratio_t), one per completion (the product of token
-    ratios). *_truncate clamps to [clip_min, clip_max]; *_mask sets ratios outside the bounds to 0. NaN log-probs
-    (vLLM gave none) count as ratio 1. Returns (B, C) weights (no gradient) and |log ratio| per token."""
-    diff = torch.nan_to_num((old_logprobs - sampling_logprobs) * completion_mask, nan=0.0)
-    log_ratio = diff.sum(-1, keepdim=True) if mode.startswith("sequence") else diff
-    ratio = torch.exp(log_ratio)
-    low = clip_min if clip_min is not None else 0.0
-    high = clip_max if clip_max is not None else float("inf")
-    if mode.endswith("truncate"):
-        ratio = ratio.clamp(min=low, max=high)
-    else:
-        ratio = torch.where((ratio >= low) & (ratio <= high), ratio, torch.zeros_like(ratio))
-    return ratio.expand_as(old_logprobs).detach(), diff.abs()
-
-
 def clip_gradients(model, max_norm):
     """Clip the gradients' global norm to max_norm (<= 0: no clipping) and return the norm before clipping."""
     # max_norm 0 would scale every gradient to 0; inf still computes the norm (the grad_norm metric)
@@ -672,12 +1237,21 @@ def gather_rows(tensor, world_size):
     return torch.cat(parts)
 
 
-def global_sum(value, world_size, device, op="sum"):
-    """Sum (or "min") of a number over all ranks."""
+def gather_objects(value, world_size):
+    """Every rank's `value` (any picklable object), in rank order."""
+    if world_size == 1:
+        return [value]
+    parts = [None] * world_size
+    dist.all_gather_object(parts, value)
+    return parts
+
+
+def global_sum(value, world_size, device):
+    """Sum of a number over all ranks."""
     if world_size == 1:
         return float(value)
     total = torch.tensor(float(value), device=device)
-    dist.all_reduce(total, op=dist.ReduceOp.MIN if op == "min" else dist.ReduceOp.SUM)
+    dist.all_reduce(total)
     return total.item()
 
 
@@ -686,20 +1260,17 @@ def global_sum(value, world_size, device, op="sum"):
 
 
 @torch.no_grad()
-def hf_generate(model, prompt_ids, args, eos_ids, pad_id, n=None, temperature=None):
-    """Sample n completions per prompt (None: num_generations) at `temperature` (None: the training one; 0: greedy,
-    for evaluation); returns completion token ids (prompt-major), each cut after its first EOS (the EOS is kept as the
-    last token)."""
+def hf_generate(model, prompt_ids, args, eos_ids, pad_id, num_generations=None, temperature=None):
+    """Sample num_generations completions per prompt (None: --num-generations) at `temperature` (None: the training
+    one; 0: greedy, for evaluation); returns completion token ids (prompt-major), each cut after its first EOS (the EOS
+    is kept as the last token), and None (no sampler log-probs)."""
     from transformers import GenerationConfig
 
-    n, temperature = n or args.num_generations, args.temperature if temperature is None else temperature
-    repeated = [p for p in prompt_ids for _ in range(n)]
-    P = max(len(p) for p in repeated)
-    input_ids = torch.full((len(repeated), P), pad_id, dtype=torch.long)
-    attention_mask = torch.zeros_like(input_ids)
-    for i, p in enumerate(repeated):
-        input_ids[i, P - len(p) :] = torch.tensor(p)
-        attention_mask[i, P - len(p) :] = 1
+    num_generations = num_generations or args.num_generations
+    temperature = args.temperature if temperature is None else temperature
+    repeated = [p for p in prompt_ids for _ in range(num_generations)]
+    input_ids, attention_mask, _, _, P = collate(repeated, [[]] * len(repeated), "cpu", pad_id)  # left-padded
+    input_ids, attention_mask = input_ids[:, :P], attention_mask[:, :P]
     sampling = dict(do_sample=True, temperature=temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p)
     config = GenerationConfig(
         **(sampling if temperature > 0 else dict(do_sample=False)),
@@ -796,11 +1367,97 @@ def log_completions(tokenizer, prompt_ids, completion_ids, rewards, count, step,
 # Checkpoints
 
 
-def save_atomically(path, write):
-    """Run write(tmp_dir) then rename tmp_dir to `path`: a crash never leaves a half-written `path`."""
-    tmp = f"{path}.tmp-{os.getpid()}"
+def load_checkpoint(run, checkpoint_dir):
+    """Restore a checkpoint's optimizer, schedule and this rank's RNG states (its weights were loaded as the model);
+    returns (global_step, prompts_consumed)."""
+    model, optimizer, scheduler, device, rank = run.model, run.optimizer, run.scheduler, run.device, run.rank
+    # mmap: pages of the full optimizer state are read as used, not all into every rank's memory (copy-on-write)
+    state = torch.load(os.path.join(checkpoint_dir, "trainer_state.pt"), weights_only=False, mmap=True)
+    if run.world_size > 1:  # the full optimizer state, sharded like the weights (resume with the same number of ranks)
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+        set_optimizer_state_dict(model, optimizer, state["optimizer"], options=StateDictOptions(full_state_dict=True))
+    else:
+        optimizer.load_state_dict(state["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
+    torch.set_rng_state(state["torch_rng"][rank])
+    if device.type == "cuda" and state.get("cuda_rng") is not None:  # GPU sampling; older checkpoints have none
+        torch.cuda.set_rng_state(state["cuda_rng"][rank])
+    # optimizer tensors left on the CPU (AdamW's step counts; all of them on a CPU run) still point into the mapped
+    # file: copy them, so that --save-total-limit can delete that checkpoint and its disk space is freed
+    for param_state in optimizer.state.values():
+        param_state.update(
+            {k: v.clone() for k, v in param_state.items() if torch.is_tensor(v) and v.device.type == "cpu"}
+        )
+    return state["global_step"], state["prompts_consumed"]
+
+
+def save_checkpoint(run, global_step, prompts_consumed):
+    """output_dir/checkpoint-N: the full weights and tokenizer, trainer_state.pt (optimizer, schedule, every rank's RNG
+    states, the prompts consumed) and run.json; then this run's checkpoints beyond --save-total-limit are deleted.
+    Every rank calls this (gathering the weights is a collective); rank 0 writes."""
+    args, world_size, cuda = run.args, run.world_size, run.device.type == "cuda"
+    model_state, optimizer_state = full_state(run.model, run.optimizer, world_size)
+    rng = (torch.get_rng_state(), torch.cuda.get_rng_state() if cuda else None)
+    rng_states = gather_objects(rng, world_size)
+    if not run.is_main:
+        return
+    path = os.path.join(args.output_dir, f"checkpoint-{global_step}")
+    tmp = f"{path}.tmp-{os.getpid()}"  # written in full, then renamed: a crash never leaves a half-written checkpoint
     shutil.rmtree(tmp, ignore_errors=True)
-    write(tmp)
+    run.model.save_pretrained(tmp, state_dict=model_state)
+    run.tokenizer.save_pretrained(tmp)
+    trainer_state = {"optimizer": optimizer_state, "scheduler": run.scheduler.state_dict(), "global_step": global_step}
+    trainer_state |= {"prompts_consumed": prompts_consumed, "torch_rng": [r[0] for r in rng_states]}
+    trainer_state["cuda_rng"] = [r[1] for r in rng_states] if cuda else None
+    torch.save(trainer_state, os.path.join(tmp, "trainer_state.pt"))
+    write_json(os.path.join(tmp, "run.json"), {**run.identity, "script": "grpo.py", "global_step": global_step})
+    replace_atomically(tmp, path)
+    limit = args.save_total_limit
+    for old in run_checkpoints(args.output_dir, run.identity["run_id"])[:-limit] if limit else []:
+        shutil.rmtree(old)  # this run's older checkpoints only, never another run's
+
+
+def stop_preempted(run, global_step):
+    """After SIGTERM's checkpoint: say how to continue, and exit with 143 (128 + SIGTERM: stopped, not finished)."""
+    if run.is_main:
+        print(
+            f"SIGTERM: wrote checkpoint-{global_step} and stopped; the same command with "
+            f"--resume-from-checkpoint latest continues the run",
+            flush=True,
+        )
+        if run.args.track:
+            import wandb
+
+            wandb.mark_preempting()
+    if run.world_size > 1:
+        dist.destroy_process_group()
+    sys.exit(143)
+
+
+def finish(run):
+    """The final model + tokenizer, loadable with from_pretrained(output_dir) (--max-steps 0 only evaluated: nothing to
+    save); then the output directory's lock and the process group are released."""
+    args = run.args
+    run.progress.close()
+    model_state = full_state(run.model, None, run.world_size)[0] if args.max_steps else None
+    if run.is_main:
+        if args.max_steps:
+            save_final(args.output_dir, run.model, run.tokenizer, model_state)
+            print(f"saved the final model to {args.output_dir}")
+        run.metrics_file.close()
+        if args.track:
+            import wandb
+
+            wandb.finish()
+    if run.output_lock is not None:
+        os.close(run.output_lock)  # the run is over: the directory is free for the next one
+    if run.world_size > 1:
+        dist.destroy_process_group()
+
+
+def replace_atomically(tmp, path):
+    """Rename the complete directory `tmp` to `path`, moving an older `path` aside first and deleting it after."""
     if os.path.isdir(path):
         old = f"{path}.old-{os.getpid()}"
         os.replace(path, old)
@@ -961,8 +1618,6 @@ def check_args(args, world_size=1):
             f"--reward-weights has {len(args.reward_weights)} values for {len(args.reward_funcs)} --reward-funcs"
         )
     if args.use_vllm:
-        import vllm_utils
-
         problems += vllm_utils.setup_problems()
     if args.async_generation and not (args.use_vllm and args.vllm_mode == "server"):
         problems.append(
@@ -1098,9 +1753,8 @@ def check_dataset(args, dataset, reward_fns, flag="--dataset-name", name=None):
                 f"Pass {option} with one of those"
                 + (', or --answer-column "" if it has none.' if "answer" in option else ".")
             )
-    given = set(columns) - {
-        args.prompt_column
-    }  # what reward functions receive (load_prompts: answer column as `answer`)
+    # what reward functions receive (load_prompts: the answer column as `answer`)
+    given = set(columns) - {args.prompt_column}
     if args.answer_column and args.answer_column != "answer":
         given = given - {args.answer_column} | {"answer"}
     given |= {"completions", "prompts", "completion_ids", "max_completion_length", *args.reward_kwargs}
@@ -1149,18 +1803,17 @@ def pid_alive(pid):
     return True
 
 
+CHECKPOINT_NAME = re.compile(r"checkpoint-(\d+)")  # a checkpoint directory's name: checkpoint-<optimizer step>
+
+
 def run_checkpoints(output_dir, run_id):
     """The checkpoint-N directories in output_dir that belong to run `run_id` (their run.json says so), oldest first.
     Checkpoints written before runs had ids have no run.json: they match run_id None (a directory without run.json)."""
     found = []
     for name in os.listdir(output_dir) if os.path.isdir(output_dir) else []:
-        path = os.path.join(output_dir, name)
-        if (
-            name.startswith("checkpoint-")
-            and name[11:].isdigit()
-            and (read_json(os.path.join(path, "run.json")) or {}).get("run_id") == run_id
-        ):
-            found.append((int(name[11:]), path))
+        path, match = os.path.join(output_dir, name), CHECKPOINT_NAME.fullmatch(name)
+        if match and (read_json(os.path.join(path, "run.json")) or {}).get("run_id") == run_id:
+            found.append((int(match[1]), path))
     return [path for _, path in sorted(found)]
 
 
@@ -1169,11 +1822,11 @@ def remove_dead_temporaries(output_dir):
     and checkpoint-N.old-PID (a complete checkpoint moved aside for its replacement: put back if that never arrived).
     Only those of processes that no longer run."""
     for name in sorted(os.listdir(output_dir)):
-        match = re.fullmatch(r"(checkpoint-\d+|run\.json)\.(tmp|old)-(\d+)|\.final-tmp-(\d+)", name)
-        if not match or pid_alive(int(match[3] or match[4])):
+        match = re.fullmatch(rf"({CHECKPOINT_NAME.pattern}|run\.json)\.(tmp|old)-(\d+)|\.final-tmp-(\d+)", name)
+        if not match or pid_alive(int(match[4] or match[5])):
             continue
         path = os.path.join(output_dir, name)
-        if match[2] == "old" and not os.path.exists(os.path.join(output_dir, match[1])):
+        if match[3] == "old" and not os.path.exists(os.path.join(output_dir, match[1])):
             os.replace(path, os.path.join(output_dir, match[1]))
             print(f"{output_dir}: put back {match[1]} from {name}, left by a process that died while replacing it")
         else:
@@ -1267,9 +1920,8 @@ def claim_output_dir(args, script):
         if checkpoint:
             step = resumed.get("global_step")
             if step is None:  # a checkpoint written before run.json existed
-                step = torch.load(os.path.join(checkpoint, "trainer_state.pt"), weights_only=False, mmap=True)[
-                    "global_step"
-                ]
+                state = torch.load(os.path.join(checkpoint, "trainer_state.pt"), weights_only=False, mmap=True)
+                step = state["global_step"]
             if step >= args.max_steps:
                 raise SystemExit(
                     f"error: --resume-from-checkpoint {checkpoint} is at step {step} and --max-steps is "
@@ -1327,616 +1979,4 @@ def on_sigterm():
 
 
 if __name__ == "__main__":
-    args = parse_args()
-    # several processes (torchrun): each rank takes an equal share of every step's prompts, whole groups
-    world_size, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
-    # every mistake in the flags or the data stops the run here: before any model loads or anything is written
-    check_args(args, world_size)
-    reward_fns = reward_functions(args.reward_funcs)
-    dataset = read_dataset(args)
-    check_dataset(args, dataset, reward_fns)
-    eval_dataset = None  # --eval-steps / --max-steps 0: the eval prompts, read and checked like the training ones
-    if args.eval_steps or args.max_steps == 0:
-        eval_dataset = read_dataset(args, evaluation=True)
-        eval_dataset = {column: values[: args.eval_max_samples] for column, values in eval_dataset.items()}
-        check_dataset(args, eval_dataset, reward_fns, "--eval-dataset", eval_source(args)[0])
-    epsilon_high = args.epsilon_high if args.epsilon_high is not None else args.epsilon
-    if args.importance_sampling_level == "sequence" and args.loss_type != "grpo":
-        print(
-            f"warning: --importance-sampling-level sequence (GSPO) with --loss-type {args.loss_type} weights each "
-            f"completion's sequence loss by its length; GSPO's objective (arXiv 2507.18071) is --loss-type grpo"
-        )
-    device = torch.device(f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if torch.cuda.is_available() else "cpu")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    if world_size > 1:
-        # rank 0 alone may spend minutes writing a checkpoint while the others wait in the next collective
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timedelta(hours=1))
-    is_main = rank == 0
-    truncated_sampling = args.top_p < 1 or args.top_k > 0 or args.min_p > 0 or args.repetition_penalty != 1
-    if args.use_vllm and args.vllm_importance_sampling_correction and truncated_sampling:
-        print(
-            "warning: with top_p / top_k / min_p / repetition_penalty, vLLM's processed log-probs come from a truncated "
-            "distribution that the trainer does not model: the importance ratio is biased below 1, and at the sequence "
-            "level (product over tokens) it shrinks the updates of long completions. Prefer token_truncate, or neutral values."
-        )
-    # the output directory is this run's alone (a lock); another run's files are refused; only this run's checkpoints
-    run, checkpoint_dir, output_lock = claim_output_dir(args, "grpo.py") if is_main else (None, None, None)
-    if world_size > 1:  # rank 0 decided which checkpoint to resume
-        shared = [checkpoint_dir]
-        dist.broadcast_object_list(shared, src=0)
-        checkpoint_dir = shared[0]
-    preemption = on_sigterm()  # SIGTERM: a checkpoint at the end of the step, then exit
-
-    # TRY NOT TO MODIFY: seeding (the same on every rank until sampling, so that all ranks hold the same weights)
-    random.seed(args.seed)
-    np.random.seed(args.seed)
-    torch.manual_seed(args.seed)
-    # no weight cache: each weight is cast once per forward anyway, and the cache would outlive gradient checkpointing
-    autocast = dict(device_type=device.type, dtype=torch.bfloat16, enabled=args.bf16 and device.type == "cuda")
-    autocast["cache_enabled"] = False
-
-    # Model, tokenizer, reference model
-    from transformers import AutoModelForCausalLM, AutoTokenizer, get_scheduler
-
-    model_path = checkpoint_dir or args.model_name_or_path
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, args.param_dtype)).to(device)
-    for module in model.modules():  # dropout would make two passes over the same tokens disagree (ratio != 1)
-        if isinstance(module, torch.nn.Dropout):
-            module.p = 0.0
-    if args.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    ref_model = None
-    if args.beta > 0:  # the policy's dtype and compute (mixed precision included): the KL at step 1 is exactly 0
-        ref_model = (
-            AutoModelForCausalLM.from_pretrained(args.model_name_or_path, dtype=getattr(torch, args.param_dtype))
-            .to(device)
-            .eval()
-        )
-        ref_model.requires_grad_(False)
-    if world_size > 1:  # FSDP2: every rank keeps 1/world_size of the weights, gradients and AdamW states
-        shard_model(model, mixed_precision=args.bf16 and device.type == "cuda")
-        if ref_model is not None:
-            shard_model(ref_model, mixed_precision=args.bf16 and device.type == "cuda")
-    # a forward that transforms its logits in a way the trainer does not model fails now, not after training on them
-    check_logprobs(
-        model,
-        tokenizer("The quick brown fox jumps over the lazy dog, and then it ran away.")["input_ids"],
-        device,
-        world_size,
-    )
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    eos_ids = set(
-        model.generation_config.eos_token_id
-        if isinstance(model.generation_config.eos_token_id, list)
-        else [model.generation_config.eos_token_id]
-    )
-    eos_ids = sorted((eos_ids | {tokenizer.eos_token_id}) - {None})
-
-    # Data and rewards
-    max_context = getattr(model.config, "max_position_embeddings", None) or 10**9
-    prompt_ids, columns, conversational = load_prompts(args, dataset, tokenizer, max_context)
-    eval_prompt_ids, eval_columns, eval_conversational = [], {}, False
-    if eval_dataset is not None:
-        eval_prompt_ids, eval_columns, eval_conversational = load_prompts(args, eval_dataset, tokenizer, max_context)
-    reward_weights = torch.tensor(args.reward_weights or [1.0] * len(reward_fns))
-
-    # Optimizer and schedule
-    # fused: one kernel for all parameters on CUDA, with no full-size temporaries (the foreach default allocates them)
-    optimizer = torch.optim.AdamW(
-        model.parameters(),
-        lr=args.learning_rate,
-        betas=(args.adam_beta1, args.adam_beta2),
-        weight_decay=args.weight_decay,
-        fused=device.type == "cuda",
-    )
-    scheduler = get_scheduler(args.lr_scheduler_type, optimizer, args.warmup_steps, args.max_steps)
-    global_step, prompts_consumed = 0, 0
-    torch.manual_seed(args.seed + rank)  # from here on each rank samples its own completions
-    if checkpoint_dir:
-        # mmap: pages of the full optimizer state are read as used, not all into every rank's memory (copy-on-write)
-        state = torch.load(os.path.join(checkpoint_dir, "trainer_state.pt"), weights_only=False, mmap=True)
-        if world_size > 1:  # the full optimizer state, sharded like the weights (resume with the same number of ranks)
-            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
-
-            set_optimizer_state_dict(
-                model, optimizer, state["optimizer"], options=StateDictOptions(full_state_dict=True)
-            )
-        else:
-            optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
-        global_step, prompts_consumed = state["global_step"], state["prompts_consumed"]
-        torch.set_rng_state(state["torch_rng"][rank])
-        if device.type == "cuda" and state.get("cuda_rng") is not None:  # GPU sampling; older checkpoints have none
-            torch.cuda.set_rng_state(state["cuda_rng"][rank])
-        # optimizer tensors left on the CPU (AdamW's step counts; all of them on a CPU run) still point into the mapped
-        # file: copy them, so that --save-total-limit can delete that checkpoint and its disk space is freed
-        for param_state in optimizer.state.values():
-            param_state.update(
-                {k: v.clone() for k, v in param_state.items() if torch.is_tensor(v) and v.device.type == "cpu"}
-            )
-        del state
-        print(f"resumed from {checkpoint_dir} at step {global_step}")
-    prompts = prompt_stream(len(prompt_ids), args.seed, start=prompts_consumed)
-
-    # Generator: Hugging Face generate, or vLLM (colocated engine or a `vllm serve` server)
-    if args.use_vllm:
-        import vllm_utils
-
-        engine = vllm_utils.start(args, model_path, max(len(p) for p in prompt_ids + eval_prompt_ids))
-        if (
-            args.vllm_mode == "server"
-        ):  # the server may hold other weights (an earlier run, or this one before a resume)
-            vllm_utils.sync_weights(engine, model)
-        generate = lambda ids, n=None, temperature=None: vllm_utils.generate(engine, ids, n, temperature)  # noqa: E731
-    else:
-
-        def generate(batch_prompt_ids, n=None, temperature=None):  # None: training's n and temperature
-            with unsharded(model, world_size):  # FSDP2: full weights while decoding, ranks stop at different steps
-                return hf_generate(model, batch_prompt_ids, args, eos_ids, pad_id, n, temperature)
-
-    if args.track and is_main:
-        import wandb
-
-        wandb.init(
-            project=args.wandb_project_name,
-            entity=args.wandb_entity,
-            config=asdict(args),
-            name=run["run_name"],
-            id=run["run_id"],
-            resume="allow",
-        )  # a resumed run continues its wandb run
-    metrics_path = os.path.join(args.output_dir, "metrics.jsonl")
-    if checkpoint_dir and is_main and os.path.exists(metrics_path):  # steps logged after the checkpoint are redone
-        kept = [line for line in open(metrics_path) if json.loads(line)["step"] <= global_step]
-        with open(metrics_path, "w") as f:
-            f.writelines(kept)
-    metrics_file = open(metrics_path, "a") if is_main else None
-    progress = tqdm(total=args.max_steps, initial=global_step, desc="grpo", dynamic_ncols=True, disable=not is_main)
-    prompts_per_rank = args.prompts_per_step // world_size
-
-    def start_round():
-        """Draw the next prompts_per_step prompts (the same on every rank), keep this rank's share and start generating
-        them: in the background with --async-generation, else now. Returns (rows, the optimizer step of the weights that
-        generate them, a Future of ((completion ids, vLLM log-probs), seconds))."""
-        global prompts_consumed
-        rows = [next(prompts) for _ in range(args.prompts_per_step)][
-            rank * prompts_per_rank : (rank + 1) * prompts_per_rank
-        ]
-        prompts_consumed += args.prompts_per_step
-
-        def work():
-            t0 = time.perf_counter()
-            return generate([prompt_ids[i] for i in rows]), time.perf_counter() - t0
-
-        return rows, weights_version, future_of(work, background=args.async_generation)
-
-    def clock():  # phase timings: wait for the GPU's queued work so that each phase is charged its own time
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        return time.perf_counter()
-
-    def score(rows, completion_ids, n, prompt_ids=prompt_ids, columns=columns, conversational=conversational):
-        """The reward functions' scores (len(rows) * n, num_funcs) of n completions per prompt row (prompt-major): each
-        function gets the decoded completions and, by name, the rows' dataset columns (training set, or eval set)."""
-        texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
-        completions = [[{"role": "assistant", "content": t}] for t in texts] if conversational else texts
-        repeated = lambda values: [values[i] for i in rows for _ in range(n)]  # noqa: E731
-        reward_columns = {c: repeated(v) for c, v in columns.items()}
-        prompt_texts = {i: tokenizer.decode(prompt_ids[i]) for i in rows}
-        reward_columns.update(
-            prompts=repeated(prompt_texts),
-            completion_ids=completion_ids,
-            max_completion_length=args.max_completion_length,
-            **args.reward_kwargs,
-        )
-        return score_completions(reward_fns, completions, reward_columns)
-
-    def evaluate():
-        """Greedy (temperature 0) and, with --eval-num-generations k > 1, k sampled completions of every eval prompt,
-        from the run's generator (which must hold the current weights: the loop calls this right after the weight push),
-        scored by the reward functions. Each rank generates its share of the prompts, in calls of one training round's
-        size; the scores are gathered, so every rank returns the eval/... metrics of all prompts."""
-        t0 = time.perf_counter()
-        rows, real = rank_share(len(eval_prompt_ids), rank, world_size)
-        k = args.eval_num_generations
-        round_size = args.prompts_per_step // world_size * args.num_generations  # completions per generate call
-
-        def complete(n, temperature):  # this rank's rows, n completions each, prompt-major
-            size, ids = max(1, round_size // n), []
-            for start in range(0, len(rows), size):
-                ids += generate([eval_prompt_ids[i] for i in rows[start : start + size]], n, temperature)[0]
-            return ids
-
-        # HF sampling draws from the global RNG: fork it, so that training samples what it would without evaluation
-        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-            torch.manual_seed(args.seed + rank)
-            greedy_ids = complete(1, 0.0)
-            sampled_ids = complete(k, args.temperature) if k > 1 else None
-        eval_set = dict(prompt_ids=eval_prompt_ids, columns=eval_columns, conversational=eval_conversational)
-        greedy = score(rows, greedy_ids, 1, **eval_set)[:real]  # (real, num_funcs)
-        sampled = score(rows, sampled_ids, k, **eval_set).view(len(rows), k, -1)[:real] if k > 1 else None
-        lengths = torch.tensor([len(c) for c in greedy_ids[:real]], dtype=torch.float)
-        if world_size > 1:  # every rank's scores, in rank order: the prompts in order, as on one rank
-            parts = [None] * world_size
-            dist.all_gather_object(parts, (greedy, sampled, lengths))
-            greedy, lengths = torch.cat([p[0] for p in parts]), torch.cat([p[2] for p in parts])
-            sampled = torch.cat([p[1] for p in parts]) if k > 1 else None
-        metrics = eval_metrics(greedy, sampled, reward_weights, [fn.__name__ for fn in reward_fns])
-        metrics.update({"eval/num_prompts": len(greedy), "eval/completions/mean_length": lengths.mean().item()})
-        return {**metrics, "timing/eval": time.perf_counter() - t0}
-
-    def log_metrics(metrics, show):
-        """Rank 0: print the metrics line if `show`, append it to metrics.jsonl, send it to wandb."""
-        if not is_main:
-            return
-        if show:
-            tqdm.write(" | ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in metrics.items()))
-        metrics_file.write(json.dumps(metrics) + "\n")
-        metrics_file.flush()
-        if args.track:
-            wandb.log(metrics, step=metrics["step"])
-
-    steps_per_round = args.steps_per_generation * args.num_iterations  # optimizer steps per generation round
-    weights_version = global_step  # the optimizer step whose weights the generator holds
-    next_round = None  # --async-generation: the round generating in the background while this one trains
-    if eval_dataset is not None and (global_step == 0 or args.max_steps == 0):  # the model before training
-        log_metrics({"step": global_step, **evaluate()}, show=True)
-
-    while global_step < args.max_steps:
-        round_start = time.perf_counter()
-        metrics, timing = {}, defaultdict(float, {"timing/weight_sync": 0.0})
-        # ALGO LOGIC: 1. sample prompts and generate G completions each (dynamic sampling: until the round is full
-        # of groups whose rewards differ). --async-generation: this step's round was generated during the last step, by
-        # the weights before it; the next round starts now, from the current weights, and generates while we train
-        kept = []  # one (prompt row, its G completions, their rewards, their vLLM log-probs or None) per kept group
-        all_scores, num_generation_rounds, staleness = [], 0, []
-        max_rounds = args.dynamic_sampling_max_rounds if args.dynamic_sampling else 1
-        # every rank samples the same number of rounds (they share the prompt stream): until all ranks together kept
-        # a full step's groups
-        while global_sum(len(kept), world_size, device) < args.prompts_per_step and num_generation_rounds < max_rounds:
-            rows, version, generation = next_round if next_round and not num_generation_rounds else start_round()
-            if args.async_generation and not num_generation_rounds:
-                next_round = start_round() if global_step + steps_per_round < args.max_steps else None
-            num_generation_rounds += 1
-            t0 = time.perf_counter()
-            (completion_ids, sampling_logprobs), seconds = generation.result()
-            timing["timing/generation_wait"] += time.perf_counter() - t0  # what generation costs the trainer
-            timing["timing/generation"] += seconds
-            staleness.append(global_step - version)  # optimizer steps between the sampling and the trained weights
-            t0 = time.perf_counter()
-            # 2. score: reward functions see the decoded completions and this row's dataset columns by name
-            scores = score(rows, completion_ids, args.num_generations)  # (len(rows) * G, num_funcs)
-            all_scores.append(scores)
-            total = (scores * reward_weights).nansum(-1).masked_fill(scores.isnan().all(-1), float("nan"))
-            for g, row in enumerate(rows):
-                group = slice(g * args.num_generations, (g + 1) * args.num_generations)
-                if args.dynamic_sampling and not has_signal(total[group]):
-                    continue  # every scorable completion of this prompt got the same reward: no signal
-                vllm_logprobs = None if sampling_logprobs is None else sampling_logprobs[group]
-                kept.append(
-                    (row, completion_ids[group], total[group].clone(), vllm_logprobs)
-                )  # a view would pickle all of `total`
-            timing["timing/scoring"] += time.perf_counter() - t0
-        if args.use_vllm:
-            vllm_utils.sleep(engine)  # sleep mode: vLLM's memory goes to training until the next generation
-        if args.dynamic_sampling and world_size > 1:  # ranks kept different numbers of groups: pool them, split evenly
-            pooled = [None] * world_size
-            dist.all_gather_object(pooled, kept)
-            share = min(sum(len(p) for p in pooled), args.prompts_per_step) // world_size
-            kept = [group for rank_kept in pooled for group in rank_kept][rank * share : (rank + 1) * share]
-        # groups kept per rank: the same on every rank, a multiple of steps_per_generation
-        keep = min(len(kept), prompts_per_rank) // args.steps_per_generation * args.steps_per_generation
-        if keep == 0:
-            raise RuntimeError(
-                f"dynamic sampling found fewer than {args.steps_per_generation * world_size} prompt(s) whose {args.num_generations} "
-                f"completions got different rewards in {num_generation_rounds} rounds of {args.prompts_per_step} prompts: "
-                f"the rewards carry no signal for this model and data. Check the reward functions and the answer column, "
-                f"or raise --dynamic-sampling-max-rounds."
-            )
-        kept = kept[:keep]
-        N = keep * args.num_generations
-        batch_prompts = [prompt_ids[row] for row, _, _, _ in kept for _ in range(args.num_generations)]  # (N,) rows
-        batch_completions = [c for _, completions, _, _ in kept for c in completions]
-        batch_sampling_lp = [lp for _, _, _, lps in kept if lps is not None for lp in lps]
-        rewards_total = torch.cat([rewards for _, _, rewards, _ in kept])  # (N,)
-
-        # 3. advantages: group-relative (over all ranks' rewards for --scale-rewards batch; each rank keeps its rows)
-        advantages = group_advantages(
-            gather_rows(rewards_total.to(device), world_size).cpu(), args.num_generations, args.scale_rewards
-        )
-        advantages = advantages[rank * N : (rank + 1) * N]
-
-        # 4. old and reference log-probs, before any update (no gradient). The old log-probs need a pass of their own only
-        # when the weights change before the batch's last use; otherwise the training pass's own (detached) are the same
-        t0 = clock()
-        prompt_lengths = [len(p) for p in batch_prompts]
-        completion_lengths = [len(c) for c in batch_completions]
-        truncated = torch.tensor([not (c and c[-1] in eos_ids) for c in batch_completions])
-        C = max(max(completion_lengths), 1)
-        completion_mask_all = (torch.arange(C)[None] < torch.tensor(completion_lengths)[:, None]).float()
-        loss_mask_all = (
-            completion_mask_all * (~truncated[:, None]).float()
-            if args.mask_truncated_completions
-            else completion_mask_all
-        )
-        use_vllm_is = args.use_vllm and args.vllm_importance_sampling_correction and len(batch_sampling_lp) > 0
-        need_old = args.num_iterations > 1 or args.steps_per_generation > 1
-        old_logprobs = torch.zeros(N, C) if need_old else None
-        ref_logprobs = torch.zeros(N, C) if ref_model is not None else None
-        micro_batches_all = token_budget_batches(range(N), prompt_lengths, completion_lengths, args.micro_batch_tokens)
-        if need_old or ref_model is not None:
-            model.eval()
-            with (
-                torch.no_grad(),
-                torch.autocast(**autocast),
-                unsharded(model, world_size),
-                unsharded(ref_model, world_size) if ref_model is not None else nullcontext(),
-            ):
-                for mb in micro_batches_all:
-                    ids, attn, pos, cmask, P = collate(
-                        [batch_prompts[i] for i in mb], [batch_completions[i] for i in mb], device, pad_id
-                    )
-                    if need_old:
-                        old_logprobs[mb, : cmask.shape[1]] = per_token_logprobs(
-                            model, ids, attn, pos, cmask, P, args.temperature
-                        ).cpu()
-                    if ref_model is not None:
-                        ref_logprobs[mb, : cmask.shape[1]] = per_token_logprobs(
-                            ref_model, ids, attn, pos, cmask, P, args.temperature
-                        ).cpu()
-        sampling_lp = None  # vLLM's log-probs of the sampled tokens, NaN where it gave none
-        if use_vllm_is:
-            sampling_lp = torch.zeros(N, C)
-            for i, lp in enumerate(batch_sampling_lp[:N]):
-                sampling_lp[i, : len(lp)] = torch.tensor([float("nan") if v is None else v for v in lp])
-        timing["timing/old_ref_logprobs"] = clock() - t0
-
-        # 5. optimise: num_iterations passes; each pass is steps_per_generation optimizer steps over whole groups
-        model.train()
-        train_stats = {
-            "kl": [],
-            "entropy": [],
-            "clip_ratio/low_mean": [],
-            "clip_ratio/high_mean": [],
-            "clip_ratio/region_mean": [],
-        }
-        is_stats = {"logp_difference": [], "ratio": []}  # over the valid tokens of every micro-batch
-        groups_per_step = keep // args.steps_per_generation
-        total_tokens = (
-            global_sum(loss_mask_all.sum(), world_size, device) / args.steps_per_generation
-        )  # DAPO: tokens of the generated batch per step
-        for _iteration in range(args.num_iterations):
-            for s in range(args.steps_per_generation):
-                if global_step >= args.max_steps:
-                    break
-                step_rows = list(
-                    range(s * groups_per_step * args.num_generations, (s + 1) * groups_per_step * args.num_generations)
-                )
-                # normalisers count every rank's rows; FSDP averages gradients over ranks, hence the x world_size below
-                weights_all = policy_loss_weights(
-                    loss_mask_all[step_rows],
-                    args.loss_type,
-                    args.max_completion_length,
-                    total_tokens,
-                    num_sequences=len(step_rows) * world_size,
-                    step_tokens=global_sum(loss_mask_all[step_rows].sum(), world_size, device),
-                )
-                t0 = clock()
-                optimizer.zero_grad(set_to_none=True)
-                step_loss = 0.0
-                micro_batches = token_budget_batches(
-                    step_rows, prompt_lengths, completion_lengths, args.micro_batch_tokens
-                )
-                for mb in same_count_on_all_ranks(micro_batches, world_size, device):
-                    padding_pass = mb is None  # only to keep FSDP's collectives in step with the other ranks
-                    mb = [step_rows[0]] if padding_pass else mb
-                    ids, attn, pos, cmask, P = collate(
-                        [batch_prompts[i] for i in mb], [batch_completions[i] for i in mb], device, pad_id
-                    )
-                    Cm = cmask.shape[1]
-                    local = [i - step_rows[0] for i in mb]  # step_rows is a contiguous range
-                    with torch.autocast(**autocast):
-                        logprobs, entropy = per_token_logprobs(
-                            model, ids, attn, pos, cmask, P, args.temperature, with_entropy=True
-                        )
-                    old = old_logprobs[mb, :Cm].to(device) if need_old else logprobs.detach()
-                    A = advantages[mb].to(device)
-                    per_token_loss, ratio = policy_loss(
-                        logprobs, old, A, cmask, args.epsilon, epsilon_high, args.delta, args.importance_sampling_level
-                    )
-                    if use_vllm_is:  # pi_old / pi_vllm: vLLM's numerics and, with --async-generation, the older weights
-                        is_ratio, logp_difference = vllm_importance_ratio(
-                            old,
-                            sampling_lp[mb, :Cm].to(device),
-                            cmask,
-                            args.vllm_importance_sampling_mode,
-                            args.vllm_importance_sampling_clip_min,
-                            args.vllm_importance_sampling_clip_max,
-                        )
-                        per_token_loss = per_token_loss * is_ratio
-                    if ref_model is not None:
-                        kl = k3_kl(logprobs, ref_logprobs[mb, :Cm].to(device))
-                        per_token_loss = per_token_loss + args.beta * kl
-                    loss = (per_token_loss * weights_all[local, :Cm].to(device)).sum() * (
-                        0 if padding_pass else world_size
-                    )
-                    loss.backward()
-                    step_loss += loss.detach()  # summed on the device: no host sync per micro-batch
-                    if padding_pass:
-                        continue
-                    if use_vllm_is:
-                        is_stats["logp_difference"].append(logp_difference[cmask.bool()])
-                        is_stats["ratio"].append(is_ratio[cmask.bool()])
-                    if ref_model is not None:
-                        train_stats["kl"].append(((kl * cmask).sum() / cmask.sum()).detach())
-                    # metrics (TRL's definitions): clipped low with A < 0, high with A > 0, token means
-                    n_tokens = cmask.sum().clamp(min=1)
-                    low = ((ratio < 1 - args.epsilon) & (A[:, None] < 0)).float()
-                    high = ((ratio > 1 + epsilon_high) & (A[:, None] > 0)).float()
-                    train_stats["entropy"].append(((entropy * cmask).sum() / n_tokens).detach())
-                    train_stats["clip_ratio/low_mean"].append((low * cmask).sum() / n_tokens)
-                    train_stats["clip_ratio/high_mean"].append((high * cmask).sum() / n_tokens)
-                    train_stats["clip_ratio/region_mean"].append(((low + high).clamp(max=1) * cmask).sum() / n_tokens)
-                t1 = clock()
-                grad_norm = clip_gradients(model, args.max_grad_norm)
-                optimizer.step()
-                scheduler.step()
-                global_step += 1
-                progress.update(1)
-                timing["timing/forward_backward"] += t1 - t0
-                timing["timing/optimizer"] += clock() - t1
-
-        # 6. push the new weights to vLLM before the next generation round. --async-generation: once the round in
-        # flight is complete (on every rank), so that vLLM never switches weights in the middle of a round
-        if args.use_vllm:
-            t0 = time.perf_counter()
-            if next_round is not None:
-                next_round[2].result()
-                if world_size > 1:
-                    dist.barrier()
-            t1 = time.perf_counter()
-            timing["timing/generation_wait"] += t1 - t0
-            vllm_utils.sync_weights(engine, model)
-            weights_version = global_step
-            timing["timing/weight_sync"] = time.perf_counter() - t1
-        if not args.use_vllm:
-            weights_version = global_step  # `generate` samples from the trained model itself
-
-        # 7. evaluate every --eval-steps steps and after the last one. Here the generator holds this step's weights and
-        # no request is in flight (--async-generation: step 6 waited for the next round before the push, and the round
-        # after it starts only at the top of the loop), so evaluation samples the current policy
-        evaluated = eval_dataset is not None and (global_step % args.eval_steps == 0 or global_step >= args.max_steps)
-        eval_results = evaluate() if evaluated else {}
-
-        # TRY NOT TO MODIFY: logging (TRL's metric names, over all ranks) and checkpoints
-        scores = torch.cat(all_scores)  # (this rank's generated rows, num_funcs)
-        lengths, train_means = (
-            torch.tensor(completion_lengths, dtype=torch.float),
-            {k: torch.stack(v).mean() for k, v in train_stats.items() if v},
-        )
-        if world_size > 1:
-            gathered = [None] * world_size
-            dist.all_gather_object(gathered, (scores, lengths, truncated))
-            scores, lengths, truncated = (torch.cat([g[i] for g in gathered]) for i in range(3))
-            for value in [step_loss, *train_means.values()]:
-                dist.all_reduce(value)
-                value /= world_size
-        total = (scores * reward_weights).nansum(-1)
-        grouped = total.view(-1, args.num_generations)
-        metrics.update(
-            {
-                "step": global_step,
-                "reward": total.mean().item(),
-                "reward_std": total.std().item(),
-                "frac_reward_zero_std": (grouped.std(1) < 1e-6).float().mean().item(),
-                "completions/mean_length": lengths.mean().item(),
-                "completions/min_length": int(lengths.min()),
-                "completions/max_length": int(lengths.max()),
-                "completions/clipped_ratio": truncated.float().mean().item(),
-                "grad_norm": grad_norm.item(),
-                "learning_rate": scheduler.get_last_lr()[0],
-                "loss": step_loss.item(),
-                "num_tokens": global_sum(sum(prompt_lengths) + sum(completion_lengths), world_size, device),
-                **timing,
-                "sampling/staleness": sum(staleness) / len(staleness),
-                "step_time": time.perf_counter() - round_start,
-            }
-        )
-        if device.type == "cuda":
-            metrics["memory/peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
-        if use_vllm_is:
-            logp_difference, ratio = torch.cat(is_stats["logp_difference"]), torch.cat(is_stats["ratio"])
-            metrics["sampling/sampling_logp_difference/mean"] = logp_difference.mean().item()
-            metrics["sampling/sampling_logp_difference/max"] = logp_difference.max().item()
-            metrics["sampling/importance_sampling_ratio/min"] = ratio.min().item()
-            metrics["sampling/importance_sampling_ratio/mean"] = ratio.mean().item()
-            metrics["sampling/importance_sampling_ratio/max"] = ratio.max().item()
-        for k, fn in enumerate(reward_fns):
-            metrics[f"rewards/{fn.__name__}/mean"] = scores[:, k].nanmean().item()
-            metrics[f"rewards/{fn.__name__}/std"] = (
-                scores[:, k][~scores[:, k].isnan()].std().item() if (~scores[:, k].isnan()).sum() > 1 else 0.0
-            )
-        metrics.update({k: v.item() for k, v in train_means.items()})
-        if args.dynamic_sampling:
-            metrics["dynamic_sampling/generation_rounds"] = num_generation_rounds
-            metrics["dynamic_sampling/kept_groups"] = keep * world_size
-        metrics.update(eval_results)
-        if is_main:
-            progress.set_postfix(
-                reward=f"{metrics['reward']:.3f}",
-                kl=f"{metrics.get('kl', 0):.4f}",
-                len=f"{metrics['completions/mean_length']:.0f}",
-            )
-            if args.log_completions and global_step % args.logging_steps == 0:  # rank 0's rows
-                log_completions(
-                    tokenizer,
-                    batch_prompts,
-                    batch_completions,
-                    rewards_total,
-                    args.log_completions,
-                    global_step,
-                    args.track,
-                )
-        log_metrics(metrics, show=global_step % args.logging_steps == 0 or evaluated)
-        preempted = global_sum(preemption.is_set(), world_size, device) > 0 and global_step < args.max_steps  # SIGTERM
-        if preempted or (args.save_steps and global_step % args.save_steps == 0 and global_step < args.max_steps):
-            model_state, optimizer_state = full_state(model, optimizer, world_size)  # every rank takes part
-            rng = (torch.get_rng_state(), torch.cuda.get_rng_state() if device.type == "cuda" else None)
-            rng_states = [rng] * world_size
-            if world_size > 1:
-                dist.all_gather_object(rng_states, rng)
-
-            def write_checkpoint(tmp):
-                model.save_pretrained(tmp, state_dict=model_state)
-                tokenizer.save_pretrained(tmp)
-                # a round generated in the background is not trained yet: a resume generates it again
-                torch.save(
-                    {
-                        "optimizer": optimizer_state,
-                        "scheduler": scheduler.state_dict(),
-                        "global_step": global_step,
-                        "prompts_consumed": prompts_consumed - (args.prompts_per_step if next_round else 0),
-                        "torch_rng": [r[0] for r in rng_states],
-                        "cuda_rng": [r[1] for r in rng_states] if device.type == "cuda" else None,
-                    },
-                    os.path.join(tmp, "trainer_state.pt"),
-                )
-                write_json(os.path.join(tmp, "run.json"), {**run, "script": "grpo.py", "global_step": global_step})
-
-            if is_main:
-                save_atomically(os.path.join(args.output_dir, f"checkpoint-{global_step}"), write_checkpoint)
-                for old in (
-                    run_checkpoints(args.output_dir, run["run_id"])[: -args.save_total_limit]
-                    if args.save_total_limit
-                    else []
-                ):
-                    shutil.rmtree(old)  # this run's older checkpoints only, never another run's
-            if preempted:
-                if is_main:
-                    print(
-                        f"SIGTERM: wrote checkpoint-{global_step} and stopped; the same command with "
-                        f"--resume-from-checkpoint latest continues the run",
-                        flush=True,
-                    )
-                    if args.track:
-                        wandb.mark_preempting()
-                if world_size > 1:
-                    dist.destroy_process_group()
-                sys.exit(143)  # 128 + SIGTERM: stopped, not finished
-
-    # final model + tokenizer, loadable with from_pretrained(output_dir); --max-steps 0 only evaluated: nothing to save
-    progress.close()
-    model_state = full_state(model, None, world_size)[0] if args.max_steps else None
-    if is_main:
-        if args.max_steps:
-            save_final(args.output_dir, model, tokenizer, model_state)
-            print(f"saved the final model to {args.output_dir}")
-        metrics_file.close()
-        if args.track:
-            wandb.finish()
-    if output_lock is not None:
-        os.close(output_lock)  # the run is over: the directory is free for the next one
-    if world_size > 1:
-        dist.destroy_process_group()
+    train(parse_args())

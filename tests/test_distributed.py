@@ -165,7 +165,7 @@ def test_grpo_under_torchrun_trains_saves_and_resumes(tmp_path):
     assert result.returncode == 0, result.stderr[-4000:]
     metrics = [json.loads(line) for line in open(out / "metrics.jsonl")]
     assert [m["step"] for m in metrics] == [2, 4]  # one line per round (2 optimizer steps each), from rank 0 only
-    assert all(m["kl"] >= 0 for m in metrics)
+    assert all(m["kl/k3_token_mean"] >= 0 for m in metrics)
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(out)

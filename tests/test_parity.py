@@ -46,7 +46,8 @@ def test_reference_model_matches_the_policy_at_step_1(tmp_path, script):
             "bfloat16",
         )
     )
-    assert read_metrics(tmp_path / "run")[0]["kl"] == 0.0
+    kl = [v for k, v in read_metrics(tmp_path / "run")[0].items() if k.split("/")[0] == "kl"]  # kl/<estimator>_...
+    assert kl and all(v == 0.0 for v in kl)
 
 
 def test_gspo_with_a_token_level_loss_type_warns(tmp_path):
@@ -69,3 +70,36 @@ def test_gspo_with_a_token_level_loss_type_warns(tmp_path):
     )
     assert "--importance-sampling-level sequence (GSPO) with --loss-type dapo" in result.stdout
     assert not math.isnan(read_metrics(tmp_path / "run")[0]["loss"])
+
+
+@pytest.mark.parametrize("prompts_are_messages", [False, True])
+def test_reward_functions_get_messages_only_when_the_dataset_prompts_are(tmp_path, monkeypatch, prompts_are_messages):
+    # TRL's rule: completions are chat messages only when the dataset's prompts are; plain-text prompts that the chat
+    # template wraps (--use-chat-template) give reward functions plain strings
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    import rewards
+    from grpo_cli import STORIES
+
+    model = shutil.copytree(STORIES, tmp_path / "model")
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    tokenizer.chat_template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    tokenizer.save_pretrained(model)
+    received = []
+
+    def record_types(completions, **kwargs):
+        received.extend(type(c) for c in completions)
+        return [0.0] * len(completions)
+
+    record_types.__module__ = "rewards"  # --reward-funcs takes functions of rewards.py
+    monkeypatch.setattr(rewards, "record_types", record_types, raising=False)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    prompt = "Once upon a time"
+    prompt = [{"role": "user", "content": prompt}] if prompts_are_messages else prompt
+    data = write_jsonl(tmp_path / "d.jsonl", [{"prompt": prompt}] * 2)
+    replace = {STORIES: str(model), "keyword_reward": "record_types", "--no-use-chat-template": "--use-chat-template"}
+    argv = [replace.get(a, a) for a in SMALL] + ["--dataset-name", data]
+    grpo.train(grpo.parse_args([*map(str, argv), "--output-dir", str(tmp_path / "run"), "--max-steps", "1"]))
+    assert received and set(received) == ({list} if prompts_are_messages else {str})
