@@ -46,7 +46,8 @@ def test_reference_model_matches_the_policy_at_step_1(tmp_path, script):
             "bfloat16",
         )
     )
-    assert read_metrics(tmp_path / "run")[0]["kl"] == 0.0
+    kl = {"grpo.py": "kl", "rloo.py": "kl/k1_token_mean"}[script]  # k1 token mean: rloo.py's KL in the reward
+    assert read_metrics(tmp_path / "run")[0][kl] == 0.0
 
 
 def test_gspo_with_a_token_level_loss_type_warns(tmp_path):
