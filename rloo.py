@@ -384,16 +384,12 @@ def train(args):
         import vllm_utils
     metrics_file = open_metrics(args, run, checkpoint_dir, global_step) if is_main else None
     progress = tqdm(total=args.max_steps, initial=global_step, desc="rloo", dynamic_ncols=True, disable=not is_main)
-    num_generations, epsilon_high = (
-        args.num_generations,
-        args.epsilon_high if args.epsilon_high is not None else args.epsilon,
-    )
+    num_generations = args.num_generations
+    epsilon_high = args.epsilon_high if args.epsilon_high is not None else args.epsilon
     steps_per_round = args.steps_per_generation * args.num_iterations  # optimizer steps per generation round
     weights_version = global_step  # the optimizer step whose weights the generator holds
     next_round = None  # --async-generation: the round generating in the background while this one trains
-    run_eval = partial(
-        evaluate, args, eval_set, generate, tokenizer, reward_fns, reward_weights, device, rank, world_size
-    )
+    run_eval = partial(evaluate, args, eval_set, generate, tokenizer, reward_fns, reward_weights, device, rank)
     if eval_set is not None and (global_step == 0 or args.max_steps == 0):  # the model before training
         log_metrics(args, metrics_file, {"step": global_step, **run_eval()}, show=True)
 
@@ -491,15 +487,12 @@ def train(args):
                             model, ids, attn, pos, cmask, P, args.temperature, with_entropy=True
                         )
                     A = advantages[mb].to(device)
+                    old = old_logprobs[mb, :Cm].to(device) if need_old else logprobs.detach()
+                    ref = ref_logprobs[mb, :Cm].to(device) if ref_model is not None else None
+                    sampled = sampling_logprobs[mb, :Cm].to(device) if use_vllm_is else None
                     sequence_loss, ratio, is_ratio, logp_difference = rloo_loss(
-                        args,
-                        logprobs,
-                        old_logprobs[mb, :Cm].to(device) if need_old else logprobs.detach(),
-                        ref_logprobs[mb, :Cm].to(device) if ref_model is not None else None,
-                        sampling_logprobs[mb, :Cm].to(device) if use_vllm_is else None,
-                        A,
-                        cmask,
-                    )  # (B,)
+                        args, logprobs, old, ref, sampled, A, cmask
+                    )
                     loss = (sequence_loss * sequence_weights[mb].to(device)).sum() * (0 if padding_pass else world_size)
                     loss.backward()
                     step_loss += loss.detach()  # summed on the device: no host sync per micro-batch
@@ -546,20 +539,9 @@ def train(args):
 
         # TRY NOT TO MODIFY: logging (TRL's metric names, over all ranks) and checkpoints
         metrics.update(step=global_step, grad_norm=grad_norm.item(), learning_rate=scheduler.get_last_lr()[0])
+        batch = (scores, prompt_lengths, completion_lengths, truncated, advantages)
         metrics.update(
-            round_metrics(
-                args,
-                scores,
-                reward_weights,
-                reward_fns,
-                (prompt_lengths, completion_lengths, truncated),
-                advantages,
-                step_loss,
-                train_stats,
-                is_stats,
-                device,
-                world_size,
-            )
+            round_metrics(args, batch, step_loss, train_stats, is_stats, reward_fns, reward_weights, world_size)
         )
         metrics.update(timing)
         metrics.update({"sampling/staleness": staleness, "step_time": time.perf_counter() - round_start})
@@ -835,23 +817,20 @@ def no_grad_logprobs(args, model, ref_model, prompt_ids, completion_ids, C, devi
             ids, attn, pos, cmask, P = collate(
                 [prompt_ids[i] for i in mb], [completion_ids[i] for i in mb], device, pad_id
             )
-            old_logprobs[mb, : cmask.shape[1]] = per_token_logprobs(
-                model, ids, attn, pos, cmask, P, args.temperature
-            ).cpu()
-            if ref_model is not None:
-                ref_logprobs[mb, : cmask.shape[1]] = per_token_logprobs(
-                    ref_model, ids, attn, pos, cmask, P, args.temperature
-                ).cpu()
+            for net, logprobs in ((model, old_logprobs), (ref_model, ref_logprobs)):
+                if net is not None:
+                    logprobs[mb, : cmask.shape[1]] = per_token_logprobs(
+                        net, ids, attn, pos, cmask, P, args.temperature
+                    ).cpu()
     return old_logprobs, ref_logprobs
 
 
-def round_metrics(
-    args, scores, reward_weights, reward_fns, lengths, advantages, step_loss, train_stats, is_stats, device, world_size
-):
+def round_metrics(args, batch, step_loss, train_stats, is_stats, reward_fns, reward_weights, world_size):
     """The round's metrics over every rank (TRL's names): rewards, completion lengths, advantages, loss, tokens, the
     importance-sampling ratio, each reward function's mean and std, and the micro-batches' entropy and clip ratios.
-    lengths: (prompt lengths, completion lengths, truncated) of this rank's rows."""
-    prompt_lengths, completion_lengths, truncated = lengths
+    batch: (scores, prompt lengths, completion lengths, truncated, advantages) of this rank's rows."""
+    scores, prompt_lengths, completion_lengths, truncated, advantages = batch
+    device = step_loss.device
     num_tokens = global_sum(sum(prompt_lengths) + sum(completion_lengths), world_size, device)
     completion_lengths = torch.tensor(completion_lengths, dtype=torch.float)
     train_means = {k: torch.stack(v).mean() for k, v in train_stats.items() if v}
@@ -1280,12 +1259,12 @@ def rank_share(num_prompts, rank, world_size):
     return rows + [0] * (per_rank - len(rows)), len(rows)
 
 
-def evaluate(args, eval_set, generate, tokenizer, reward_fns, reward_weights, device, rank, world_size):
+def evaluate(args, eval_set, generate, tokenizer, reward_fns, reward_weights, device, rank):
     """Greedy (temperature 0) and, with --eval-num-generations k > 1, k sampled completions of every eval prompt,
     from the run's generator (which must hold the current weights: the loop calls this right after the weight push),
     scored by the reward functions. Each rank generates its share of the prompts, in calls of one training round's
     size; the scores are gathered, so every rank returns the eval/... metrics of all prompts."""
-    t0 = time.perf_counter()
+    t0, world_size = time.perf_counter(), dist.get_world_size() if dist.is_initialized() else 1
     rows, real = rank_share(len(eval_set.prompt_ids), rank, world_size)
     k = args.eval_num_generations
     round_size = args.prompts_per_step // world_size * args.num_generations  # completions per generate call
