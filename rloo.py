@@ -580,6 +580,10 @@ def train(args):
 # ======================================================================================================================
 
 
+# ------------------------------------------------------------------------------------------------------------------
+# The loop's set-up and phases
+
+
 def read_data(args):
     """The reward functions, the training dataset and (--eval-steps, --max-steps 0) the eval dataset, each read and
     checked against the column flags and the reward functions' arguments."""
@@ -701,13 +705,13 @@ def resume(checkpoint_dir, model, optimizer, scheduler, device, rank, world_size
 
 def make_generator(args, model, model_path, train_set, eval_set, pad_id, eos_ids, world_size):
     """(engine, generate): Hugging Face generate (engine None), or vLLM, a colocated engine or a `vllm serve` server.
-    generate(prompt_ids, n=None, temperature=None) returns (completion ids, vLLM's log-probs or None), prompt-major;
-    n and temperature None: the training ones."""
+    generate(prompt_ids, num_generations=None, temperature=None) returns (completion ids, vLLM's log-probs or None),
+    prompt-major; num_generations and temperature None: the training ones."""
     if not args.use_vllm:
 
-        def generate(prompt_ids, n=None, temperature=None):
+        def generate(prompt_ids, num_generations=None, temperature=None):
             with unsharded(model, world_size):  # FSDP2: full weights while decoding, ranks stop at different steps
-                return hf_generate(model, prompt_ids, args, eos_ids, pad_id, n, temperature)
+                return hf_generate(model, prompt_ids, args, eos_ids, pad_id, num_generations, temperature)
 
         return None, generate
     import vllm_utils
@@ -716,7 +720,9 @@ def make_generator(args, model, model_path, train_set, eval_set, pad_id, eos_ids
     engine = vllm_utils.start(args, model_path, longest)
     if args.vllm_mode == "server":  # the server may hold other weights (an earlier run, or this one before a resume)
         vllm_utils.sync_weights(engine, model)
-    return engine, lambda ids, n=None, temperature=None: vllm_utils.generate(engine, ids, n, temperature)
+    return engine, lambda ids, num_generations=None, temperature=None: vllm_utils.generate(
+        engine, ids, num_generations, temperature
+    )
 
 
 def open_metrics(args, run, checkpoint_dir, global_step):
@@ -777,14 +783,15 @@ def clock(device):
     return time.perf_counter()
 
 
-def score(args, tokenizer, reward_fns, prompt_set, rows, completion_ids, n):
-    """The reward functions' scores (len(rows) * n, num_funcs) of n completions per prompt row (prompt-major): each
+def score(args, tokenizer, reward_fns, prompt_set, rows, completion_ids, num_generations):
+    """The reward functions' scores (len(rows) * num_generations, num_funcs) of num_generations completions per prompt
+    row (prompt-major): each
     function gets the decoded completions and, by name, the rows' dataset columns (training set, or eval set). The
     completions are chat messages only when the dataset's prompts are (TRL's rule): a plain-text prompt that the chat
     template wraps still gets plain-text completions."""
     texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
     completions = [[{"role": "assistant", "content": t}] for t in texts] if prompt_set.prompts_are_messages else texts
-    repeated = lambda values: [values[i] for i in rows for _ in range(n)]
+    repeated = lambda values: [values[i] for i in rows for _ in range(num_generations)]
     reward_columns = {c: repeated(v) for c, v in prompt_set.columns.items()}
     prompt_texts = {i: tokenizer.decode(prompt_set.prompt_ids[i]) for i in rows}
     reward_columns.update(
@@ -1195,14 +1202,15 @@ def global_sum(value, world_size, device):
 
 
 @torch.no_grad()
-def hf_generate(model, prompt_ids, args, eos_ids, pad_id, n=None, temperature=None):
-    """Sample n completions per prompt (None: num_generations) at `temperature` (None: the training one; 0: greedy,
-    for evaluation); returns completion token ids (prompt-major), each cut after its first EOS (the EOS is kept as the
-    last token)."""
+def hf_generate(model, prompt_ids, args, eos_ids, pad_id, num_generations=None, temperature=None):
+    """Sample num_generations completions per prompt (None: --num-generations) at `temperature` (None: the training
+    one; 0: greedy, for evaluation); returns completion token ids (prompt-major), each cut after its first EOS (the EOS
+    is kept as the last token)."""
     from transformers import GenerationConfig
 
-    n, temperature = n or args.num_generations, args.temperature if temperature is None else temperature
-    repeated = [p for p in prompt_ids for _ in range(n)]
+    num_generations = num_generations or args.num_generations
+    temperature = args.temperature if temperature is None else temperature
+    repeated = [p for p in prompt_ids for _ in range(num_generations)]
     input_ids, attention_mask, _, _, P = collate(repeated, [[]] * len(repeated), model.device, pad_id)
     input_ids, attention_mask = input_ids[:, :P], attention_mask[:, :P]  # the prompts, left-padded
     sampling = dict(do_sample=True, temperature=temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p)
@@ -1266,30 +1274,31 @@ def evaluate(args, eval_set, generate, tokenizer, reward_fns, reward_weights, de
     size; the scores are gathered, so every rank returns the eval/... metrics of all prompts."""
     t0, world_size = time.perf_counter(), dist.get_world_size() if dist.is_initialized() else 1
     rows, real = rank_share(len(eval_set.prompt_ids), rank, world_size)
-    k = args.eval_num_generations
+    num_generations = args.eval_num_generations  # the k of mean@k and pass@k
     round_size = args.prompts_per_step // world_size * args.num_generations  # completions per generate call
 
-    def complete(n, temperature):  # this rank's rows, n completions each, prompt-major
-        size, ids = max(1, round_size // n), []
+    def complete(per_prompt, temperature):  # this rank's rows, per_prompt completions each, prompt-major
+        size, ids = max(1, round_size // per_prompt), []
         for start in range(0, len(rows), size):
-            ids += generate([eval_set.prompt_ids[i] for i in rows[start : start + size]], n, temperature)[0]
+            ids += generate([eval_set.prompt_ids[i] for i in rows[start : start + size]], per_prompt, temperature)[0]
         return ids
 
     # HF sampling draws from the global RNG: fork it, so that training samples what it would without evaluation
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         torch.manual_seed(args.seed + rank)
         greedy_ids = complete(1, 0.0)
-        sampled_ids = complete(k, args.temperature) if k > 1 else None
+        sampled_ids = complete(num_generations, args.temperature) if num_generations > 1 else None
     greedy = score(args, tokenizer, reward_fns, eval_set, rows, greedy_ids, 1)[:real]  # (real, num_funcs)
-    sampled = None
-    if k > 1:
-        sampled = score(args, tokenizer, reward_fns, eval_set, rows, sampled_ids, k).view(len(rows), k, -1)[:real]
+    sampled = None  # (real, num_generations, num_funcs)
+    if num_generations > 1:
+        sampled = score(args, tokenizer, reward_fns, eval_set, rows, sampled_ids, num_generations)
+        sampled = sampled.view(len(rows), num_generations, -1)[:real]
     lengths = torch.tensor([len(c) for c in greedy_ids[:real]], dtype=torch.float)
     if world_size > 1:  # every rank's scores, in rank order: the prompts in order, as on one rank
         parts = [None] * world_size
         dist.all_gather_object(parts, (greedy, sampled, lengths))
         greedy, lengths = torch.cat([p[0] for p in parts]), torch.cat([p[2] for p in parts])
-        sampled = torch.cat([p[1] for p in parts]) if k > 1 else None
+        sampled = torch.cat([p[1] for p in parts]) if num_generations > 1 else None
     metrics = eval_metrics(greedy, sampled, reward_weights, [fn.__name__ for fn in reward_fns])
     metrics.update({"eval/num_prompts": len(greedy), "eval/completions/mean_length": lengths.mean().item()})
     return {**metrics, "timing/eval": time.perf_counter() - t0}
@@ -1438,50 +1447,6 @@ def save_final(output_dir, model, tokenizer, state_dict=None):
 
 # ------------------------------------------------------------------------------------------------------------------
 # Start-up: arguments, data and the output directory, all checked before any model loads
-
-
-def parse_args(argv=None):
-    """tyro.cli(Args), with --help in the groups of the "# ..." comment headers in Args (those of README.md's option
-    table). tyro groups the options of nested dataclasses, so each header's fields become one nested dataclass whose
-    flags keep their names (OmitArgPrefixes); the parsed groups are merged back into one flat Args."""
-    source = inspect.getsource(Args)
-    body = ast.parse(textwrap.dedent(source)).body[0].body
-    docs = {
-        a.target.id: " ".join(b.value.value.split())
-        for a, b in itertools.pairwise(body)
-        if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr)
-    }
-    groups, title = {}, None
-    for line in source.splitlines():
-        if header := re.match(r" {4}# (.+?)(?: \(.*)?$", line):
-            title = header[1]
-        elif name := re.match(r" {4}(\w+):", line):
-            groups.setdefault(title, []).append(name[1])
-    fields = {f.name: f for f in dataclasses.fields(Args)}
-    parts = []
-    for title, names in groups.items():
-        group = dataclasses.make_dataclass(
-            title,
-            [
-                (
-                    n,
-                    Annotated[fields[n].type, tyro.conf.arg(help=docs[n])],
-                    dataclasses.field(default=fields[n].default, default_factory=fields[n].default_factory),
-                )
-                for n in names
-            ],
-        )
-        group.__doc__ = ""
-        parts.append(
-            (
-                re.sub(r"\W+", "_", title).lower(),
-                tyro.conf.OmitArgPrefixes[group],
-                dataclasses.field(default_factory=group),
-            )
-        )
-    description = "\n\n".join(__doc__.split("\n\n")[:3])  # what it does, and the CPU example
-    parsed = tyro.cli(dataclasses.make_dataclass("Args", parts), args=argv, description=description)
-    return Args(**{k: v for part in dataclasses.fields(parsed) for k, v in vars(getattr(parsed, part.name)).items()})
 
 
 def looks_local(path):
@@ -1824,7 +1789,7 @@ def claim_output_dir(args, script):
         if checkpoint == "latest":
             checkpoint = run_checkpoints(out, owner.get("run_id"))[-1:]
             if not checkpoint:
-                others = [f for f in files if f.startswith("checkpoint-")]
+                others = [f for f in files if re.fullmatch(CHECKPOINT, f)]
                 raise SystemExit(
                     f"error: --resume-from-checkpoint latest: no checkpoint-N directory in {out} of the run "
                     f"that owns it"
@@ -1924,6 +1889,50 @@ def on_sigterm():
 
     signal.signal(signal.SIGTERM, handler)
     return requested
+
+
+def parse_args(argv=None):
+    """tyro.cli(Args), with --help in the groups of the "# ..." comment headers in Args (those of README.md's option
+    table). tyro groups the options of nested dataclasses, so each header's fields become one nested dataclass whose
+    flags keep their names (OmitArgPrefixes); the parsed groups are merged back into one flat Args."""
+    source = inspect.getsource(Args)
+    body = ast.parse(textwrap.dedent(source)).body[0].body
+    docs = {
+        a.target.id: " ".join(b.value.value.split())
+        for a, b in itertools.pairwise(body)
+        if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr)
+    }
+    groups, title = {}, None
+    for line in source.splitlines():
+        if header := re.match(r" {4}# (.+?)(?: \(.*)?$", line):
+            title = header[1]
+        elif name := re.match(r" {4}(\w+):", line):
+            groups.setdefault(title, []).append(name[1])
+    fields = {f.name: f for f in dataclasses.fields(Args)}
+    parts = []
+    for title, names in groups.items():
+        group = dataclasses.make_dataclass(
+            title,
+            [
+                (
+                    n,
+                    Annotated[fields[n].type, tyro.conf.arg(help=docs[n])],
+                    dataclasses.field(default=fields[n].default, default_factory=fields[n].default_factory),
+                )
+                for n in names
+            ],
+        )
+        group.__doc__ = ""
+        parts.append(
+            (
+                re.sub(r"\W+", "_", title).lower(),
+                tyro.conf.OmitArgPrefixes[group],
+                dataclasses.field(default_factory=group),
+            )
+        )
+    description = "\n\n".join(__doc__.split("\n\n")[:3])  # what it does, and the CPU example
+    parsed = tyro.cli(dataclasses.make_dataclass("Args", parts), args=argv, description=description)
+    return Args(**{k: v for part in dataclasses.fields(parsed) for k, v in vars(getattr(parsed, part.name)).items()})
 
 
 if __name__ == "__main__":
