@@ -320,11 +320,13 @@ def vllm_importance_ratio(
 
 
 def rloo_loss(args, logprobs, old_logprobs, ref_logprobs, sampling_logprobs, advantages, completion_mask):
-    """The loss of each sequence of a micro-batch, (B,): the clipped REINFORCE loss (sequence_policy_loss), times the
-    per-sequence importance ratio pi_old / pi_vllm when sampling_logprobs are given (vLLM's numerics and, with
-    --async-generation, the older weights that sampled the round), plus beta * sum_t k3 with --no-kl-in-reward (the
-    KL in the loss instead of the reward). Returns the loss, rho (B,) for the clip metrics, and the importance ratio
-    (B,) and |log pi_old - log pi_vllm| per token (B, C) (None, None without the correction)."""
+    """The loss of each sequence of a micro-batch, (B,):
+      loss_i = w_i * -min(rho_i A_i, clip(rho_i, 1 - eps_low, 1 + eps_high) A_i)  [+ beta * sum_t k3_it]
+    the clipped REINFORCE loss (sequence_policy_loss) times w_i, the per-sequence importance ratio pi_old / pi_vllm
+    when sampling_logprobs are given (vLLM's numerics and, with --async-generation, the older weights that sampled the
+    round; else w_i = 1), plus the k3 KL with --no-kl-in-reward (the KL in the loss instead of the reward). Returns the
+    loss, rho (B,) for the clip metrics, and w (B,) and |log pi_old - log pi_vllm| per token (B, C) (None, None without
+    the correction)."""
     epsilon_high = args.epsilon_high if args.epsilon_high is not None else args.epsilon
     loss, ratio = sequence_policy_loss(logprobs, old_logprobs, advantages, completion_mask, args.epsilon, epsilon_high)
     is_ratio = logp_difference = None
@@ -610,11 +612,8 @@ def start_processes(world_size):
 
 
 def warn_truncated_sampling(args):
-    if (
-        args.use_vllm
-        and args.vllm_importance_sampling_correction
-        and (args.top_p < 1 or args.top_k > 0 or args.min_p > 0 or args.repetition_penalty != 1)
-    ):
+    truncated_sampling = args.top_p < 1 or args.top_k > 0 or args.min_p > 0 or args.repetition_penalty != 1
+    if args.use_vllm and args.vllm_importance_sampling_correction and truncated_sampling:
         print(
             "warning: with top_p / top_k / min_p / repetition_penalty, vLLM's processed log-probs come from a truncated "
             "distribution that the trainer does not model: the importance ratio is biased below 1, and at the sequence "
