@@ -383,7 +383,7 @@ def train(args):
     prompts = prompt_stream(len(train_set.prompt_ids), args.seed, start=prompts_consumed)
     engine, generate = make_generator(args, model, model_path, train_set, eval_set, pad_id, eos_ids, world_size)
     if args.use_vllm:
-        import vllm_utils
+        import vllm_utils  # the loop puts vLLM to sleep and pushes the weights to it
     metrics_file = open_metrics(args, run, checkpoint_dir, global_step) if is_main else None
     progress = tqdm(total=args.max_steps, initial=global_step, desc="rloo", dynamic_ncols=True, disable=not is_main)
     num_generations = args.num_generations
@@ -391,7 +391,8 @@ def train(args):
     steps_per_round = args.steps_per_generation * args.num_iterations  # optimizer steps per generation round
     weights_version = global_step  # the optimizer step whose weights the generator holds
     next_round = None  # --async-generation: the round generating in the background while this one trains
-    run_eval = partial(evaluate, args, eval_set, generate, tokenizer, reward_fns, reward_weights, device, rank)
+    evaluation = (eval_set, generate, tokenizer, reward_fns, reward_weights, device, rank, world_size)
+    run_eval = partial(evaluate, args, *evaluation)  # the eval/... metrics of the generator's current weights
     if eval_set is not None and (global_step == 0 or args.max_steps == 0):  # the model before training
         log_metrics(args, metrics_file, {"step": global_step, **run_eval()}, show=True)
 
@@ -1266,12 +1267,12 @@ def rank_share(num_prompts, rank, world_size):
     return rows + [0] * (per_rank - len(rows)), len(rows)
 
 
-def evaluate(args, eval_set, generate, tokenizer, reward_fns, reward_weights, device, rank):
+def evaluate(args, eval_set, generate, tokenizer, reward_fns, reward_weights, device, rank, world_size):
     """Greedy (temperature 0) and, with --eval-num-generations k > 1, k sampled completions of every eval prompt,
     from the run's generator (which must hold the current weights: the loop calls this right after the weight push),
     scored by the reward functions. Each rank generates its share of the prompts, in calls of one training round's
     size; the scores are gathered, so every rank returns the eval/... metrics of all prompts."""
-    t0, world_size = time.perf_counter(), dist.get_world_size() if dist.is_initialized() else 1
+    t0 = time.perf_counter()
     rows, real = rank_share(len(eval_set.prompt_ids), rank, world_size)
     num_generations = args.eval_num_generations  # the k of mean@k and pass@k
     round_size = args.prompts_per_step // world_size * args.num_generations  # completions per generate call
