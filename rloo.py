@@ -41,11 +41,12 @@ import textwrap
 import threading
 import time
 import uuid
-from collections import defaultdict
+from collections import defaultdict, namedtuple
 from concurrent.futures import Future
 from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
+from functools import partial
 from typing import Annotated, Literal
 
 import numpy as np
@@ -243,21 +244,656 @@ class Args:
     greedy only). A completion solves its prompt when its weighted total reward is > 0"""
 
 
+# ======================================================================================================================
+# ALGO LOGIC: the leave-one-out advantages, the KL in the reward, the clipped per-sequence loss, the vLLM IS ratio
+# ======================================================================================================================
+
+
+def rloo_advantages(rewards, num_generations):
+    """A_i = R_i - mean_{j != i} R_j: each completion's baseline is the mean reward of the other k - 1 completions of
+    its prompt (arXiv 2402.14740, sec. 3.3; k = num_generations). rewards: (N,) with N = num_prompts * k, groups
+    contiguous. NaN marks an unscorable completion: it is left out of the others' baselines and gets advantage 0, as
+    does a completion with no scorable sibling."""
+    grouped = rewards.view(-1, num_generations)  # (num_prompts, k)
+    valid = ~grouped.isnan()
+    total = torch.where(valid, grouped, 0).sum(1, keepdim=True)
+    others = valid.sum(1, keepdim=True) - 1  # scorable siblings of a scorable completion
+    baseline = (total - grouped) / others.clamp(min=1)
+    advantages = torch.where(valid & (others > 0), grouped - baseline, torch.zeros_like(grouped))
+    return advantages.view(-1)
+
+
+def normalize_advantages(advantages, scored, world_size=1, device="cpu"):
+    """--normalize-advantages: (A - mean) / (std + 1e-4) over the scored completions of every rank. An unscorable one
+    (NaN reward) keeps advantage 0 and stays out of the statistics (as in TRL). advantages, scored: (N,)."""
+    everyone = gather_rows(torch.where(scored, advantages, torch.nan).to(device), world_size).cpu()
+    everyone = everyone[~everyone.isnan()]
+    std = everyone.std() if everyone.numel() > 1 else torch.tensor(0.0)
+    return torch.where(scored, (advantages - everyone.mean()) / (std + 1e-4), torch.zeros_like(advantages))
+
+
+def kl_penalised_rewards(rewards, old_logprobs, ref_logprobs, completion_mask, beta):
+    """R - beta * KL with the sequence KL estimated by k1 = sum_t (log pi_old - log pi_ref) over the sampled tokens
+    (arXiv 2402.14740, eq. 1): the penalty is part of the reward, so the baseline also subtracts it. Returns the
+    penalised rewards (N,) and the per-token k1 (N, C)."""
+    token_kl = (old_logprobs - ref_logprobs) * completion_mask
+    return rewards - beta * token_kl.sum(-1), token_kl
+
+
+def sequence_policy_loss(logprobs, old_logprobs, advantages, completion_mask, epsilon_low=0.2, epsilon_high=0.2):
+    """Per-sequence REINFORCE loss with a PPO-style clipped ratio, (B,):
+    rho = exp(sum_t log pi(o_t) - sum_t log pi_old(o_t)),  loss = -min(rho * A, clip(rho, 1 - eps_low, 1 + eps_high) * A).
+    With old = sg(current) (one pass per batch) rho = 1 and the gradient is the plain REINFORCE -A * grad log pi(o).
+    Returns the loss and rho (for clip metrics)."""
+    log_ratio = ((logprobs - old_logprobs) * completion_mask).sum(-1)  # (B,)
+    ratio = torch.exp(log_ratio)
+    clipped = torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high)
+    return -torch.min(ratio * advantages, clipped * advantages), ratio
+
+
+def k3_kl(logprobs, ref_logprobs):
+    """Per-token KL(pi || pi_ref) estimate k3 = exp(ref - logp) - (ref - logp) - 1 >= 0 (Schulman 2020;
+    DeepSeekMath eq. 4)."""
+    diff = ref_logprobs - logprobs
+    return torch.exp(diff) - diff - 1
+
+
+def vllm_importance_ratio(
+    old_logprobs, sampling_logprobs, completion_mask, mode="sequence_mask", clip_min=None, clip_max=3.0
+):
+    """Importance weight pi_trainer / pi_vllm that corrects for vLLM sampling from slightly different numerics
+    (truncated IS, "Your efficient RL framework secretly brings you off-policy RL training", Yao et al. 2025).
+
+    token_*: one ratio per token; sequence_*: exp(sum_t log ratio_t), one per completion (the product of token
+    ratios). *_truncate clamps to [clip_min, clip_max]; *_mask sets ratios outside the bounds to 0. NaN log-probs
+    (vLLM gave none) count as ratio 1. Returns (B, C) weights (no gradient) and |log ratio| per token."""
+    diff = torch.nan_to_num((old_logprobs - sampling_logprobs) * completion_mask, nan=0.0)
+    log_ratio = diff.sum(-1, keepdim=True) if mode.startswith("sequence") else diff
+    ratio = torch.exp(log_ratio)
+    low = clip_min if clip_min is not None else 0.0
+    high = clip_max if clip_max is not None else float("inf")
+    if mode.endswith("truncate"):
+        ratio = ratio.clamp(min=low, max=high)
+    else:
+        ratio = torch.where((ratio >= low) & (ratio <= high), ratio, torch.zeros_like(ratio))
+    return ratio.expand_as(old_logprobs).detach(), diff.abs()
+
+
+def rloo_loss(args, logprobs, old_logprobs, ref_logprobs, sampling_logprobs, advantages, completion_mask):
+    """The loss of each sequence of a micro-batch, (B,):
+      loss_i = w_i * -min(rho_i A_i, clip(rho_i, 1 - eps_low, 1 + eps_high) A_i)  [+ beta * sum_t k3_it]
+    the clipped REINFORCE loss (sequence_policy_loss) times w_i, the per-sequence importance ratio pi_old / pi_vllm
+    when sampling_logprobs are given (vLLM's numerics and, with --async-generation, the older weights that sampled the
+    round; else w_i = 1), plus the k3 KL with --no-kl-in-reward (the KL in the loss instead of the reward). Returns the
+    loss, rho (B,) for the clip metrics, and w (B,) and |log pi_old - log pi_vllm| per token (B, C) (None, None without
+    the correction)."""
+    epsilon_high = args.epsilon_high if args.epsilon_high is not None else args.epsilon
+    loss, ratio = sequence_policy_loss(logprobs, old_logprobs, advantages, completion_mask, args.epsilon, epsilon_high)
+    is_ratio = logp_difference = None
+    if sampling_logprobs is not None:
+        is_ratio, logp_difference = vllm_importance_ratio(
+            old_logprobs,
+            sampling_logprobs,
+            completion_mask,
+            args.vllm_importance_sampling_mode,
+            args.vllm_importance_sampling_clip_min,
+            args.vllm_importance_sampling_clip_max,
+        )
+        is_ratio = is_ratio[:, 0]  # (B,): one ratio per sequence
+        loss = loss * is_ratio
+    if ref_logprobs is not None and not args.kl_in_reward:
+        loss = loss + args.beta * (k3_kl(logprobs, ref_logprobs) * completion_mask).sum(-1)
+    return loss, ratio, is_ratio, logp_difference
+
+
+def train(args):
+    """One run: the start-up (every check before any model loads), then one generation round per pass of the loop:
+    generate -> score -> (old / reference log-probs) -> advantages -> loss and optimizer steps -> sync the weights
+    to vLLM -> evaluate, log, save. On several processes (torchrun) each rank takes an equal share of every round's
+    prompts, whole groups, and FSDP2 shards the weights."""
+    # TRY NOT TO MODIFY: start-up. Every mistake in the flags or the data stops the run here, before any model loads
+    world_size, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
+    is_main = rank == 0
+    check_args(args, world_size)
+    reward_fns, dataset, eval_dataset = read_data(args)
+    device = start_processes(world_size)
+    warn_truncated_sampling(args)
+    # the output directory is this run's alone (a lock); another run's files are refused; only this run's checkpoints
+    run, checkpoint_dir, output_lock = claim_output_dir(args, "rloo.py") if is_main else (None, None, None)
+    checkpoint_dir = from_rank_0(checkpoint_dir, world_size)  # rank 0 decided which checkpoint to resume
+    preemption = on_sigterm()  # SIGTERM: a checkpoint at the end of the step, then exit
+    # seeding: the same on every rank until sampling, so that all ranks hold the same weights
+    random.seed(args.seed)
+    np.random.seed(args.seed)
+    torch.manual_seed(args.seed)
+    # no weight cache: each weight is cast once per forward anyway, and the cache would outlive gradient checkpointing
+    autocast = dict(device_type=device.type, dtype=torch.bfloat16, enabled=args.bf16 and device.type == "cuda")
+    autocast["cache_enabled"] = False
+    model_path = checkpoint_dir or args.model_name_or_path
+    model, ref_model, tokenizer, pad_id, eos_ids = load_models(args, model_path, device, world_size)
+    max_context = getattr(model.config, "max_position_embeddings", None) or 10**9
+    train_set = load_prompts(args, dataset, tokenizer, max_context)
+    eval_set = load_prompts(args, eval_dataset, tokenizer, max_context) if eval_dataset is not None else None
+    reward_weights = torch.tensor(args.reward_weights or [1.0] * len(reward_fns))
+    optimizer, scheduler = make_optimizer(args, model, device)
+    global_step, prompts_consumed = 0, 0
+    torch.manual_seed(args.seed + rank)  # from here on each rank samples its own completions
+    if checkpoint_dir:
+        global_step, prompts_consumed = resume(checkpoint_dir, model, optimizer, scheduler, device, rank, world_size)
+    prompts = prompt_stream(len(train_set.prompt_ids), args.seed, start=prompts_consumed)
+    engine, generate = make_generator(args, model, model_path, train_set, eval_set, pad_id, eos_ids, world_size)
+    if args.use_vllm:
+        import vllm_utils  # the loop puts vLLM to sleep and pushes the weights to it
+    metrics_file = open_metrics(args, run, checkpoint_dir, global_step) if is_main else None
+    progress = tqdm(total=args.max_steps, initial=global_step, desc="rloo", dynamic_ncols=True, disable=not is_main)
+    num_generations = args.num_generations
+    epsilon_high = args.epsilon_high if args.epsilon_high is not None else args.epsilon
+    steps_per_round = args.steps_per_generation * args.num_iterations  # optimizer steps per generation round
+    weights_version = global_step  # the optimizer step whose weights the generator holds
+    next_round = None  # --async-generation: the round generating in the background while this one trains
+    evaluation = (eval_set, generate, tokenizer, reward_fns, reward_weights, device, rank, world_size)
+    run_eval = partial(evaluate, args, *evaluation)  # the eval/... metrics of the generator's current weights
+    if eval_set is not None and (global_step == 0 or args.max_steps == 0):  # the model before training
+        log_metrics(args, metrics_file, {"step": global_step, **run_eval()}, show=True)
+
+    while global_step < args.max_steps:
+        round_start = time.perf_counter()
+        metrics, timing = {}, defaultdict(float, {"timing/weight_sync": 0.0})
+        # ALGO LOGIC: 1. generate: sample prompts and num_generations completions each. --async-generation: this
+        # step's round was generated during the last step, by the weights before it; the next round starts now, from
+        # the current weights, and generates while we train
+        if next_round is None:
+            next_round = start_round(args, prompts, train_set, generate, weights_version, rank, world_size)
+            prompts_consumed += args.prompts_per_step
+        (rows, version, generation), next_round = next_round, None
+        if args.async_generation and global_step + steps_per_round < args.max_steps:
+            next_round = start_round(args, prompts, train_set, generate, weights_version, rank, world_size)
+            prompts_consumed += args.prompts_per_step
+        t0 = time.perf_counter()
+        (completion_ids, sampling_logprobs), timing["timing/generation"] = generation.result()
+        timing["timing/generation_wait"] = time.perf_counter() - t0  # what generation costs the trainer
+        staleness = global_step - version  # optimizer steps between the sampling and the trained weights
+        if args.use_vllm:
+            vllm_utils.sleep(engine)  # sleep mode: vLLM's memory goes to training until the next generation
+        prompt_ids = [train_set.prompt_ids[i] for i in rows for _ in range(num_generations)]
+        N = len(prompt_ids)
+
+        # 2. score: reward functions see the decoded completions and this row's dataset columns by name
+        t0 = time.perf_counter()
+        scores = score(args, tokenizer, reward_fns, train_set, rows, completion_ids, num_generations)  # (N, funcs)
+        rewards = (scores * reward_weights).nansum(-1).masked_fill(scores.isnan().all(-1), float("nan"))  # (N,)
+        if args.reward_clip_range is not None:
+            rewards = rewards.clamp(*args.reward_clip_range)
+        timing["timing/scoring"] = time.perf_counter() - t0
+
+        # 3. old and reference log-probs, before any update (no gradient). The old log-probs need a pass of their own
+        # only when the weights change before the batch's last use, or for the KL; otherwise the training pass's own
+        # (detached) are the same
+        t0 = clock(device)
+        prompt_lengths, completion_lengths = [len(p) for p in prompt_ids], [len(c) for c in completion_ids]
+        truncated = torch.tensor([not (c and c[-1] in eos_ids) for c in completion_ids])  # no EOS: hit the limit
+        C = max(max(completion_lengths), 1)
+        completion_mask = (torch.arange(C)[None] < torch.tensor(completion_lengths)[:, None]).float()  # (N, C)
+        need_old = args.num_iterations > 1 or args.steps_per_generation > 1 or ref_model is not None
+        old_logprobs = ref_logprobs = None  # (N, C) on the CPU
+        if need_old:
+            old_logprobs, ref_logprobs = no_grad_logprobs(
+                args, model, ref_model, prompt_ids, completion_ids, C, device, pad_id, autocast, world_size
+            )
+
+        # 4. the KL in the reward (k1 per token, once: for the penalty and the metric), then leave-one-out advantages
+        if ref_model is not None:
+            penalised, token_kl = kl_penalised_rewards(rewards, old_logprobs, ref_logprobs, completion_mask, args.beta)
+            tokens = global_sum(completion_mask.sum(), world_size, device)
+            metrics["kl/k1_token_mean"] = global_sum(token_kl.sum(), world_size, device) / tokens
+            rewards = penalised if args.kl_in_reward else rewards
+        advantages = rloo_advantages(rewards, num_generations)  # groups are whole on each rank
+        if args.normalize_advantages:  # over every rank's scorable completions
+            advantages = normalize_advantages(advantages, ~rewards.isnan(), world_size, device)
+        use_vllm_is = args.use_vllm and args.vllm_importance_sampling_correction and sampling_logprobs is not None
+        if use_vllm_is:  # vLLM's log-probs of the sampled tokens, (N, C), NaN where it gave none
+            sampling_logprobs = torch.tensor(
+                [[float("nan") if v is None else v for v in lp] + [0.0] * (C - len(lp)) for lp in sampling_logprobs]
+            )
+        timing["timing/old_ref_logprobs"] = clock(device) - t0
+
+        # 5. loss and optimizer steps: num_iterations passes; each pass is steps_per_generation optimizer steps over
+        # whole groups. The loss is the mean over the step's sequences of all ranks: each weighs
+        # 1 / (rows_per_step x world_size) (0 if masked), and FSDP averages gradients over ranks, hence the
+        # x world_size in the loss.
+        model.train()
+        train_stats, is_stats = defaultdict(list), defaultdict(list)  # per micro-batch; IS: valid tokens, sequences
+        rows_per_step = N // args.steps_per_generation
+        sequence_weights = torch.ones(N) / (rows_per_step * world_size)
+        if args.mask_truncated_completions:
+            sequence_weights = sequence_weights * (~truncated).float()
+        for _iteration in range(args.num_iterations):
+            for s in range(args.steps_per_generation):
+                if global_step >= args.max_steps:
+                    break
+                step_rows = range(s * rows_per_step, (s + 1) * rows_per_step)
+                t0 = clock(device)
+                optimizer.zero_grad(set_to_none=True)
+                step_loss = 0.0
+                micro_batches = token_budget_batches(
+                    step_rows, prompt_lengths, completion_lengths, args.micro_batch_tokens
+                )
+                for mb in same_count_on_all_ranks(micro_batches, world_size, device):
+                    padding_pass = mb is None  # only to keep FSDP's collectives in step with the other ranks
+                    mb = [step_rows[0]] if padding_pass else mb
+                    ids, attn, pos, cmask, P = collate(
+                        [prompt_ids[i] for i in mb], [completion_ids[i] for i in mb], device, pad_id
+                    )
+                    Cm = cmask.shape[1]
+                    with torch.autocast(**autocast):
+                        logprobs, entropy = per_token_logprobs(
+                            model, ids, attn, pos, cmask, P, args.temperature, with_entropy=True
+                        )
+                    A = advantages[mb].to(device)
+                    old = old_logprobs[mb, :Cm].to(device) if need_old else logprobs.detach()
+                    ref = ref_logprobs[mb, :Cm].to(device) if ref_model is not None else None
+                    sampled = sampling_logprobs[mb, :Cm].to(device) if use_vllm_is else None
+                    sequence_loss, ratio, is_ratio, logp_difference = rloo_loss(
+                        args, logprobs, old, ref, sampled, A, cmask
+                    )
+                    loss = (sequence_loss * sequence_weights[mb].to(device)).sum() * (0 if padding_pass else world_size)
+                    loss.backward()
+                    step_loss += loss.detach()  # summed on the device: no host sync per micro-batch
+                    if padding_pass:
+                        continue
+                    if use_vllm_is:
+                        is_stats["logp_difference"].append(logp_difference[cmask.bool()])
+                        is_stats["ratio"].append(is_ratio)
+                    # metrics: clipped ratios per sequence (low with A < 0, high with A > 0), token-mean entropy
+                    low = ((ratio < 1 - args.epsilon) & (A < 0)).float()
+                    high = ((ratio > 1 + epsilon_high) & (A > 0)).float()
+                    train_stats["entropy"].append(((entropy * cmask).sum() / cmask.sum().clamp(min=1)).detach())
+                    train_stats["clip_ratio/low_mean"].append(low.mean())
+                    train_stats["clip_ratio/high_mean"].append(high.mean())
+                    train_stats["clip_ratio/region_mean"].append((low + high).clamp(max=1).mean())
+                t1 = clock(device)
+                grad_norm = clip_gradients(model, args.max_grad_norm)
+                optimizer.step()
+                scheduler.step()
+                global_step += 1
+                progress.update(1)
+                timing["timing/forward_backward"] += t1 - t0
+                timing["timing/optimizer"] += clock(device) - t1
+
+        # 6. sync: push the new weights to vLLM before the next generation round. --async-generation: once the round
+        # in flight is complete (on every rank), so that vLLM never switches weights in the middle of a round
+        if args.use_vllm:
+            t0 = time.perf_counter()
+            if next_round is not None:
+                next_round[2].result()
+                if world_size > 1:
+                    dist.barrier()
+            t1 = time.perf_counter()
+            timing["timing/generation_wait"] += t1 - t0
+            vllm_utils.sync_weights(engine, model)
+            timing["timing/weight_sync"] = time.perf_counter() - t1
+        weights_version = global_step  # (without vLLM, `generate` samples from the trained model itself)
+
+        # 7. evaluate every --eval-steps steps and after the last one. Here the generator holds this step's weights and
+        # no request is in flight (--async-generation: step 6 waited for the next round before the push, and the round
+        # after it starts only at the top of the loop), so evaluation samples the current policy
+        evaluated = eval_set is not None and (global_step % args.eval_steps == 0 or global_step >= args.max_steps)
+        eval_results = run_eval() if evaluated else {}
+
+        # TRY NOT TO MODIFY: logging (TRL's metric names, over all ranks) and checkpoints
+        metrics.update(step=global_step, grad_norm=grad_norm.item(), learning_rate=scheduler.get_last_lr()[0])
+        batch = (scores, prompt_lengths, completion_lengths, truncated, advantages)
+        metrics.update(
+            round_metrics(args, batch, step_loss, train_stats, is_stats, reward_fns, reward_weights, world_size)
+        )
+        metrics.update(timing)
+        metrics.update({"sampling/staleness": staleness, "step_time": time.perf_counter() - round_start})
+        if device.type == "cuda":
+            metrics["memory/peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+        metrics.update(eval_results)
+        if is_main:
+            kl = metrics.get("kl/k1_token_mean", 0)
+            progress.set_postfix(
+                reward=f"{metrics['reward']:.3f}", kl=f"{kl:.4f}", len=f"{metrics['completions/mean_length']:.0f}"
+            )
+            if args.log_completions and global_step % args.logging_steps == 0:  # rank 0's rows
+                total = (scores * reward_weights).nansum(-1)
+                log_completions(
+                    tokenizer, prompt_ids, completion_ids, total, args.log_completions, global_step, args.track
+                )
+        log_metrics(args, metrics_file, metrics, show=global_step % args.logging_steps == 0 or evaluated)
+        preempted = global_sum(preemption.is_set(), world_size, device) > 0 and global_step < args.max_steps  # SIGTERM
+        if preempted or (args.save_steps and global_step % args.save_steps == 0 and global_step < args.max_steps):
+            # a round generated in the background is not trained yet: a resume generates it again
+            consumed = prompts_consumed - (args.prompts_per_step if next_round else 0)
+            save_checkpoint(
+                args, run, model, tokenizer, optimizer, scheduler, global_step, consumed, device, world_size
+            )
+        if preempted:
+            stop_preempted(args, global_step, world_size)  # exit status 143
+
+    # final model + tokenizer, loadable with from_pretrained(output_dir); --max-steps 0 only evaluated: nothing to save
+    progress.close()
+    finish(args, model, tokenizer, metrics_file, output_lock, world_size)
+
+
+# ======================================================================================================================
+# TRY NOT TO MODIFY: plumbing. Start-up, generation, scoring and logging of the loop's phases, then data loading,
+# log-probs, FSDP2 helpers, `generate`, evaluation, checkpoints and the start-up checks
+# ======================================================================================================================
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# The loop's set-up and phases
+
+
+def read_data(args):
+    """The reward functions, the training dataset and (--eval-steps, --max-steps 0) the eval dataset, each read and
+    checked against the column flags and the reward functions' arguments."""
+    reward_fns = reward_functions(args.reward_funcs)
+    dataset = read_dataset(args)
+    check_dataset(args, dataset, reward_fns)
+    eval_dataset = None
+    if args.eval_steps or args.max_steps == 0:
+        eval_dataset = read_dataset(args, evaluation=True)
+        eval_dataset = {column: values[: args.eval_max_samples] for column, values in eval_dataset.items()}
+        check_dataset(args, eval_dataset, reward_fns, "--eval-dataset", eval_source(args)[0])
+    return reward_fns, dataset, eval_dataset
+
+
+def start_processes(world_size):
+    """This process's device (torchrun: the GPU of LOCAL_RANK) and, with several processes, the process group."""
+    device = torch.device(f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if torch.cuda.is_available() else "cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if world_size > 1:
+        # rank 0 alone may spend minutes writing a checkpoint while the others wait in the next collective
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timedelta(hours=1))
+    return device
+
+
+def warn_truncated_sampling(args):
+    truncated_sampling = args.top_p < 1 or args.top_k > 0 or args.min_p > 0 or args.repetition_penalty != 1
+    if args.use_vllm and args.vllm_importance_sampling_correction and truncated_sampling:
+        print(
+            "warning: with top_p / top_k / min_p / repetition_penalty, vLLM's processed log-probs come from a truncated "
+            "distribution that the trainer does not model: the importance ratio is biased below 1, and at the sequence "
+            "level (product over tokens) it shrinks the updates of long completions. Prefer neutral values, or "
+            "--vllm-importance-sampling-mode sequence_truncate with a --vllm-importance-sampling-clip-min (e.g. 0.5) "
+            "that bounds the shrinking."
+        )
+
+
+def from_rank_0(value, world_size):
+    """Rank 0's value of a picklable object, on every rank."""
+    if world_size == 1:
+        return value
+    shared = [value]
+    dist.broadcast_object_list(shared, src=0)
+    return shared[0]
+
+
+def load_models(args, model_path, device, world_size):
+    """The policy (from model_path: the model, or the checkpoint to resume), the frozen reference model (--beta > 0),
+    the tokenizer, the padding id and the EOS ids; FSDP2-sharded with several processes."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, args.param_dtype)).to(device)
+    for module in model.modules():  # dropout would make two passes over the same tokens disagree (ratio != 1)
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+    if args.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    ref_model = None
+    if args.beta > 0:  # the starting model, also when resuming, in the policy's dtype and compute: KL 0 at step 1
+        ref_model = AutoModelForCausalLM.from_pretrained(
+            args.model_name_or_path, dtype=getattr(torch, args.param_dtype)
+        )
+        ref_model = ref_model.to(device).eval().requires_grad_(False)
+    if world_size > 1:  # FSDP2: every rank keeps 1/world_size of the weights, gradients and AdamW states
+        for m in (model, ref_model) if ref_model is not None else (model,):
+            shard_model(m, mixed_precision=args.bf16 and device.type == "cuda")
+    # a forward that transforms its logits in a way the trainer does not model fails now, not after training on them
+    sentence = "The quick brown fox jumps over the lazy dog, and then it ran away."
+    check_logprobs(model, tokenizer(sentence)["input_ids"], device, world_size)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    eos_ids = model.generation_config.eos_token_id
+    eos_ids = sorted((set(eos_ids if isinstance(eos_ids, list) else [eos_ids]) | {tokenizer.eos_token_id}) - {None})
+    return model, ref_model, tokenizer, pad_id, eos_ids
+
+
+def make_optimizer(args, model, device):
+    """AdamW and the learning-rate schedule."""
+    from transformers import get_scheduler
+
+    # fused: one kernel for all parameters on CUDA, with no full-size temporaries (the foreach default allocates them)
+    optimizer = torch.optim.AdamW(
+        model.parameters(),
+        lr=args.learning_rate,
+        betas=(args.adam_beta1, args.adam_beta2),
+        weight_decay=args.weight_decay,
+        fused=device.type == "cuda",
+    )
+    return optimizer, get_scheduler(args.lr_scheduler_type, optimizer, args.warmup_steps, args.max_steps)
+
+
+def resume(checkpoint_dir, model, optimizer, scheduler, device, rank, world_size):
+    """Load a checkpoint's optimizer, schedule and random states (its weights are loaded as the model); returns
+    (global_step, prompts_consumed)."""
+    # mmap: pages of the full optimizer state are read as used, not all into every rank's memory (copy-on-write)
+    state = torch.load(os.path.join(checkpoint_dir, "trainer_state.pt"), weights_only=False, mmap=True)
+    if world_size > 1:  # the full optimizer state, sharded like the weights (resume with the same number of ranks)
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+        set_optimizer_state_dict(model, optimizer, state["optimizer"], options=StateDictOptions(full_state_dict=True))
+    else:
+        optimizer.load_state_dict(state["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
+    torch.set_rng_state(state["torch_rng"][rank])
+    if device.type == "cuda" and state.get("cuda_rng") is not None:  # GPU sampling; older checkpoints have none
+        torch.cuda.set_rng_state(state["cuda_rng"][rank])
+    # optimizer tensors left on the CPU (AdamW's step counts; all of them on a CPU run) still point into the mapped
+    # file: copy them, so that --save-total-limit can delete that checkpoint and its disk space is freed
+    for param_state in optimizer.state.values():
+        param_state.update(
+            {k: v.clone() for k, v in param_state.items() if torch.is_tensor(v) and v.device.type == "cpu"}
+        )
+    print(f"resumed from {checkpoint_dir} at step {state['global_step']}")
+    return state["global_step"], state["prompts_consumed"]
+
+
+def make_generator(args, model, model_path, train_set, eval_set, pad_id, eos_ids, world_size):
+    """(engine, generate): Hugging Face generate (engine None), or vLLM, a colocated engine or a `vllm serve` server.
+    generate(prompt_ids, num_generations=None, temperature=None) returns (completion ids, vLLM's log-probs or None),
+    prompt-major; num_generations and temperature None: the training ones."""
+    if not args.use_vllm:
+
+        def generate(prompt_ids, num_generations=None, temperature=None):
+            with unsharded(model, world_size):  # FSDP2: full weights while decoding, ranks stop at different steps
+                return hf_generate(model, prompt_ids, args, eos_ids, pad_id, num_generations, temperature)
+
+        return None, generate
+    import vllm_utils
+
+    longest = max(len(p) for p in train_set.prompt_ids + (eval_set.prompt_ids if eval_set else []))
+    engine = vllm_utils.start(args, model_path, longest)
+    if args.vllm_mode == "server":  # the server may hold other weights (an earlier run, or this one before a resume)
+        vllm_utils.sync_weights(engine, model)
+    return engine, lambda ids, num_generations=None, temperature=None: vllm_utils.generate(
+        engine, ids, num_generations, temperature
+    )
+
+
+def open_metrics(args, run, checkpoint_dir, global_step):
+    """Rank 0: start wandb (--track; a resumed run continues its wandb run) and open metrics.jsonl for appending, once
+    the lines of the steps after a resumed checkpoint are dropped (they are done again)."""
+    if args.track:
+        import wandb
+
+        wandb.init(
+            project=args.wandb_project_name,
+            entity=args.wandb_entity,
+            config=asdict(args),
+            name=run["run_name"],
+            id=run["run_id"],
+            resume="allow",
+        )
+    path = os.path.join(args.output_dir, "metrics.jsonl")
+    if checkpoint_dir and os.path.exists(path):
+        kept = [line for line in open(path) if json.loads(line)["step"] <= global_step]
+        with open(path, "w") as f:
+            f.writelines(kept)
+    return open(path, "a")
+
+
+def log_metrics(args, metrics_file, metrics, show):
+    """Rank 0 (metrics_file is None elsewhere): print the metrics line if `show`, append it to metrics.jsonl, send it
+    to wandb."""
+    if metrics_file is None:
+        return
+    if show:
+        tqdm.write(" | ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in metrics.items()))
+    metrics_file.write(json.dumps(metrics) + "\n")
+    metrics_file.flush()
+    if args.track:
+        import wandb
+
+        wandb.log(metrics, step=metrics["step"])
+
+
+def start_round(args, prompts, prompt_set, generate, weights_version, rank, world_size):
+    """Draw the next prompts_per_step prompts (the same on every rank), keep this rank's share and start generating
+    them: in the background with --async-generation, else now. Returns (rows, the optimizer step of the weights that
+    generate them, a Future of ((completion ids, vLLM log-probs), seconds))."""
+    per_rank = args.prompts_per_step // world_size
+    rows = [next(prompts) for _ in range(args.prompts_per_step)][rank * per_rank : (rank + 1) * per_rank]
+
+    def work():
+        t0 = time.perf_counter()
+        return generate([prompt_set.prompt_ids[i] for i in rows]), time.perf_counter() - t0
+
+    return rows, weights_version, future_of(work, background=args.async_generation)
+
+
+def clock(device):
+    """Phase timings: wait for the GPU's queued work so that each phase is charged its own time."""
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter()
+
+
+def score(args, tokenizer, reward_fns, prompt_set, rows, completion_ids, num_generations):
+    """The reward functions' scores (len(rows) * num_generations, num_funcs) of num_generations completions per prompt
+    row (prompt-major): each
+    function gets the decoded completions and, by name, the rows' dataset columns (training set, or eval set). The
+    completions are chat messages only when the dataset's prompts are (TRL's rule): a plain-text prompt that the chat
+    template wraps still gets plain-text completions."""
+    texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+    completions = [[{"role": "assistant", "content": t}] for t in texts] if prompt_set.prompts_are_messages else texts
+    repeated = lambda values: [values[i] for i in rows for _ in range(num_generations)]
+    reward_columns = {c: repeated(v) for c, v in prompt_set.columns.items()}
+    prompt_texts = {i: tokenizer.decode(prompt_set.prompt_ids[i]) for i in rows}
+    reward_columns.update(
+        prompts=repeated(prompt_texts),
+        completion_ids=completion_ids,
+        max_completion_length=args.max_completion_length,
+        **args.reward_kwargs,
+    )
+    return score_completions(reward_fns, completions, reward_columns)
+
+
+def no_grad_logprobs(args, model, ref_model, prompt_ids, completion_ids, C, device, pad_id, autocast, world_size):
+    """The old and (with a reference model, else None) reference log-probs of the round's completions, (N, C) on the
+    CPU: forward passes without gradient over token-budget micro-batches."""
+    N, prompt_lengths, completion_lengths = (
+        len(prompt_ids),
+        [len(p) for p in prompt_ids],
+        [len(c) for c in completion_ids],
+    )
+    old_logprobs = torch.zeros(N, C)
+    ref_logprobs = torch.zeros(N, C) if ref_model is not None else None
+    model.eval()
+    with (
+        torch.no_grad(),
+        torch.autocast(**autocast),
+        unsharded(model, world_size),
+        unsharded(ref_model, world_size) if ref_model is not None else nullcontext(),
+    ):
+        for mb in token_budget_batches(range(N), prompt_lengths, completion_lengths, args.micro_batch_tokens):
+            ids, attn, pos, cmask, P = collate(
+                [prompt_ids[i] for i in mb], [completion_ids[i] for i in mb], device, pad_id
+            )
+            for net, logprobs in ((model, old_logprobs), (ref_model, ref_logprobs)):
+                if net is not None:
+                    logprobs[mb, : cmask.shape[1]] = per_token_logprobs(
+                        net, ids, attn, pos, cmask, P, args.temperature
+                    ).cpu()
+    return old_logprobs, ref_logprobs
+
+
+def round_metrics(args, batch, step_loss, train_stats, is_stats, reward_fns, reward_weights, world_size):
+    """The round's metrics over every rank (TRL's names): rewards, completion lengths, advantages, loss, tokens, the
+    importance-sampling ratio, each reward function's mean and std, and the micro-batches' entropy and clip ratios.
+    batch: (scores, prompt lengths, completion lengths, truncated, advantages) of this rank's rows."""
+    scores, prompt_lengths, completion_lengths, truncated, advantages = batch
+    device = step_loss.device
+    num_tokens = global_sum(sum(prompt_lengths) + sum(completion_lengths), world_size, device)
+    completion_lengths = torch.tensor(completion_lengths, dtype=torch.float)
+    train_means = {k: torch.stack(v).mean() for k, v in train_stats.items() if v}
+    abs_advantages = advantages.abs()
+    if world_size > 1:
+        gathered = [None] * world_size
+        dist.all_gather_object(gathered, (scores, completion_lengths, truncated, abs_advantages))
+        scores, completion_lengths, truncated, abs_advantages = (torch.cat([g[i] for g in gathered]) for i in range(4))
+        for value in [step_loss, *train_means.values()]:
+            dist.all_reduce(value)
+            value /= world_size
+    total = (scores * reward_weights).nansum(-1)
+    metrics = {
+        "reward": total.mean().item(),
+        "reward_std": total.std().item(),
+        "frac_reward_zero_std": (total.view(-1, args.num_generations).std(1) < 1e-6).float().mean().item(),
+        "completions/mean_length": completion_lengths.mean().item(),
+        "completions/min_length": int(completion_lengths.min()),
+        "completions/max_length": int(completion_lengths.max()),
+        "completions/clipped_ratio": truncated.float().mean().item(),  # TRL's name for the truncated share
+        "advantages/mean_abs": abs_advantages.mean().item(),
+        "loss": step_loss.item(),
+        "num_tokens": num_tokens,
+    }
+    if is_stats:
+        logp_difference, ratio = torch.cat(is_stats["logp_difference"]), torch.cat(is_stats["ratio"])
+        metrics["sampling/sampling_logp_difference/mean"] = logp_difference.mean().item()
+        metrics["sampling/sampling_logp_difference/max"] = logp_difference.max().item()
+        metrics["sampling/importance_sampling_ratio/min"] = ratio.min().item()
+        metrics["sampling/importance_sampling_ratio/mean"] = ratio.mean().item()
+        metrics["sampling/importance_sampling_ratio/max"] = ratio.max().item()
+    for k, fn in enumerate(reward_fns):
+        column = scores[:, k][~scores[:, k].isnan()]
+        metrics[f"rewards/{fn.__name__}/mean"] = column.mean().item() if column.numel() else float("nan")
+        metrics[f"rewards/{fn.__name__}/std"] = column.std().item() if column.numel() > 1 else 0.0
+    return {**metrics, **{k: v.item() for k, v in train_means.items()}}
+
+
 # ------------------------------------------------------------------------------------------------------------------
 # Data
 
 
+PromptSet = namedtuple("PromptSet", "prompt_ids columns prompts_are_messages")
+
+
 def load_prompts(args, dataset, tokenizer, max_context):
-    """Tokenize the prompts of `dataset` ({column: values}, from read_dataset) and return (prompt_ids, columns,
-    is_conversational): token ids per row, and the other columns (answer column renamed to `answer`) that reward
-    functions receive by name."""
+    """Tokenize the prompts of `dataset` ({column: values}, from read_dataset) and return a PromptSet: token ids per
+    row, the other columns (answer column renamed to `answer`) that reward functions receive by name, and whether the
+    dataset's prompts are chat messages (lists of {"role", "content"}; not when the chat template wraps plain text)."""
     prompts = dataset[args.prompt_column]
-    conversational = isinstance(prompts[0], list)
-    use_template = conversational or (args.use_chat_template and tokenizer.chat_template is not None)
+    prompts_are_messages = isinstance(prompts[0], list)
+    use_template = prompts_are_messages or (args.use_chat_template and tokenizer.chat_template is not None)
     prompt_ids = []
     for prompt in prompts:
         if use_template:
-            messages = prompt if conversational else [{"role": "user", "content": prompt}]
+            messages = prompt if prompts_are_messages else [{"role": "user", "content": prompt}]
             if args.system_prompt:
                 messages = [{"role": "system", "content": args.system_prompt}] + messages
             ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
@@ -284,7 +920,9 @@ def load_prompts(args, dataset, tokenizer, max_context):
             f"--max-prompt-length {max_context - args.max_completion_length} to drop such prompts, or lower "
             f"--max-completion-length."
         )
-    return [prompt_ids[i] for i in keep], {c: [v[i] for i in keep] for c, v in columns.items()}, use_template
+    return PromptSet(
+        [prompt_ids[i] for i in keep], {c: [v[i] for i in keep] for c, v in columns.items()}, prompts_are_messages
+    )
 
 
 def prompt_stream(num_prompts, seed, start=0):
@@ -320,42 +958,7 @@ def score_completions(reward_fns, completions, columns):
 
 
 # ------------------------------------------------------------------------------------------------------------------
-# Rewards and advantages
-
-
-def rloo_advantages(rewards, k):
-    """A_i = R_i - mean_{j != i} R_j: each completion's baseline is the mean reward of the other k - 1 completions of
-    its prompt (arXiv 2402.14740, sec. 3.3). rewards: (N,) with N = num_prompts * k, groups contiguous. NaN marks an
-    unscorable completion: it is left out of the others' baselines and gets advantage 0, as does a completion with
-    no scorable sibling."""
-    grouped = rewards.view(-1, k)  # (num_prompts, k)
-    valid = ~grouped.isnan()
-    total = torch.where(valid, grouped, 0).sum(1, keepdim=True)
-    others = valid.sum(1, keepdim=True) - 1  # scorable siblings of a scorable completion
-    baseline = (total - grouped) / others.clamp(min=1)
-    advantages = torch.where(valid & (others > 0), grouped - baseline, torch.zeros_like(grouped))
-    return advantages.view(-1)
-
-
-def normalize_advantages(advantages, scored, world_size=1, device="cpu"):
-    """--normalize-advantages: (A - mean) / (std + 1e-4) over the scored completions of every rank. An unscorable one
-    (NaN reward) keeps advantage 0 and stays out of the statistics (as in TRL). advantages, scored: (N,)."""
-    everyone = gather_rows(torch.where(scored, advantages, torch.nan).to(device), world_size).cpu()
-    everyone = everyone[~everyone.isnan()]
-    std = everyone.std() if everyone.numel() > 1 else torch.tensor(0.0)
-    return torch.where(scored, (advantages - everyone.mean()) / (std + 1e-4), torch.zeros_like(advantages))
-
-
-def kl_penalised_rewards(rewards, old_logprobs, ref_logprobs, completion_mask, beta):
-    """R - beta * KL with the sequence KL estimated by k1 = sum_t (log pi_old - log pi_ref) over the sampled tokens
-    (arXiv 2402.14740, eq. 1): the penalty is part of the reward, so the baseline also subtracts it. Returns the
-    penalised rewards (N,) and the per-token k1 (N, C)."""
-    token_kl = (old_logprobs - ref_logprobs) * completion_mask
-    return rewards - beta * token_kl.sum(-1), token_kl
-
-
-# ------------------------------------------------------------------------------------------------------------------
-# Log-probabilities and losses
+# Log-probabilities: chunked, temperature-scaled, the model's own logit transform
 
 
 def collate(prompt_ids, completion_ids, device, pad_id):
@@ -503,45 +1106,6 @@ def check_logprobs(model, input_ids, device, world_size):
         )
 
 
-def sequence_policy_loss(logprobs, old_logprobs, advantages, completion_mask, epsilon_low=0.2, epsilon_high=0.2):
-    """Per-sequence REINFORCE loss with a PPO-style clipped ratio, (B,):
-    rho = exp(sum_t log pi(o_t) - sum_t log pi_old(o_t)),  loss = -min(rho * A, clip(rho, 1 - eps_low, 1 + eps_high) * A).
-    With old = sg(current) (one pass per batch) rho = 1 and the gradient is the plain REINFORCE -A * grad log pi(o).
-    Returns the loss and rho (for clip metrics)."""
-    log_ratio = ((logprobs - old_logprobs) * completion_mask).sum(-1)  # (B,)
-    ratio = torch.exp(log_ratio)
-    clipped = torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high)
-    return -torch.min(ratio * advantages, clipped * advantages), ratio
-
-
-def k3_kl(logprobs, ref_logprobs):
-    """Per-token KL(pi || pi_ref) estimate k3 = exp(ref - logp) - (ref - logp) - 1 >= 0 (Schulman 2020;
-    DeepSeekMath eq. 4)."""
-    diff = ref_logprobs - logprobs
-    return torch.exp(diff) - diff - 1
-
-
-def vllm_importance_ratio(
-    old_logprobs, sampling_logprobs, completion_mask, mode="sequence_mask", clip_min=None, clip_max=3.0
-):
-    """Importance weight pi_trainer / pi_vllm that corrects for vLLM sampling from slightly different numerics
-    (truncated IS, "Your efficient RL framework secretly brings you off-policy RL training", Yao et al. 2025).
-
-    token_*: one ratio per token; sequence_*: exp(sum_t log ratio_t), one per completion (the product of token
-    ratios). *_truncate clamps to [clip_min, clip_max]; *_mask sets ratios outside the bounds to 0. NaN log-probs
-    (vLLM gave none) count as ratio 1. Returns (B, C) weights (no gradient) and |log ratio| per token."""
-    diff = torch.nan_to_num((old_logprobs - sampling_logprobs) * completion_mask, nan=0.0)
-    log_ratio = diff.sum(-1, keepdim=True) if mode.startswith("sequence") else diff
-    ratio = torch.exp(log_ratio)
-    low = clip_min if clip_min is not None else 0.0
-    high = clip_max if clip_max is not None else float("inf")
-    if mode.endswith("truncate"):
-        ratio = ratio.clamp(min=low, max=high)
-    else:
-        ratio = torch.where((ratio >= low) & (ratio <= high), ratio, torch.zeros_like(ratio))
-    return ratio.expand_as(old_logprobs).detach(), diff.abs()
-
-
 def clip_gradients(model, max_norm):
     """Clip the gradients' global norm to max_norm (<= 0: no clipping) and return the norm before clipping."""
     # max_norm 0 would scale every gradient to 0; inf still computes the norm (the grad_norm metric)
@@ -638,20 +1202,17 @@ def global_sum(value, world_size, device):
 
 
 @torch.no_grad()
-def hf_generate(model, prompt_ids, args, eos_ids, pad_id, n=None, temperature=None):
-    """Sample n completions per prompt (None: num_generations) at `temperature` (None: the training one; 0: greedy,
-    for evaluation); returns completion token ids (prompt-major), each cut after its first EOS (the EOS is kept as the
-    last token)."""
+def hf_generate(model, prompt_ids, args, eos_ids, pad_id, num_generations=None, temperature=None):
+    """Sample num_generations completions per prompt (None: --num-generations) at `temperature` (None: the training
+    one; 0: greedy, for evaluation); returns completion token ids (prompt-major), each cut after its first EOS (the EOS
+    is kept as the last token)."""
     from transformers import GenerationConfig
 
-    n, temperature = n or args.num_generations, args.temperature if temperature is None else temperature
-    repeated = [p for p in prompt_ids for _ in range(n)]
-    P = max(len(p) for p in repeated)
-    input_ids = torch.full((len(repeated), P), pad_id, dtype=torch.long)
-    attention_mask = torch.zeros_like(input_ids)
-    for i, p in enumerate(repeated):
-        input_ids[i, P - len(p) :] = torch.tensor(p)
-        attention_mask[i, P - len(p) :] = 1
+    num_generations = num_generations or args.num_generations
+    temperature = args.temperature if temperature is None else temperature
+    repeated = [p for p in prompt_ids for _ in range(num_generations)]
+    input_ids, attention_mask, _, _, P = collate(repeated, [[]] * len(repeated), model.device, pad_id)
+    input_ids, attention_mask = input_ids[:, :P], attention_mask[:, :P]  # the prompts, left-padded
     sampling = dict(do_sample=True, temperature=temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p)
     config = GenerationConfig(
         **(sampling if temperature > 0 else dict(do_sample=False)),
@@ -668,11 +1229,7 @@ def hf_generate(model, prompt_ids, args, eos_ids, pad_id, n=None, temperature=No
     model_config, model.generation_config = model.generation_config, config
     try:
         with torch.autocast(model.device.type, torch.bfloat16, enabled=args.bf16 and model.device.type == "cuda"):
-            out = model.generate(
-                input_ids=input_ids.to(model.device),
-                attention_mask=attention_mask.to(model.device),
-                generation_config=config,
-            )
+            out = model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=config)
     finally:
         model.generation_config = model_config
     completions = []
@@ -708,6 +1265,43 @@ def rank_share(num_prompts, rank, world_size):
     per_rank = -(-num_prompts // world_size)
     rows = list(range(num_prompts))[rank * per_rank : (rank + 1) * per_rank]
     return rows + [0] * (per_rank - len(rows)), len(rows)
+
+
+def evaluate(args, eval_set, generate, tokenizer, reward_fns, reward_weights, device, rank, world_size):
+    """Greedy (temperature 0) and, with --eval-num-generations k > 1, k sampled completions of every eval prompt,
+    from the run's generator (which must hold the current weights: the loop calls this right after the weight push),
+    scored by the reward functions. Each rank generates its share of the prompts, in calls of one training round's
+    size; the scores are gathered, so every rank returns the eval/... metrics of all prompts."""
+    t0 = time.perf_counter()
+    rows, real = rank_share(len(eval_set.prompt_ids), rank, world_size)
+    num_generations = args.eval_num_generations  # the k of mean@k and pass@k
+    round_size = args.prompts_per_step // world_size * args.num_generations  # completions per generate call
+
+    def complete(per_prompt, temperature):  # this rank's rows, per_prompt completions each, prompt-major
+        size, ids = max(1, round_size // per_prompt), []
+        for start in range(0, len(rows), size):
+            ids += generate([eval_set.prompt_ids[i] for i in rows[start : start + size]], per_prompt, temperature)[0]
+        return ids
+
+    # HF sampling draws from the global RNG: fork it, so that training samples what it would without evaluation
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.manual_seed(args.seed + rank)
+        greedy_ids = complete(1, 0.0)
+        sampled_ids = complete(num_generations, args.temperature) if num_generations > 1 else None
+    greedy = score(args, tokenizer, reward_fns, eval_set, rows, greedy_ids, 1)[:real]  # (real, num_funcs)
+    sampled = None  # (real, num_generations, num_funcs)
+    if num_generations > 1:
+        sampled = score(args, tokenizer, reward_fns, eval_set, rows, sampled_ids, num_generations)
+        sampled = sampled.view(len(rows), num_generations, -1)[:real]
+    lengths = torch.tensor([len(c) for c in greedy_ids[:real]], dtype=torch.float)
+    if world_size > 1:  # every rank's scores, in rank order: the prompts in order, as on one rank
+        parts = [None] * world_size
+        dist.all_gather_object(parts, (greedy, sampled, lengths))
+        greedy, lengths = torch.cat([p[0] for p in parts]), torch.cat([p[2] for p in parts])
+        sampled = torch.cat([p[1] for p in parts]) if num_generations > 1 else None
+    metrics = eval_metrics(greedy, sampled, reward_weights, [fn.__name__ for fn in reward_fns])
+    metrics.update({"eval/num_prompts": len(greedy), "eval/completions/mean_length": lengths.mean().item()})
+    return {**metrics, "timing/eval": time.perf_counter() - t0}
 
 
 def eval_metrics(greedy, sampled, reward_weights, names):
@@ -748,11 +1342,13 @@ def log_completions(tokenizer, prompt_ids, completion_ids, rewards, count, step,
 # Checkpoints
 
 
-def save_atomically(path, write):
-    """Run write(tmp_dir) then rename tmp_dir to `path`: a crash never leaves a half-written `path`."""
+@contextmanager
+def written_atomically(path):
+    """Yield a temporary directory to write into, then rename it to `path`: a crash never leaves a half-written
+    `path`."""
     tmp = f"{path}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
-    write(tmp)
+    yield tmp
     if os.path.isdir(path):
         old = f"{path}.old-{os.getpid()}"
         os.replace(path, old)
@@ -760,6 +1356,69 @@ def save_atomically(path, write):
         shutil.rmtree(old)
     else:
         os.replace(tmp, path)
+
+
+def save_checkpoint(
+    args, run, model, tokenizer, optimizer, scheduler, global_step, prompts_consumed, device, world_size
+):
+    """output_dir/checkpoint-<global_step>: the weights and tokenizer (save_pretrained), trainer_state.pt (optimizer,
+    schedule, step, prompts consumed, every rank's random states) and run.json; then only the newest
+    --save-total-limit of this run's checkpoints are kept. Every rank calls it (gathering the state is a collective);
+    rank 0 (run is None on the others) writes."""
+    model_state, optimizer_state = full_state(model, optimizer, world_size)
+    rng = (torch.get_rng_state(), torch.cuda.get_rng_state() if device.type == "cuda" else None)
+    rng_states = [rng] * world_size
+    if world_size > 1:
+        dist.all_gather_object(rng_states, rng)
+    if run is None:
+        return
+    with written_atomically(os.path.join(args.output_dir, f"checkpoint-{global_step}")) as tmp:
+        model.save_pretrained(tmp, state_dict=model_state)
+        tokenizer.save_pretrained(tmp)
+        state = {"optimizer": optimizer_state, "scheduler": scheduler.state_dict(), "global_step": global_step}
+        state.update(prompts_consumed=prompts_consumed, torch_rng=[r[0] for r in rng_states])
+        state["cuda_rng"] = [r[1] for r in rng_states] if device.type == "cuda" else None
+        torch.save(state, os.path.join(tmp, "trainer_state.pt"))
+        write_json(os.path.join(tmp, "run.json"), {**run, "script": "rloo.py", "global_step": global_step})
+    if args.save_total_limit:
+        for old in run_checkpoints(args.output_dir, run["run_id"])[: -args.save_total_limit]:
+            shutil.rmtree(old)  # this run's older checkpoints only, never another run's
+
+
+def stop_preempted(args, global_step, world_size):
+    """After the SIGTERM checkpoint: say how to continue, and exit with 143 (128 + SIGTERM: stopped, not finished)."""
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(
+            f"SIGTERM: wrote checkpoint-{global_step} and stopped; the same command with "
+            f"--resume-from-checkpoint latest continues the run",
+            flush=True,
+        )
+        if args.track:
+            import wandb
+
+            wandb.mark_preempting()
+    if world_size > 1:
+        dist.destroy_process_group()
+    sys.exit(143)
+
+
+def finish(args, model, tokenizer, metrics_file, output_lock, world_size):
+    """The final model + tokenizer in output_dir (not after --max-steps 0, which only evaluated), then close the
+    metrics, wandb, the output directory's lock and the process group."""
+    model_state = full_state(model, None, world_size)[0] if args.max_steps else None
+    if metrics_file is not None:  # rank 0
+        if args.max_steps:
+            save_final(args.output_dir, model, tokenizer, model_state)
+            print(f"saved the final model to {args.output_dir}")
+        metrics_file.close()
+        if args.track:
+            import wandb
+
+            wandb.finish()
+    if output_lock is not None:
+        os.close(output_lock)  # the run is over: the directory is free for the next one
+    if world_size > 1:
+        dist.destroy_process_group()
 
 
 def full_state(model, optimizer, world_size):
@@ -788,50 +1447,6 @@ def save_final(output_dir, model, tokenizer, state_dict=None):
 
 # ------------------------------------------------------------------------------------------------------------------
 # Start-up: arguments, data and the output directory, all checked before any model loads
-
-
-def parse_args(argv=None):
-    """tyro.cli(Args), with --help in the groups of the "# ..." comment headers in Args (those of README.md's option
-    table). tyro groups the options of nested dataclasses, so each header's fields become one nested dataclass whose
-    flags keep their names (OmitArgPrefixes); the parsed groups are merged back into one flat Args."""
-    source = inspect.getsource(Args)
-    body = ast.parse(textwrap.dedent(source)).body[0].body
-    docs = {
-        a.target.id: " ".join(b.value.value.split())
-        for a, b in itertools.pairwise(body)
-        if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr)
-    }
-    groups, title = {}, None
-    for line in source.splitlines():
-        if header := re.match(r" {4}# (.+?)(?: \(.*)?$", line):
-            title = header[1]
-        elif name := re.match(r" {4}(\w+):", line):
-            groups.setdefault(title, []).append(name[1])
-    fields = {f.name: f for f in dataclasses.fields(Args)}
-    parts = []
-    for title, names in groups.items():
-        group = dataclasses.make_dataclass(
-            title,
-            [
-                (
-                    n,
-                    Annotated[fields[n].type, tyro.conf.arg(help=docs[n])],
-                    dataclasses.field(default=fields[n].default, default_factory=fields[n].default_factory),
-                )
-                for n in names
-            ],
-        )
-        group.__doc__ = ""
-        parts.append(
-            (
-                re.sub(r"\W+", "_", title).lower(),
-                tyro.conf.OmitArgPrefixes[group],
-                dataclasses.field(default_factory=group),
-            )
-        )
-    description = "\n\n".join(__doc__.split("\n\n")[:3])  # what it does, and the CPU example
-    parsed = tyro.cli(dataclasses.make_dataclass("Args", parts), args=argv, description=description)
-    return Args(**{k: v for part in dataclasses.fields(parsed) for k, v in vars(getattr(parsed, part.name)).items()})
 
 
 def looks_local(path):
@@ -1100,18 +1715,17 @@ def pid_alive(pid):
     return True
 
 
+CHECKPOINT = r"checkpoint-\d+"  # the name of a checkpoint directory in output_dir (a regular expression)
+
+
 def run_checkpoints(output_dir, run_id):
     """The checkpoint-N directories in output_dir that belong to run `run_id` (their run.json says so), oldest first.
     Checkpoints written before runs had ids have no run.json: they match run_id None (a directory without run.json)."""
     found = []
     for name in os.listdir(output_dir) if os.path.isdir(output_dir) else []:
         path = os.path.join(output_dir, name)
-        if (
-            name.startswith("checkpoint-")
-            and name[11:].isdigit()
-            and (read_json(os.path.join(path, "run.json")) or {}).get("run_id") == run_id
-        ):
-            found.append((int(name[11:]), path))
+        if re.fullmatch(CHECKPOINT, name) and (read_json(os.path.join(path, "run.json")) or {}).get("run_id") == run_id:
+            found.append((int(name.removeprefix("checkpoint-")), path))
     return [path for _, path in sorted(found)]
 
 
@@ -1120,7 +1734,7 @@ def remove_dead_temporaries(output_dir):
     and checkpoint-N.old-PID (a complete checkpoint moved aside for its replacement: put back if that never arrived).
     Only those of processes that no longer run."""
     for name in sorted(os.listdir(output_dir)):
-        match = re.fullmatch(r"(checkpoint-\d+|run\.json)\.(tmp|old)-(\d+)|\.final-tmp-(\d+)", name)
+        match = re.fullmatch(rf"({CHECKPOINT}|run\.json)\.(tmp|old)-(\d+)|\.final-tmp-(\d+)", name)
         if not match or pid_alive(int(match[3] or match[4])):
             continue
         path = os.path.join(output_dir, name)
@@ -1175,7 +1789,7 @@ def claim_output_dir(args, script):
         if checkpoint == "latest":
             checkpoint = run_checkpoints(out, owner.get("run_id"))[-1:]
             if not checkpoint:
-                others = [f for f in files if f.startswith("checkpoint-")]
+                others = [f for f in files if re.fullmatch(CHECKPOINT, f)]
                 raise SystemExit(
                     f"error: --resume-from-checkpoint latest: no checkpoint-N directory in {out} of the run "
                     f"that owns it"
@@ -1277,559 +1891,49 @@ def on_sigterm():
     return requested
 
 
+def parse_args(argv=None):
+    """tyro.cli(Args), with --help in the groups of the "# ..." comment headers in Args (those of README.md's option
+    table). tyro groups the options of nested dataclasses, so each header's fields become one nested dataclass whose
+    flags keep their names (OmitArgPrefixes); the parsed groups are merged back into one flat Args."""
+    source = inspect.getsource(Args)
+    body = ast.parse(textwrap.dedent(source)).body[0].body
+    docs = {
+        a.target.id: " ".join(b.value.value.split())
+        for a, b in itertools.pairwise(body)
+        if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr)
+    }
+    groups, title = {}, None
+    for line in source.splitlines():
+        if header := re.match(r" {4}# (.+?)(?: \(.*)?$", line):
+            title = header[1]
+        elif name := re.match(r" {4}(\w+):", line):
+            groups.setdefault(title, []).append(name[1])
+    fields = {f.name: f for f in dataclasses.fields(Args)}
+    parts = []
+    for title, names in groups.items():
+        group = dataclasses.make_dataclass(
+            title,
+            [
+                (
+                    n,
+                    Annotated[fields[n].type, tyro.conf.arg(help=docs[n])],
+                    dataclasses.field(default=fields[n].default, default_factory=fields[n].default_factory),
+                )
+                for n in names
+            ],
+        )
+        group.__doc__ = ""
+        parts.append(
+            (
+                re.sub(r"\W+", "_", title).lower(),
+                tyro.conf.OmitArgPrefixes[group],
+                dataclasses.field(default_factory=group),
+            )
+        )
+    description = "\n\n".join(__doc__.split("\n\n")[:3])  # what it does, and the CPU example
+    parsed = tyro.cli(dataclasses.make_dataclass("Args", parts), args=argv, description=description)
+    return Args(**{k: v for part in dataclasses.fields(parsed) for k, v in vars(getattr(parsed, part.name)).items()})
+
+
 if __name__ == "__main__":
-    args = parse_args()
-    # several processes (torchrun): each rank takes an equal share of every step's prompts, whole groups
-    world_size, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
-    # every mistake in the flags or the data stops the run here: before any model loads or anything is written
-    check_args(args, world_size)
-    reward_fns = reward_functions(args.reward_funcs)
-    dataset = read_dataset(args)
-    check_dataset(args, dataset, reward_fns)
-    eval_dataset = None  # --eval-steps / --max-steps 0: the eval prompts, read and checked like the training ones
-    if args.eval_steps or args.max_steps == 0:
-        eval_dataset = read_dataset(args, evaluation=True)
-        eval_dataset = {column: values[: args.eval_max_samples] for column, values in eval_dataset.items()}
-        check_dataset(args, eval_dataset, reward_fns, "--eval-dataset", eval_source(args)[0])
-    epsilon_high = args.epsilon_high if args.epsilon_high is not None else args.epsilon
-    device = torch.device(f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if torch.cuda.is_available() else "cpu")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    if world_size > 1:
-        # rank 0 alone may spend minutes writing a checkpoint while the others wait in the next collective
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timedelta(hours=1))
-    is_main = rank == 0
-    truncated_sampling = args.top_p < 1 or args.top_k > 0 or args.min_p > 0 or args.repetition_penalty != 1
-    if args.use_vllm and args.vllm_importance_sampling_correction and truncated_sampling:
-        print(
-            "warning: with top_p / top_k / min_p / repetition_penalty, vLLM's processed log-probs come from a truncated "
-            "distribution that the trainer does not model: the importance ratio is biased below 1, and at the sequence "
-            "level (product over tokens) it shrinks the updates of long completions. Prefer neutral values, or "
-            "--vllm-importance-sampling-mode sequence_truncate with a --vllm-importance-sampling-clip-min (e.g. 0.5) "
-            "that bounds the shrinking."
-        )
-    # the output directory is this run's alone (a lock); another run's files are refused; only this run's checkpoints
-    run, checkpoint_dir, output_lock = claim_output_dir(args, "rloo.py") if is_main else (None, None, None)
-    if world_size > 1:  # rank 0 decided which checkpoint to resume
-        shared = [checkpoint_dir]
-        dist.broadcast_object_list(shared, src=0)
-        checkpoint_dir = shared[0]
-    preemption = on_sigterm()  # SIGTERM: a checkpoint at the end of the step, then exit
-
-    # TRY NOT TO MODIFY: seeding (the same on every rank until sampling, so that all ranks hold the same weights)
-    random.seed(args.seed)
-    np.random.seed(args.seed)
-    torch.manual_seed(args.seed)
-    # no weight cache: each weight is cast once per forward anyway, and the cache would outlive gradient checkpointing
-    autocast = dict(device_type=device.type, dtype=torch.bfloat16, enabled=args.bf16 and device.type == "cuda")
-    autocast["cache_enabled"] = False
-
-    # Model, tokenizer, reference model
-    from transformers import AutoModelForCausalLM, AutoTokenizer, get_scheduler
-
-    model_path = checkpoint_dir or args.model_name_or_path
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, args.param_dtype)).to(device)
-    for module in model.modules():  # dropout would make two passes over the same tokens disagree (ratio != 1)
-        if isinstance(module, torch.nn.Dropout):
-            module.p = 0.0
-    if args.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    ref_model = None
-    if args.beta > 0:  # the starting model, also when resuming, in the policy's dtype and compute: KL 0 at step 1
-        ref_model = (
-            AutoModelForCausalLM.from_pretrained(args.model_name_or_path, dtype=getattr(torch, args.param_dtype))
-            .to(device)
-            .eval()
-        )
-        ref_model.requires_grad_(False)
-    if world_size > 1:  # FSDP2: every rank keeps 1/world_size of the weights, gradients and AdamW states
-        shard_model(model, mixed_precision=args.bf16 and device.type == "cuda")
-        if ref_model is not None:
-            shard_model(ref_model, mixed_precision=args.bf16 and device.type == "cuda")
-    # a forward that transforms its logits in a way the trainer does not model fails now, not after training on them
-    check_logprobs(
-        model,
-        tokenizer("The quick brown fox jumps over the lazy dog, and then it ran away.")["input_ids"],
-        device,
-        world_size,
-    )
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    eos_ids = model.generation_config.eos_token_id
-    eos_ids = sorted((set(eos_ids if isinstance(eos_ids, list) else [eos_ids]) | {tokenizer.eos_token_id}) - {None})
-
-    # Data and rewards
-    max_context = getattr(model.config, "max_position_embeddings", None) or 10**9
-    prompt_ids, columns, conversational = load_prompts(args, dataset, tokenizer, max_context)
-    eval_prompt_ids, eval_columns, eval_conversational = [], {}, False
-    if eval_dataset is not None:
-        eval_prompt_ids, eval_columns, eval_conversational = load_prompts(args, eval_dataset, tokenizer, max_context)
-    reward_weights = torch.tensor(args.reward_weights or [1.0] * len(reward_fns))
-
-    # Optimizer and schedule
-    # fused: one kernel for all parameters on CUDA, with no full-size temporaries (the foreach default allocates them)
-    optimizer = torch.optim.AdamW(
-        model.parameters(),
-        lr=args.learning_rate,
-        betas=(args.adam_beta1, args.adam_beta2),
-        weight_decay=args.weight_decay,
-        fused=device.type == "cuda",
-    )
-    scheduler = get_scheduler(args.lr_scheduler_type, optimizer, args.warmup_steps, args.max_steps)
-    global_step, prompts_consumed = 0, 0
-    torch.manual_seed(args.seed + rank)  # from here on each rank samples its own completions
-    if checkpoint_dir:
-        # mmap: pages of the full optimizer state are read as used, not all into every rank's memory (copy-on-write)
-        state = torch.load(os.path.join(checkpoint_dir, "trainer_state.pt"), weights_only=False, mmap=True)
-        if world_size > 1:  # the full optimizer state, sharded like the weights (resume with the same number of ranks)
-            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
-
-            set_optimizer_state_dict(
-                model, optimizer, state["optimizer"], options=StateDictOptions(full_state_dict=True)
-            )
-        else:
-            optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
-        global_step, prompts_consumed = state["global_step"], state["prompts_consumed"]
-        torch.set_rng_state(state["torch_rng"][rank])
-        if device.type == "cuda" and state.get("cuda_rng") is not None:  # GPU sampling; older checkpoints have none
-            torch.cuda.set_rng_state(state["cuda_rng"][rank])
-        # optimizer tensors left on the CPU (AdamW's step counts; all of them on a CPU run) still point into the mapped
-        # file: copy them, so that --save-total-limit can delete that checkpoint and its disk space is freed
-        for param_state in optimizer.state.values():
-            param_state.update(
-                {k: v.clone() for k, v in param_state.items() if torch.is_tensor(v) and v.device.type == "cpu"}
-            )
-        del state
-        print(f"resumed from {checkpoint_dir} at step {global_step}")
-    prompts = prompt_stream(len(prompt_ids), args.seed, start=prompts_consumed)
-
-    # Generator: Hugging Face generate, or vLLM (colocated engine or a `vllm serve` server)
-    if args.use_vllm:
-        import vllm_utils
-
-        engine = vllm_utils.start(args, model_path, max(len(p) for p in prompt_ids + eval_prompt_ids))
-        if (
-            args.vllm_mode == "server"
-        ):  # the server may hold other weights (an earlier run, or this one before a resume)
-            vllm_utils.sync_weights(engine, model)
-        generate = lambda ids, n=None, temperature=None: vllm_utils.generate(engine, ids, n, temperature)  # noqa: E731
-    else:
-
-        def generate(batch_prompt_ids, n=None, temperature=None):  # None: training's n and temperature
-            with unsharded(model, world_size):  # FSDP2: full weights while decoding, ranks stop at different steps
-                return hf_generate(model, batch_prompt_ids, args, eos_ids, pad_id, n, temperature)
-
-    if args.track and is_main:
-        import wandb
-
-        wandb.init(
-            project=args.wandb_project_name,
-            entity=args.wandb_entity,
-            config=asdict(args),
-            name=run["run_name"],
-            id=run["run_id"],
-            resume="allow",
-        )  # a resumed run continues its wandb run
-    metrics_path = os.path.join(args.output_dir, "metrics.jsonl")
-    if checkpoint_dir and is_main and os.path.exists(metrics_path):  # steps logged after the checkpoint are redone
-        kept = [line for line in open(metrics_path) if json.loads(line)["step"] <= global_step]
-        with open(metrics_path, "w") as f:
-            f.writelines(kept)
-    metrics_file = open(metrics_path, "a") if is_main else None
-    progress = tqdm(total=args.max_steps, initial=global_step, desc="rloo", dynamic_ncols=True, disable=not is_main)
-    G = args.num_generations
-    prompts_per_rank = args.prompts_per_step // world_size
-
-    def start_round():
-        """Draw the next prompts_per_step prompts (the same on every rank), keep this rank's share and start generating
-        them: in the background with --async-generation, else now. Returns (rows, the optimizer step of the weights that
-        generate them, a Future of ((completion ids, vLLM log-probs), seconds))."""
-        global prompts_consumed
-        rows = [next(prompts) for _ in range(args.prompts_per_step)][
-            rank * prompts_per_rank : (rank + 1) * prompts_per_rank
-        ]
-        prompts_consumed += args.prompts_per_step
-
-        def work():
-            t0 = time.perf_counter()
-            return generate([prompt_ids[i] for i in rows]), time.perf_counter() - t0
-
-        return rows, weights_version, future_of(work, background=args.async_generation)
-
-    def clock():  # phase timings: wait for the GPU's queued work so that each phase is charged its own time
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        return time.perf_counter()
-
-    def score(rows, completion_ids, n, prompt_ids=prompt_ids, columns=columns, conversational=conversational):
-        """The reward functions' scores (len(rows) * n, num_funcs) of n completions per prompt row (prompt-major): each
-        function gets the decoded completions and, by name, the rows' dataset columns (training set, or eval set)."""
-        texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
-        completions = [[{"role": "assistant", "content": t}] for t in texts] if conversational else texts
-        repeated = lambda values: [values[i] for i in rows for _ in range(n)]  # noqa: E731
-        reward_columns = {c: repeated(v) for c, v in columns.items()}
-        prompt_texts = {i: tokenizer.decode(prompt_ids[i]) for i in rows}
-        reward_columns.update(
-            prompts=repeated(prompt_texts),
-            completion_ids=completion_ids,
-            max_completion_length=args.max_completion_length,
-            **args.reward_kwargs,
-        )
-        return score_completions(reward_fns, completions, reward_columns)
-
-    def evaluate():
-        """Greedy (temperature 0) and, with --eval-num-generations k > 1, k sampled completions of every eval prompt,
-        from the run's generator (which must hold the current weights: the loop calls this right after the weight push),
-        scored by the reward functions. Each rank generates its share of the prompts, in calls of one training round's
-        size; the scores are gathered, so every rank returns the eval/... metrics of all prompts."""
-        t0 = time.perf_counter()
-        rows, real = rank_share(len(eval_prompt_ids), rank, world_size)
-        k = args.eval_num_generations
-        round_size = args.prompts_per_step // world_size * args.num_generations  # completions per generate call
-
-        def complete(n, temperature):  # this rank's rows, n completions each, prompt-major
-            size, ids = max(1, round_size // n), []
-            for start in range(0, len(rows), size):
-                ids += generate([eval_prompt_ids[i] for i in rows[start : start + size]], n, temperature)[0]
-            return ids
-
-        # HF sampling draws from the global RNG: fork it, so that training samples what it would without evaluation
-        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-            torch.manual_seed(args.seed + rank)
-            greedy_ids = complete(1, 0.0)
-            sampled_ids = complete(k, args.temperature) if k > 1 else None
-        eval_set = dict(prompt_ids=eval_prompt_ids, columns=eval_columns, conversational=eval_conversational)
-        greedy = score(rows, greedy_ids, 1, **eval_set)[:real]  # (real, num_funcs)
-        sampled = score(rows, sampled_ids, k, **eval_set).view(len(rows), k, -1)[:real] if k > 1 else None
-        lengths = torch.tensor([len(c) for c in greedy_ids[:real]], dtype=torch.float)
-        if world_size > 1:  # every rank's scores, in rank order: the prompts in order, as on one rank
-            parts = [None] * world_size
-            dist.all_gather_object(parts, (greedy, sampled, lengths))
-            greedy, lengths = torch.cat([p[0] for p in parts]), torch.cat([p[2] for p in parts])
-            sampled = torch.cat([p[1] for p in parts]) if k > 1 else None
-        metrics = eval_metrics(greedy, sampled, reward_weights, [fn.__name__ for fn in reward_fns])
-        metrics.update({"eval/num_prompts": len(greedy), "eval/completions/mean_length": lengths.mean().item()})
-        return {**metrics, "timing/eval": time.perf_counter() - t0}
-
-    def log_metrics(metrics, show):
-        """Rank 0: print the metrics line if `show`, append it to metrics.jsonl, send it to wandb."""
-        if not is_main:
-            return
-        if show:
-            tqdm.write(" | ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in metrics.items()))
-        metrics_file.write(json.dumps(metrics) + "\n")
-        metrics_file.flush()
-        if args.track:
-            wandb.log(metrics, step=metrics["step"])
-
-    steps_per_round = args.steps_per_generation * args.num_iterations  # optimizer steps per generation round
-    weights_version = global_step  # the optimizer step whose weights the generator holds
-    next_round = None  # --async-generation: the round generating in the background while this one trains
-    if eval_dataset is not None and (global_step == 0 or args.max_steps == 0):  # the model before training
-        log_metrics({"step": global_step, **evaluate()}, show=True)
-
-    while global_step < args.max_steps:
-        round_start = time.perf_counter()
-        metrics, timing = {}, defaultdict(float, {"timing/weight_sync": 0.0})
-        # ALGO LOGIC: 1. sample prompts and generate k completions each. --async-generation: this step's round was
-        # generated during the last step, by the weights before it; the next round starts now, from the current
-        # weights, and generates while we train
-        rows, version, generation = next_round or start_round()
-        if args.async_generation:
-            next_round = start_round() if global_step + steps_per_round < args.max_steps else None
-        t0 = time.perf_counter()
-        (completion_ids, sampling_logprobs), timing["timing/generation"] = generation.result()
-        timing["timing/generation_wait"] = time.perf_counter() - t0  # what generation costs the trainer
-        staleness = global_step - version  # optimizer steps between the sampling and the trained weights
-        if args.use_vllm:
-            vllm_utils.sleep(engine)  # sleep mode: vLLM's memory goes to training until the next generation
-        batch_prompts = [prompt_ids[i] for i in rows for _ in range(G)]
-        N = len(batch_prompts)
-
-        # 2. score: reward functions see the decoded completions and this row's dataset columns by name
-        t0 = time.perf_counter()
-        scores = score(rows, completion_ids, G)  # (N, num_funcs)
-        rewards_total = (scores * reward_weights).nansum(-1).masked_fill(scores.isnan().all(-1), float("nan"))  # (N,)
-        if args.reward_clip_range is not None:
-            rewards_total = rewards_total.clamp(*args.reward_clip_range)
-        timing["timing/scoring"] = time.perf_counter() - t0
-
-        # 3. old and reference log-probs, before any update (no gradient). The old log-probs need a pass of their own only
-        # when the weights change before the batch's last use, or for the KL; otherwise the training pass's own (detached)
-        # are the same
-        t0 = clock()
-        prompt_lengths = [len(p) for p in batch_prompts]
-        completion_lengths = [len(c) for c in completion_ids]
-        truncated = torch.tensor([not (c and c[-1] in eos_ids) for c in completion_ids])
-        C = max(max(completion_lengths), 1)
-        completion_mask_all = (torch.arange(C)[None] < torch.tensor(completion_lengths)[:, None]).float()  # (N, C)
-        use_vllm_is = args.use_vllm and args.vllm_importance_sampling_correction and sampling_logprobs is not None
-        need_old = args.num_iterations > 1 or args.steps_per_generation > 1 or ref_model is not None
-        old_logprobs = torch.zeros(N, C) if need_old else None
-        ref_logprobs = torch.zeros(N, C) if ref_model is not None else None
-        if need_old:
-            model.eval()
-            with (
-                torch.no_grad(),
-                torch.autocast(**autocast),
-                unsharded(model, world_size),
-                unsharded(ref_model, world_size) if ref_model is not None else nullcontext(),
-            ):
-                for mb in token_budget_batches(range(N), prompt_lengths, completion_lengths, args.micro_batch_tokens):
-                    ids, attn, pos, cmask, P = collate(
-                        [batch_prompts[i] for i in mb], [completion_ids[i] for i in mb], device, pad_id
-                    )
-                    old_logprobs[mb, : cmask.shape[1]] = per_token_logprobs(
-                        model, ids, attn, pos, cmask, P, args.temperature
-                    ).cpu()
-                    if ref_model is not None:
-                        ref_logprobs[mb, : cmask.shape[1]] = per_token_logprobs(
-                            ref_model, ids, attn, pos, cmask, P, args.temperature
-                        ).cpu()
-
-        # 4. KL in the reward, then the leave-one-out advantages
-        if ref_model is not None:
-            token_kl = (old_logprobs - ref_logprobs) * completion_mask_all  # k1 per token, for the metric
-            metrics["kl"] = global_sum(token_kl.sum(), world_size, device) / global_sum(
-                completion_mask_all.sum(), world_size, device
-            )
-            if args.kl_in_reward:
-                rewards_total, _ = kl_penalised_rewards(
-                    rewards_total, old_logprobs, ref_logprobs, completion_mask_all, args.beta
-                )
-        advantages = rloo_advantages(rewards_total, G)  # groups are whole on each rank
-        if args.normalize_advantages:  # over every rank's scorable completions
-            advantages = normalize_advantages(advantages, ~rewards_total.isnan(), world_size, device)
-        sampling_lp = None  # vLLM's log-probs of the sampled tokens, NaN where it gave none
-        if use_vllm_is:
-            sampling_lp = torch.zeros(N, C)
-            for i, lp in enumerate(sampling_logprobs):
-                sampling_lp[i, : len(lp)] = torch.tensor([float("nan") if v is None else v for v in lp])
-        timing["timing/old_ref_logprobs"] = clock() - t0
-
-        # 5. optimise: num_iterations passes; each pass is steps_per_generation optimizer steps over whole groups.
-        # The loss is the mean over the step's sequences of all ranks: each weighs 1 / (rows_per_step x world_size)
-        # (0 if masked), and FSDP averages gradients over ranks, hence the x world_size in the loss.
-        model.train()
-        train_stats = {
-            "entropy": [],
-            "clip_ratio/low_mean": [],
-            "clip_ratio/high_mean": [],
-            "clip_ratio/region_mean": [],
-        }
-        is_stats = {"logp_difference": [], "ratio": []}  # over the valid tokens / the sequences of every micro-batch
-        rows_per_step = N // args.steps_per_generation
-        sequence_weights = torch.ones(N) / (rows_per_step * world_size)
-        if args.mask_truncated_completions:
-            sequence_weights = sequence_weights * (~truncated).float()
-        for _iteration in range(args.num_iterations):
-            for s in range(args.steps_per_generation):
-                if global_step >= args.max_steps:
-                    break
-                step_rows = range(s * rows_per_step, (s + 1) * rows_per_step)
-                t0 = clock()
-                optimizer.zero_grad(set_to_none=True)
-                step_loss = 0.0
-                micro_batches = token_budget_batches(
-                    step_rows, prompt_lengths, completion_lengths, args.micro_batch_tokens
-                )
-                for mb in same_count_on_all_ranks(micro_batches, world_size, device):
-                    padding_pass = mb is None  # only to keep FSDP's collectives in step with the other ranks
-                    mb = [step_rows[0]] if padding_pass else mb
-                    ids, attn, pos, cmask, P = collate(
-                        [batch_prompts[i] for i in mb], [completion_ids[i] for i in mb], device, pad_id
-                    )
-                    Cm = cmask.shape[1]
-                    with torch.autocast(**autocast):
-                        logprobs, entropy = per_token_logprobs(
-                            model, ids, attn, pos, cmask, P, args.temperature, with_entropy=True
-                        )
-                    old = old_logprobs[mb, :Cm].to(device) if need_old else logprobs.detach()
-                    A = advantages[mb].to(device)
-                    sequence_loss, ratio = sequence_policy_loss(
-                        logprobs, old, A, cmask, args.epsilon, epsilon_high
-                    )  # (B,)
-                    if use_vllm_is:  # pi_old / pi_vllm: vLLM's numerics and, with --async-generation, the older weights
-                        is_ratio, logp_difference = vllm_importance_ratio(
-                            old,
-                            sampling_lp[mb, :Cm].to(device),
-                            cmask,
-                            args.vllm_importance_sampling_mode,
-                            args.vllm_importance_sampling_clip_min,
-                            args.vllm_importance_sampling_clip_max,
-                        )
-                        is_ratio = is_ratio[:, 0]  # (B,): one ratio per sequence
-                        sequence_loss = sequence_loss * is_ratio
-                    if ref_model is not None and not args.kl_in_reward:
-                        sequence_loss = sequence_loss + args.beta * (
-                            k3_kl(logprobs, ref_logprobs[mb, :Cm].to(device)) * cmask
-                        ).sum(-1)
-                    loss = (sequence_loss * sequence_weights[mb].to(device)).sum() * (0 if padding_pass else world_size)
-                    loss.backward()
-                    step_loss += loss.detach()  # summed on the device: no host sync per micro-batch
-                    if padding_pass:
-                        continue
-                    if use_vllm_is:
-                        is_stats["logp_difference"].append(logp_difference[cmask.bool()])
-                        is_stats["ratio"].append(is_ratio)
-                    # metrics: clipped ratios per sequence (low with A < 0, high with A > 0), token-mean entropy
-                    low, high = (
-                        ((ratio < 1 - args.epsilon) & (A < 0)).float(),
-                        ((ratio > 1 + epsilon_high) & (A > 0)).float(),
-                    )
-                    train_stats["entropy"].append(((entropy * cmask).sum() / cmask.sum().clamp(min=1)).detach())
-                    train_stats["clip_ratio/low_mean"].append(low.mean())
-                    train_stats["clip_ratio/high_mean"].append(high.mean())
-                    train_stats["clip_ratio/region_mean"].append((low + high).clamp(max=1).mean())
-                t1 = clock()
-                grad_norm = clip_gradients(model, args.max_grad_norm)
-                optimizer.step()
-                scheduler.step()
-                global_step += 1
-                progress.update(1)
-                timing["timing/forward_backward"] += t1 - t0
-                timing["timing/optimizer"] += clock() - t1
-
-        # 6. push the new weights to vLLM before the next generation round. --async-generation: once the round in
-        # flight is complete (on every rank), so that vLLM never switches weights in the middle of a round
-        if args.use_vllm:
-            t0 = time.perf_counter()
-            if next_round is not None:
-                next_round[2].result()
-                if world_size > 1:
-                    dist.barrier()
-            t1 = time.perf_counter()
-            timing["timing/generation_wait"] += t1 - t0
-            vllm_utils.sync_weights(engine, model)
-            weights_version = global_step
-            timing["timing/weight_sync"] = time.perf_counter() - t1
-        if not args.use_vllm:
-            weights_version = global_step  # `generate` samples from the trained model itself
-
-        # 7. evaluate every --eval-steps steps and after the last one. Here the generator holds this step's weights and
-        # no request is in flight (--async-generation: step 6 waited for the next round before the push, and the round
-        # after it starts only at the top of the loop), so evaluation samples the current policy
-        evaluated = eval_dataset is not None and (global_step % args.eval_steps == 0 or global_step >= args.max_steps)
-        eval_results = evaluate() if evaluated else {}
-
-        # TRY NOT TO MODIFY: logging (TRL's metric names, over all ranks) and checkpoints
-        lengths, train_means = (
-            torch.tensor(completion_lengths, dtype=torch.float),
-            {k: torch.stack(v).mean() for k, v in train_stats.items() if v},
-        )
-        abs_advantages = advantages.abs()
-        if world_size > 1:
-            gathered = [None] * world_size
-            dist.all_gather_object(gathered, (scores, lengths, truncated, abs_advantages))
-            scores, lengths, truncated, abs_advantages = (torch.cat([g[i] for g in gathered]) for i in range(4))
-            for value in [step_loss, *train_means.values()]:
-                dist.all_reduce(value)
-                value /= world_size
-        total = (scores * reward_weights).nansum(-1)
-        metrics.update(
-            {
-                "step": global_step,
-                "reward": total.mean().item(),
-                "reward_std": total.std().item(),
-                "frac_reward_zero_std": (total.view(-1, G).std(1) < 1e-6).float().mean().item(),
-                "completions/mean_length": lengths.mean().item(),
-                "completions/min_length": int(lengths.min()),
-                "completions/max_length": int(lengths.max()),
-                "completions/clipped_ratio": truncated.float().mean().item(),
-                "advantages/mean_abs": abs_advantages.mean().item(),
-                "grad_norm": grad_norm.item(),
-                "learning_rate": scheduler.get_last_lr()[0],
-                "loss": step_loss.item(),
-                "num_tokens": global_sum(sum(prompt_lengths) + sum(completion_lengths), world_size, device),
-                **timing,
-                "sampling/staleness": staleness,
-                "step_time": time.perf_counter() - round_start,
-            }
-        )
-        if device.type == "cuda":
-            metrics["memory/peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
-        if use_vllm_is:
-            logp_difference, ratio = torch.cat(is_stats["logp_difference"]), torch.cat(is_stats["ratio"])
-            metrics["sampling/sampling_logp_difference/mean"] = logp_difference.mean().item()
-            metrics["sampling/sampling_logp_difference/max"] = logp_difference.max().item()
-            metrics["sampling/importance_sampling_ratio/min"] = ratio.min().item()
-            metrics["sampling/importance_sampling_ratio/mean"] = ratio.mean().item()
-            metrics["sampling/importance_sampling_ratio/max"] = ratio.max().item()
-        for k, fn in enumerate(reward_fns):
-            column = scores[:, k][~scores[:, k].isnan()]
-            metrics[f"rewards/{fn.__name__}/mean"] = column.mean().item() if column.numel() else float("nan")
-            metrics[f"rewards/{fn.__name__}/std"] = column.std().item() if column.numel() > 1 else 0.0
-        metrics.update({k: v.item() for k, v in train_means.items()})
-        metrics.update(eval_results)
-        if is_main:
-            progress.set_postfix(
-                reward=f"{metrics['reward']:.3f}",
-                kl=f"{metrics.get('kl', 0):.4f}",
-                len=f"{metrics['completions/mean_length']:.0f}",
-            )
-            if args.log_completions and global_step % args.logging_steps == 0:  # rank 0's rows
-                log_completions(
-                    tokenizer, batch_prompts, completion_ids, total, args.log_completions, global_step, args.track
-                )
-        log_metrics(metrics, show=global_step % args.logging_steps == 0 or evaluated)
-        preempted = global_sum(preemption.is_set(), world_size, device) > 0 and global_step < args.max_steps  # SIGTERM
-        if preempted or (args.save_steps and global_step % args.save_steps == 0 and global_step < args.max_steps):
-            model_state, optimizer_state = full_state(model, optimizer, world_size)  # every rank takes part
-            rng = (torch.get_rng_state(), torch.cuda.get_rng_state() if device.type == "cuda" else None)
-            rng_states = [rng] * world_size
-            if world_size > 1:
-                dist.all_gather_object(rng_states, rng)
-
-            def write_checkpoint(tmp):
-                model.save_pretrained(tmp, state_dict=model_state)
-                tokenizer.save_pretrained(tmp)
-                # a round generated in the background is not trained yet: a resume generates it again
-                torch.save(
-                    {
-                        "optimizer": optimizer_state,
-                        "scheduler": scheduler.state_dict(),
-                        "global_step": global_step,
-                        "prompts_consumed": prompts_consumed - (args.prompts_per_step if next_round else 0),
-                        "torch_rng": [r[0] for r in rng_states],
-                        "cuda_rng": [r[1] for r in rng_states] if device.type == "cuda" else None,
-                    },
-                    os.path.join(tmp, "trainer_state.pt"),
-                )
-                write_json(os.path.join(tmp, "run.json"), {**run, "script": "rloo.py", "global_step": global_step})
-
-            if is_main:
-                save_atomically(os.path.join(args.output_dir, f"checkpoint-{global_step}"), write_checkpoint)
-                for old in (
-                    run_checkpoints(args.output_dir, run["run_id"])[: -args.save_total_limit]
-                    if args.save_total_limit
-                    else []
-                ):
-                    shutil.rmtree(old)  # this run's older checkpoints only, never another run's
-            if preempted:
-                if is_main:
-                    print(
-                        f"SIGTERM: wrote checkpoint-{global_step} and stopped; the same command with "
-                        f"--resume-from-checkpoint latest continues the run",
-                        flush=True,
-                    )
-                    if args.track:
-                        wandb.mark_preempting()
-                if world_size > 1:
-                    dist.destroy_process_group()
-                sys.exit(143)  # 128 + SIGTERM: stopped, not finished
-
-    # final model + tokenizer, loadable with from_pretrained(output_dir); --max-steps 0 only evaluated: nothing to save
-    progress.close()
-    model_state = full_state(model, None, world_size)[0] if args.max_steps else None
-    if is_main:
-        if args.max_steps:
-            save_final(args.output_dir, model, tokenizer, model_state)
-            print(f"saved the final model to {args.output_dir}")
-        metrics_file.close()
-        if args.track:
-            wandb.finish()
-    if output_lock is not None:
-        os.close(output_lock)  # the run is over: the directory is free for the next one
-    if world_size > 1:
-        dist.destroy_process_group()
+    train(parse_args())

@@ -3,6 +3,9 @@ arXiv 2402.14740), learning on the CPU, and clear errors."""
 
 import json
 import math
+import runpy
+import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -107,7 +110,7 @@ def test_rloo_learns_on_cpu(tmp_path):
     first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
     print("rloo rewards", [round(r, 2) for r in rewards])
     assert last >= first + 0.35 and last >= 0.8, (first, last)
-    assert "kl" in metrics[-1]  # beta 0.05 by default: the KL to the reference is logged
+    assert "kl/k1_token_mean" in metrics[-1]  # beta 0.05 by default: the KL to the reference is logged
     from transformers import AutoModelForCausalLM
 
     AutoModelForCausalLM.from_pretrained(out)  # the final model loads
@@ -145,3 +148,33 @@ def test_rloo_errors(tmp_path, extra, message):
     ]
     result = run_rloo(*args)
     assert result.returncode != 0 and message in result.stderr, result.stderr[-2000:]
+
+
+@pytest.mark.parametrize("messages", [False, True], ids=["plain-text prompts", "chat-message prompts"])
+def test_reward_functions_get_messages_only_when_the_prompts_are_messages(tmp_path, monkeypatch, messages):
+    # TRL's rule: completions are chat messages only when the dataset's prompts are; plain-text prompts that the chat
+    # template wraps (--use-chat-template, a tokenizer with a template) give reward functions plain strings
+    import rewards
+
+    model = tmp_path / "model"
+    shutil.copytree(STORIES, model)
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    config["chat_template"] = "{% for m in messages %}{{ m['content'] }}\n{% endfor %}"
+    (model / "tokenizer_config.json").write_text(json.dumps(config))
+    received = []
+
+    def record_type(completions, **kwargs):
+        received.extend(type(c) for c in completions)
+        return [0.0] * len(completions)
+
+    record_type.__module__ = "rewards"  # --reward-funcs takes the functions of rewards.py
+    monkeypatch.setattr(rewards, "record_type", record_type, raising=False)
+    prompt = [{"role": "user", "content": "Once upon a time"}] if messages else "Once upon a time"
+    data = write_jsonl(tmp_path / "d.jsonl", [{"prompt": prompt}] * 2)
+    argv = ["--model-name-or-path", model, "--dataset-name", data, "--prompt-column", "prompt", "--answer-column", ""]
+    argv += ["--reward-funcs", "record_type", "--use-chat-template", "--num-generations", 2, "--prompts-per-step", 2]
+    argv += ["--max-completion-length", 4, "--max-steps", 1, "--beta", 0, "--no-bf16", "--output-dir", tmp_path / "run"]
+    monkeypatch.setattr(sys, "argv", ["rloo.py", *map(str, argv)])
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    runpy.run_path(str(ROOT / "rloo.py"), run_name="__main__")
+    assert received and set(received) == {list if messages else str}, received
