@@ -230,6 +230,11 @@ class Args:
 # ALGO LOGIC: rewards -> preference pairs -> the DPO loss (what a fork changes)
 
 
+def truncated_completions(completion_ids, eos_ids):
+    """(N,) float: 1 for each completion whose last token is not an EOS (it hit max_completion_length), else 0."""
+    return torch.tensor([not (c and c[-1] in eos_ids) for c in completion_ids], dtype=torch.float32)
+
+
 def apply_missing_eos_penalty(rewards, completion_ids, eos_ids, penalty):
     """rewards - penalty for each completion whose last token is not an EOS (it hit max_completion_length)."""
     return rewards - penalty * truncated_completions(completion_ids, eos_ids)
@@ -363,7 +368,7 @@ def train(args):
             vllm_utils.sleep(engine)  # sleep mode: vLLM's memory goes to training until the next generation
         batch_prompt_ids = [prompt_ids[i] for i in rows for _ in range(num_generations)]
 
-        # 2. score every completion: reward functions (their columns by name), or the reward model on prompt + completion
+        # 2. score every completion: the reward functions (dataset columns by name), or the reward model
         t0 = clock(device)
         if reward_model is not None:
             rewards = reward_model_rewards(args, reward_model, tokenizer, train_set, rows, completion_ids, device)
@@ -649,11 +654,10 @@ def open_metrics(args, run, checkpoint_dir, global_step):
     if args.track:
         import wandb
 
-        config = asdict(args)
         wandb.init(
             project=args.wandb_project_name,
             entity=args.wandb_entity,
-            config=config,
+            config=asdict(args),
             name=run["run_name"],
             id=run["run_id"],
             resume="allow",
@@ -694,14 +698,14 @@ def clock(device):
     return time.perf_counter()
 
 
-def reward_function_scores(args, tokenizer, reward_fns, prompt_set, rows, completion_ids, n):
-    """The reward functions' scores (len(rows) * n, num_funcs) of n completions per prompt row (prompt-major): each
-    function gets the decoded completions and, by name, the rows' dataset columns (training set, or eval set). The
-    completions are chat messages only when the dataset's prompts are (TRL's rule): plain-text prompts that the chat
-    template wraps give plain strings."""
+def reward_function_scores(args, tokenizer, reward_fns, prompt_set, rows, completion_ids, num_generations):
+    """The reward functions' scores (len(rows) * num_generations, num_funcs) of num_generations completions per prompt
+    row (prompt-major): each function gets the decoded completions and, by name, the rows' dataset columns (training
+    set, or eval set). The completions are chat messages only when the dataset's prompts are (TRL's rule): plain-text
+    prompts that the chat template wraps give plain strings."""
     texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
     completions = [[{"role": "assistant", "content": t}] for t in texts] if prompt_set.prompts_are_messages else texts
-    repeated = lambda values: [values[i] for i in rows for _ in range(n)]
+    repeated = lambda values: [values[i] for i in rows for _ in range(num_generations)]
     columns = {c: repeated(v) for c, v in prompt_set.columns.items()}
     prompt_texts = {i: tokenizer.decode(prompt_set.prompt_ids[i]) for i in rows}
     columns.update(
@@ -807,11 +811,6 @@ def reward_model_scores(reward_model, input_ids, micro_batch_tokens, device):
         logits = reward_model(input_ids=ids.to(device), attention_mask=attention_mask.to(device)).logits  # (B, 1)
         scores[mb] = logits[:, 0].float().cpu()
     return scores
-
-
-def truncated_completions(completion_ids, eos_ids):
-    """(N,) float: 1 for each completion whose last token is not an EOS (it hit max_completion_length), else 0."""
-    return torch.tensor([not (c and c[-1] in eos_ids) for c in completion_ids], dtype=torch.float32)
 
 
 def gather_from_ranks(world_size, *tensors):
@@ -1270,11 +1269,9 @@ def evaluation(args, generate, eval_set, tokenizer, reward_fns, reward_weights, 
     greedy = score(greedy_ids, 1)[:real]  # (real, num_funcs)
     sampled = score(sampled_ids, k).view(len(rows), k, -1)[:real] if k > 1 else None
     lengths = torch.tensor([len(c) for c in greedy_ids[:real]], dtype=torch.float)
-    if world_size > 1:  # every rank's scores, in rank order: the prompts in order, as on one rank
-        parts = [None] * world_size
-        dist.all_gather_object(parts, (greedy, sampled, lengths))
-        greedy, lengths = torch.cat([p[0] for p in parts]), torch.cat([p[2] for p in parts])
-        sampled = torch.cat([p[1] for p in parts]) if k > 1 else None
+    # every rank's scores, in rank order: the prompts in order, as on one rank
+    greedy, lengths, *sampled = gather_from_ranks(world_size, greedy, lengths, *([sampled] if k > 1 else []))
+    sampled = sampled[0] if k > 1 else None
     metrics = eval_metrics(greedy, sampled, reward_weights, [fn.__name__ for fn in reward_fns])
     metrics.update({"eval/num_prompts": len(greedy), "eval/completions/mean_length": lengths.mean().item()})
     return {**metrics, "timing/eval": time.perf_counter() - t0}
@@ -1618,9 +1615,8 @@ def check_dataset(args, dataset, reward_fns, flag="--dataset-name", name=None):
                 f"Pass {option} with one of those"
                 + (', or --answer-column "" if it has none.' if "answer" in option else ".")
             )
-    given = set(columns) - {
-        args.prompt_column
-    }  # what reward functions receive (load_prompts: answer column as `answer`)
+    # what reward functions receive (load_prompts: the answer column as `answer`)
+    given = set(columns) - {args.prompt_column}
     if args.answer_column and args.answer_column != "answer":
         given = given - {args.answer_column} | {"answer"}
     given |= {"completions", "prompts", "completion_ids", "max_completion_length", *args.reward_kwargs}
