@@ -265,8 +265,9 @@ def select_pairs(rewards, num_generations):
 
 def sequence_logprobs(model, prompt_ids, completion_ids, temperature, device, pad_id):
     """log pi(completion | prompt) = sum_t log pi(c_t | prompt, c_<t) at the sampling temperature, (B,)."""
-    ids, attn, pos, cmask, P = collate(prompt_ids, completion_ids, device, pad_id)
-    return per_token_logprobs(model, ids, attn, pos, cmask, P, temperature).sum(-1)  # (B, C) -> (B,): padding is 0
+    ids, attn, pos, completion_mask, P = collate(prompt_ids, completion_ids, device, pad_id)
+    # (B, C) -> (B,): padding is 0
+    return per_token_logprobs(model, ids, attn, pos, completion_mask, P, temperature).sum(-1)
 
 
 def dpo_loss(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, beta, loss_type="sigmoid"):
@@ -1096,9 +1097,9 @@ def check_logprobs(model, input_ids, device, world_size):
     """Raise unless per_token_logprobs of one short sequence match log_softmax of the model's own logits, which the
     sampler uses: an architecture whose forward transforms its logits in a way final_logits does not know would
     otherwise train on wrong log-probs. Every rank calls it: `unsharded` gathers the FSDP2 shards, a collective."""
-    ids, attn, pos, cmask, P = collate([input_ids[:1]], [input_ids[1:]], device, 0)
+    ids, attn, pos, completion_mask, P = collate([input_ids[:1]], [input_ids[1:]], device, 0)
     with torch.no_grad(), unsharded(model, world_size):
-        ours = per_token_logprobs(model, ids, attn, pos, cmask, P)
+        ours = per_token_logprobs(model, ids, attn, pos, completion_mask, P)
         logits = model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=False).logits[:, P - 1 : -1]
     theirs = logits.float().log_softmax(-1).gather(-1, ids[:, P:, None]).squeeze(-1)
     error = (ours - theirs).abs().mean().item()
