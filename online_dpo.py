@@ -404,10 +404,8 @@ def train(args):
             for mb in same_count_on_all_ranks(micro_batches, world_size, device):
                 padding_pass = mb is None  # only to keep FSDP's collectives in step with the other ranks
                 mb_rows = [0, 0] if padding_pass else [chosen[j] for j in mb] + [rejected[j] for j in mb]  # k + k
-                mb_prompts, mb_completions = (
-                    [batch_prompt_ids[i] for i in mb_rows],
-                    [completion_ids[i] for i in mb_rows],
-                )
+                mb_prompts = [batch_prompt_ids[i] for i in mb_rows]
+                mb_completions = [completion_ids[i] for i in mb_rows]
                 # (2k,) -> (2, k): row 0 the chosen completions, row 1 the rejected ones
                 with torch.no_grad(), torch.autocast(**autocast), unsharded(ref_model, world_size):
                     mb_ref = sequence_logprobs(ref_model, mb_prompts, mb_completions, args.temperature, device, pad_id)
@@ -763,17 +761,12 @@ def reward_model_inputs(tokenizer, prompts, completions):
     inputs = []
     for prompt, completion in zip(prompts, completions):
         if isinstance(prompt, list) and tokenizer.chat_template:
-            text = tokenizer.apply_chat_template(
-                prompt + [{"role": "assistant", "content": completion}], tokenize=False
-            )
+            messages = prompt + [{"role": "assistant", "content": completion}]
+            text = tokenizer.apply_chat_template(messages, tokenize=False)
             inputs.append(tokenizer(text, add_special_tokens=False)["input_ids"])  # the template has its own BOS
         else:
-            text = (
-                "\n\n".join([m["content"] for m in prompt] + [completion])
-                if isinstance(prompt, list)
-                else prompt + completion
-            )
-            inputs.append(tokenizer(text)["input_ids"])
+            parts = [m["content"] for m in prompt] + [completion] if isinstance(prompt, list) else [prompt + completion]
+            inputs.append(tokenizer("\n\n".join(parts))["input_ids"])
     return inputs
 
 
@@ -782,15 +775,13 @@ def load_reward_model(path, device, dtype=torch.float32):
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(path)
-    model = (
-        AutoModelForSequenceClassification.from_pretrained(path, dtype=dtype).to(device).eval().requires_grad_(False)
-    )
+    model = AutoModelForSequenceClassification.from_pretrained(path, dtype=dtype).to(device)
+    model.eval().requires_grad_(False)
     if model.config.num_labels != 1:
         raise ValueError(f"--reward-model-path {path} has {model.config.num_labels} labels; a reward model has 1")
     if model.config.pad_token_id is None:  # needed for batches; the model reads its score at the last non-pad token
-        model.config.pad_token_id = (
-            tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        )
+        pad_id = tokenizer.pad_token_id
+        model.config.pad_token_id = pad_id if pad_id is not None else tokenizer.eos_token_id
     return model, tokenizer
 
 
@@ -803,13 +794,9 @@ def reward_model_scores(reward_model, input_ids, micro_batch_tokens, device):
     lengths = [len(ids) for ids in input_ids]
     scores = torch.zeros(len(input_ids))
     for mb in token_budget_batches(range(len(input_ids)), [0] * len(input_ids), lengths, micro_batch_tokens):
-        L = max(lengths[i] for i in mb)
-        ids = torch.full((len(mb), L), pad_id, dtype=torch.long)  # (B, L), right-padded
-        attention_mask = torch.zeros_like(ids)
-        for row, i in enumerate(mb):
-            ids[row, : lengths[i]] = torch.tensor(input_ids[i])
-            attention_mask[row, : lengths[i]] = 1
-        logits = reward_model(input_ids=ids.to(device), attention_mask=attention_mask.to(device)).logits  # (B, 1)
+        # (B, L): each row as a "completion" of an empty prompt, so collate right-pads it
+        ids, attention_mask, _, _, _ = collate([[]] * len(mb), [input_ids[i] for i in mb], device, pad_id)
+        logits = reward_model(input_ids=ids, attention_mask=attention_mask).logits  # (B, 1)
         scores[mb] = logits[:, 0].float().cpu()
     return scores
 
@@ -1386,28 +1373,14 @@ def parse_args(argv=None):
             title = header[1]
         elif name := re.match(r" {4}(\w+):", line):
             groups.setdefault(title, []).append(name[1])
-    fields = {f.name: f for f in dataclasses.fields(Args)}
-    parts = []
+    fields, parts = {f.name: f for f in dataclasses.fields(Args)}, []
     for title, names in groups.items():
-        group = dataclasses.make_dataclass(
-            title,
-            [
-                (
-                    n,
-                    Annotated[fields[n].type, tyro.conf.arg(help=docs[n])],
-                    dataclasses.field(default=fields[n].default, default_factory=fields[n].default_factory),
-                )
-                for n in names
-            ],
-        )
+        field_of = lambda f: dataclasses.field(default=f.default, default_factory=f.default_factory)
+        group_fields = [(n, Annotated[fields[n].type, tyro.conf.arg(help=docs[n])], field_of(fields[n])) for n in names]
+        group = dataclasses.make_dataclass(title, group_fields)
         group.__doc__ = ""
-        parts.append(
-            (
-                re.sub(r"\W+", "_", title).lower(),
-                tyro.conf.OmitArgPrefixes[group],
-                dataclasses.field(default_factory=group),
-            )
-        )
+        name = re.sub(r"\W+", "_", title).lower()
+        parts.append((name, tyro.conf.OmitArgPrefixes[group], dataclasses.field(default_factory=group)))
     description = "\n\n".join(__doc__.split("\n\n")[:3])  # what it does, and the CPU example
     parsed = tyro.cli(dataclasses.make_dataclass("Args", parts), args=argv, description=description)
     return Args(**{k: v for part in dataclasses.fields(parsed) for k, v in vars(getattr(parsed, part.name)).items()})
@@ -1521,11 +1494,8 @@ def check_args(args, world_size=1):
 
 def reward_functions(names):
     """The functions of rewards.py that --reward-funcs names."""
-    public = [
-        n
-        for n in dir(rewards)
-        if not n.startswith("_") and callable(getattr(rewards, n)) and getattr(rewards, n).__module__ == "rewards"
-    ]
+    functions = {n: f for n, f in vars(rewards).items() if not n.startswith("_") and callable(f)}
+    public = sorted(n for n, f in functions.items() if getattr(f, "__module__", None) == "rewards")
     for name in names:
         if name not in public:
             raise SystemExit(
@@ -1553,10 +1523,9 @@ def read_dataset(args, evaluation=False):
     """Read the dataset (with `evaluation`, the eval dataset of eval_source) once, before any model loads: {column: list
     of values}. Local .jsonl / .json files are parsed here, so that a malformed record is reported with its file and
     line; .parquet files and hub datasets through `datasets`."""
-    flag, (name, config, split) = (
-        ("--eval-dataset", eval_source(args))
-        if evaluation
-        else ("--dataset-name", (args.dataset_name, args.dataset_config, args.dataset_split))
+    flag = "--eval-dataset" if evaluation else "--dataset-name"
+    name, config, split = (
+        eval_source(args) if evaluation else (args.dataset_name, args.dataset_config, args.dataset_split)
     )
     if name.endswith((".json", ".jsonl")):
         with open(name, encoding="utf-8") as f:
@@ -1585,11 +1554,8 @@ def read_dataset(args, evaluation=False):
                     f"error: {flag} {name}, {where} {number}: a JSON object per record is expected, "
                     f"got {type(record).__name__}"
                 )
-        dataset = {}
-        for _, record in records:
-            for column in record:
-                dataset.setdefault(column, None)
-        dataset = {column: [record.get(column) for _, record in records] for column in dataset}
+        columns = dict.fromkeys(column for _, record in records for column in record)  # in order of appearance
+        dataset = {column: [record.get(column) for _, record in records] for column in columns}
     else:
         from datasets import load_dataset
 
@@ -1622,12 +1588,9 @@ def check_dataset(args, dataset, reward_fns, flag="--dataset-name", name=None):
         given = given - {args.answer_column} | {"answer"}
     given |= {"completions", "prompts", "completion_ids", "max_completion_length", *args.reward_kwargs}
     for fn in reward_fns:
-        parameters = inspect.signature(fn).parameters.values()
-        for missing in [
-            p.name
-            for p in parameters
-            if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name not in given
-        ]:
+        required = [p for p in inspect.signature(fn).parameters.values() if p.default is p.empty]
+        named = [p.name for p in required if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+        for missing in [n for n in named if n not in given]:
             if missing == "answer":
                 raise SystemExit(
                     f"error: reward function '{fn.__name__}' needs the reference answer, and --answer-column "
@@ -1726,11 +1689,8 @@ def claim_output_dir(args, script):
         except OSError as error:  # a file system without flock (some network mounts): run, but say so
             print(f"warning: cannot lock {out}/.lock ({error}): nothing keeps a second run out of this directory")
         os.ftruncate(lock, 0)
-        os.pwrite(
-            lock,
-            f"{script}, pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}".encode(),
-            0,
-        )
+        since = time.strftime("%Y-%m-%d %H:%M:%S")
+        os.pwrite(lock, f"{script}, pid {os.getpid()} on {socket.gethostname()}, since {since}".encode(), 0)
         remove_dead_temporaries(out)
         owner = read_json(os.path.join(out, "run.json")) or {}
         files = sorted(set(os.listdir(out)) - {".lock", "run.json"})
@@ -1781,9 +1741,8 @@ def claim_output_dir(args, script):
         if checkpoint:
             step = resumed.get("global_step")
             if step is None:  # a checkpoint written before run.json existed
-                step = torch.load(os.path.join(checkpoint, "trainer_state.pt"), weights_only=False, mmap=True)[
-                    "global_step"
-                ]
+                state = torch.load(os.path.join(checkpoint, "trainer_state.pt"), weights_only=False, mmap=True)
+                step = state["global_step"]
             if step >= args.max_steps:
                 raise SystemExit(
                     f"error: --resume-from-checkpoint {checkpoint} is at step {step} and --max-steps is "
