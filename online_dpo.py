@@ -653,13 +653,9 @@ def open_metrics(args, run, checkpoint_dir, global_step):
     if args.track:
         import wandb
 
+        project, entity = args.wandb_project_name, args.wandb_entity
         wandb.init(
-            project=args.wandb_project_name,
-            entity=args.wandb_entity,
-            config=asdict(args),
-            name=run["run_name"],
-            id=run["run_id"],
-            resume="allow",
+            project=project, entity=entity, config=asdict(args), name=run["run_name"], id=run["run_id"], resume="allow"
         )
     path = os.path.join(args.output_dir, "metrics.jsonl")
     if checkpoint_dir and os.path.exists(path):
