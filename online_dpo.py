@@ -341,7 +341,7 @@ def train(args):
         rows = [next(prompt_order) for _ in range(args.prompts_per_step)][rank * share : (rank + 1) * share]
         prompts_consumed += args.prompts_per_step
         batch = [prompt_ids[i] for i in rows]
-        return rows, weights_version, future_of(timed, generate, batch, background=args.async_generation)
+        return rows, weights_version, future_of(generate, batch, background=args.async_generation)
 
     weights_version = global_step  # the optimizer step whose weights the generator holds
     next_round = None  # --async-generation: the round generating in the background while this one trains
@@ -665,20 +665,16 @@ def open_metrics(args, run, checkpoint_dir, global_step):
     return open(path, "a")
 
 
-def timed(fn, *args):
-    """(fn(*args), the seconds it took)."""
-    t0 = time.perf_counter()
-    return fn(*args), time.perf_counter() - t0
-
-
 def future_of(fn, *args, background=True):
     """fn(*args) as a Future: run in a daemon thread (--async-generation: the trainer trains meanwhile; a daemon never
-    holds up the exit after an error), or right now. future.result() returns the value or raises fn's error."""
+    holds up the exit after an error), or right now. future.result() returns (the value, the seconds fn took) or
+    raises fn's error."""
     future = Future()
 
     def run():
         try:
-            future.set_result(fn(*args))
+            t0 = time.perf_counter()
+            future.set_result((fn(*args), time.perf_counter() - t0))
         except BaseException as error:  # noqa: BLE001 - re-raised by future.result() in the training loop
             future.set_exception(error)
 
@@ -1128,11 +1124,8 @@ def shard_model(model, mixed_precision):
     mixed_precision, each layer computes in bf16 while the sharded fp32 weights and gradient reduction stay fp32."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    policy = (
-        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        if mixed_precision
-        else MixedPrecisionPolicy()
-    )
+    bf16 = dict(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed_precision else {}
+    policy = MixedPrecisionPolicy(**bf16)
     for layer in model.base_model.layers:
         fully_shard(layer, mp_policy=policy)
     fully_shard(model, mp_policy=policy)
@@ -1292,10 +1285,10 @@ def eval_metrics(greedy, sampled, reward_weights, names):
 def log_completions(tokenizer, prompt_ids, completion_ids, rewards, count, step, track):
     """--log-completions: print `count` (prompt, completion, reward) rows of the step, one short line each, and with
     --track log them to wandb as a table (TRL's "completions" table)."""
-    decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
+    decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
     rows = [[step, decode(p), decode(c), r] for p, c, r in zip(prompt_ids[:count], completion_ids, rewards.tolist())]
     for _, prompt, completion, reward in rows:
-        short = lambda text: textwrap.shorten(text, 70, placeholder=" ...") or repr(text)  # noqa: E731
+        short = lambda text: textwrap.shorten(text, 70, placeholder=" ...") or repr(text)
         tqdm.write(f"  reward {reward:.3g} | {short(prompt)} => {short(completion)}")
     if track:
         import wandb
