@@ -622,9 +622,8 @@ def load_checkpoint(checkpoint_dir, model, optimizer, scheduler, device, rank, w
     # optimizer tensors left on the CPU (AdamW's step counts; all of them on a CPU run) still point into the mapped
     # file: copy them, so that --save-total-limit can delete that checkpoint and its disk space is freed
     for param_state in optimizer.state.values():
-        param_state.update(
-            {k: v.clone() for k, v in param_state.items() if torch.is_tensor(v) and v.device.type == "cpu"}
-        )
+        on_cpu = {k: v for k, v in param_state.items() if torch.is_tensor(v) and v.device.type == "cpu"}
+        param_state.update({k: v.clone() for k, v in on_cpu.items()})
     print(f"resumed from {checkpoint_dir} at step {state['global_step']}")
     return state["global_step"], state["prompts_consumed"], state["skipped_steps"]
 
