@@ -944,15 +944,8 @@ def load_prompts(args, dataset, tokenizer, max_context):
 
 def prompt_stream(num_prompts, seed, start=0):
     """Yield prompt indices forever: a new seeded permutation each epoch. `start` skips that many (for resuming)."""
-    epoch = 0
-    while True:
-        order = torch.randperm(num_prompts, generator=torch.Generator().manual_seed(seed + epoch)).tolist()
-        for index in order:
-            if start > 0:
-                start -= 1
-                continue
-            yield index
-        epoch += 1
+    order = lambda epoch: torch.randperm(num_prompts, generator=torch.Generator().manual_seed(seed + epoch)).tolist()
+    yield from itertools.islice(itertools.chain.from_iterable(map(order, itertools.count())), start, None)
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -1208,11 +1201,8 @@ def hf_generate(model, prompt_ids, args, eos_ids, pad_id, n=None, temperature=No
             )
     finally:
         model.generation_config = model_config
-    completions = []
-    for row in out[:, P:].tolist():
-        end = next((t + 1 for t, token in enumerate(row) if token in eos_ids), len(row))
-        completions.append(row[:end])
-    return completions, None
+    cut = lambda row: row[: next((t + 1 for t, token in enumerate(row) if token in eos_ids), len(row))]
+    return [cut(row) for row in out[:, P:].tolist()], None
 
 
 # ------------------------------------------------------------------------------------------------------------------
