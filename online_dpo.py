@@ -45,7 +45,8 @@ from concurrent.futures import Future
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
-from typing import Annotated, Literal
+from functools import partial
+from typing import Annotated, Literal, NamedTuple
 
 import numpy as np
 import torch
@@ -55,6 +56,7 @@ import tyro
 from tqdm import tqdm
 
 import rewards
+import vllm_utils
 
 
 @dataclass
@@ -224,21 +226,686 @@ class Args:
     greedy only). A completion solves its prompt when its weighted total reward is > 0"""
 
 
+# ==================================================================================================================
+# ALGO LOGIC: rewards -> preference pairs -> the DPO loss (what a fork changes)
+
+
+def truncated_completions(completion_ids, eos_ids):
+    """(N,) float: 1 for each completion whose last token is not an EOS (it hit max_completion_length), else 0."""
+    return torch.tensor([not (c and c[-1] in eos_ids) for c in completion_ids], dtype=torch.float32)
+
+
+def apply_missing_eos_penalty(rewards, completion_ids, eos_ids, penalty):
+    """rewards - penalty for each completion whose last token is not an EOS (it hit max_completion_length)."""
+    return rewards - penalty * truncated_completions(completion_ids, eos_ids)
+
+
+def select_pairs(rewards, num_generations):
+    """Pick one (chosen, rejected) pair per prompt: the highest- and the lowest-rewarded of its G completions.
+
+    rewards: (N,) with N = num_prompts * G, groups contiguous; NaN marks an unscorable completion, left out of the
+    choice. A prompt with fewer than 2 scorable completions, or whose scorable completions all tie, gives no pair.
+    Returns chosen and rejected indices into the N completions, the number of tied prompts and of unscorable ones."""
+    grouped = rewards.view(-1, num_generations)  # (num_prompts, G)
+    chosen, rejected, num_tied, num_unscorable = [], [], 0, 0
+    for g, group in enumerate(grouped.tolist()):
+        valid = [k for k, r in enumerate(group) if not math.isnan(r)]
+        if len(valid) < 2:
+            num_unscorable += 1
+            continue
+        best = max(valid, key=lambda k: group[k])  # the first of equals: completions are exchangeable
+        worst = min(valid, key=lambda k: group[k])
+        if group[best] == group[worst]:
+            num_tied += 1
+            continue
+        chosen.append(g * num_generations + best)
+        rejected.append(g * num_generations + worst)
+    return chosen, rejected, num_tied, num_unscorable
+
+
+def sequence_logprobs(model, prompt_ids, completion_ids, temperature, device, pad_id):
+    """log pi(completion | prompt) = sum_t log pi(c_t | prompt, c_<t) at the sampling temperature, (B,)."""
+    ids, attn, pos, completion_mask, P = collate(prompt_ids, completion_ids, device, pad_id)
+    # (B, C) -> (B,): padding is 0
+    return per_token_logprobs(model, ids, attn, pos, completion_mask, P, temperature).sum(-1)
+
+
+def dpo_loss(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, beta, loss_type="sigmoid"):
+    """Per-pair loss, (num_pairs,), from sequence log-probs. With
+    z = (log pi(chosen) - log pi(rejected)) - (log pi_ref(chosen) - log pi_ref(rejected)):
+      sigmoid (DPO, arXiv 2305.18290 eq. 7):              -log sigmoid(beta * z)
+      ipo     (IPO, arXiv 2310.12036 eq. 17, tau = beta):  (z - 1 / (2 * beta))^2"""
+    z = (chosen_logps - rejected_logps) - (ref_chosen_logps - ref_rejected_logps)
+    if loss_type == "sigmoid":
+        return -F.logsigmoid(beta * z)
+    if loss_type == "ipo":
+        return (z - 1 / (2 * beta)) ** 2
+    raise ValueError(f"unknown loss_type {loss_type}")
+
+
+def beta_for_epoch(betas, epoch):
+    """--beta holds one value per epoch over the prompt set; after the list ends its last value is reused."""
+    return betas[min(epoch, len(betas) - 1)]
+
+
+def train(args):
+    """The run: start-up, then one round per step (generate -> score -> pair -> DPO loss and one optimizer step ->
+    weights to vLLM -> evaluate -> log and checkpoint), then the final model."""
+    # TRY NOT TO MODIFY: start-up. Every mistake in the flags or the data stops the run here, before any model loads
+    # or anything is written. Several processes (torchrun): each rank takes an equal share of every step's prompts
+    # and pairs them itself
+    world_size, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
+    is_main = rank == 0
+    reward_fns, dataset, eval_dataset = check_inputs(args, world_size)
+    reward_weights = torch.tensor(args.reward_weights or [1.0] * len(reward_fns))
+    device, run, checkpoint_dir, output_lock = init_distributed(args, rank, world_size)
+    preemption = on_sigterm()  # SIGTERM: a checkpoint at the end of the step, then exit
+    # seeding (the same on every rank until sampling, so that all ranks hold the same weights)
+    random.seed(args.seed)
+    np.random.seed(args.seed)
+    torch.manual_seed(args.seed)
+    # no weight cache: each weight is cast once per forward anyway, and the cache would outlive gradient checkpointing
+    autocast = dict(device_type=device.type, dtype=torch.bfloat16, enabled=args.bf16 and device.type == "cuda")
+    autocast["cache_enabled"] = False
+    model_path = checkpoint_dir or args.model_name_or_path
+    model, ref_model, tokenizer, eos_ids, pad_id = load_models(args, model_path, device, world_size)
+    max_context = getattr(model.config, "max_position_embeddings", None) or 10**9
+    train_set = load_prompts(args, dataset, tokenizer, max_context)
+    eval_set = load_prompts(args, eval_dataset, tokenizer, max_context) if eval_dataset is not None else None
+    reward_model = None  # (model, tokenizer) of --reward-model-path, which scores instead of reward functions
+    if args.reward_model_path:
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        reward_model = load_reward_model(args.reward_model_path, device, dtype)
+    optimizer, scheduler = make_optimizer(args, model, device)
+    global_step, prompts_consumed, skipped_steps = 0, 0, 0
+    torch.manual_seed(args.seed + rank)  # from here on each rank samples its own completions
+    if checkpoint_dir:
+        counters = load_checkpoint(checkpoint_dir, model, optimizer, scheduler, device, rank, world_size)
+        global_step, prompts_consumed, skipped_steps = counters
+    prompt_order = prompt_stream(len(train_set.prompt_ids), args.seed, start=prompts_consumed)
+    longest_prompt = max(len(p) for p in train_set.prompt_ids + (eval_set.prompt_ids if eval_set else []))
+    generate, engine = make_generator(args, model, model_path, longest_prompt, eos_ids, pad_id, world_size)
+    metrics_file = open_metrics(args, run, checkpoint_dir, global_step) if is_main else None
+    progress = tqdm(
+        total=args.max_steps, initial=global_step, desc="online_dpo", dynamic_ncols=True, disable=not is_main
+    )
+    prompt_ids, num_generations = train_set.prompt_ids, args.num_generations
+    evaluate = partial(evaluation, args, generate, eval_set, tokenizer, reward_fns, reward_weights, device)
+
+    def start_round():
+        """Draw the next prompts_per_step prompts (the same on every rank), keep this rank's share and start generating
+        them: in the background with --async-generation, else now. Returns (rows, the optimizer step of the weights
+        that generate them, a Future of ((completion ids, vLLM's sampling log-probs), seconds))."""
+        nonlocal prompts_consumed
+        share = args.prompts_per_step // world_size
+        rows = [next(prompt_order) for _ in range(args.prompts_per_step)][rank * share : (rank + 1) * share]
+        prompts_consumed += args.prompts_per_step
+        batch = [prompt_ids[i] for i in rows]
+        return rows, weights_version, future_of(generate, batch, background=args.async_generation)
+
+    weights_version = global_step  # the optimizer step whose weights the generator holds
+    next_round = None  # --async-generation: the round generating in the background while this one trains
+    if eval_set is not None and (global_step == 0 or args.max_steps == 0):  # the model before training
+        write_metrics({"step": global_step, **evaluate()}, True, metrics_file, args.track)
+    while global_step < args.max_steps:
+        round_start = time.perf_counter()
+        timing = defaultdict(float, {"timing/weight_sync": 0.0})
+        # prompts of the rounds before this one (a round generating in the background is drawn but not trained yet)
+        epoch = (prompts_consumed - (args.prompts_per_step if next_round else 0)) // len(prompt_ids)
+        beta = beta_for_epoch(args.beta, epoch)
+
+        # ALGO LOGIC: 1. sample prompts and generate G completions each. --async-generation: this step's round was
+        # generated during the last step, by the weights before it; the next round starts now, from the current
+        # weights, and generates while we train
+        rows, version, generation = next_round or start_round()
+        if args.async_generation:
+            next_round = start_round() if global_step + 1 < args.max_steps else None
+        t0 = time.perf_counter()
+        # prompt-major: completion k is rows[k // G]'s. The DPO loss needs no sampling_logprobs (no IS ratio)
+        (completion_ids, _sampling_logprobs), timing["timing/generation"] = generation.result()
+        timing["timing/generation_wait"] = time.perf_counter() - t0  # what generation costs the trainer
+        staleness = global_step - version  # optimizer steps between the sampling and the trained weights
+        if args.use_vllm:
+            vllm_utils.sleep(engine)  # sleep mode: vLLM's memory goes to training until the next generation
+        batch_prompt_ids = [prompt_ids[i] for i in rows for _ in range(num_generations)]
+
+        # 2. score every completion: the reward functions (dataset columns by name), or the reward model
+        t0 = clock(device)
+        if reward_model is not None:
+            rewards = reward_model_rewards(args, reward_model, tokenizer, train_set, rows, completion_ids, device)
+            scores = torch.zeros(len(completion_ids), 0)  # (N, no reward functions)
+        else:
+            scores = reward_function_scores(
+                args, tokenizer, reward_fns, train_set, rows, completion_ids, num_generations
+            )
+            rewards = (scores * reward_weights).nansum(-1).masked_fill(scores.isnan().all(-1), float("nan"))  # (N,)
+        if args.missing_eos_penalty is not None:
+            rewards = apply_missing_eos_penalty(rewards, completion_ids, eos_ids, args.missing_eos_penalty)
+        timing["timing/scoring"] = clock(device) - t0
+
+        # 3. pair the best and the worst completion of each prompt
+        chosen, rejected, num_tied, num_unscorable = select_pairs(rewards, num_generations)
+        num_pairs = len(chosen)
+        all_pairs = int(global_sum(num_pairs, world_size, device))  # every rank's pairs weigh the same in the loss
+
+        # 4. one optimizer step on the DPO loss, in micro-batches of whole pairs
+        logprobs = torch.zeros(num_pairs, 2, device=device)  # sequence log-probs of (chosen, rejected) under the policy
+        ref_logprobs = torch.zeros(num_pairs, 2, device=device)  # ... and under the reference model
+        t0 = clock(device)
+        if all_pairs:
+            model.train()
+            optimizer.zero_grad(set_to_none=True)
+            step_loss = 0.0
+            pair_prompt_lengths = [len(batch_prompt_ids[c]) for c in chosen]
+            pair_lengths = [max(len(completion_ids[c]), len(completion_ids[r])) for c, r in zip(chosen, rejected)]
+            micro_batches = token_budget_batches(
+                range(num_pairs), pair_prompt_lengths, pair_lengths, args.micro_batch_tokens // 2
+            )
+            for mb in same_count_on_all_ranks(micro_batches, world_size, device):
+                padding_pass = mb is None  # only to keep FSDP's collectives in step with the other ranks
+                mb_rows = [0, 0] if padding_pass else [chosen[j] for j in mb] + [rejected[j] for j in mb]  # k + k
+                mb_prompts = [batch_prompt_ids[i] for i in mb_rows]
+                mb_completions = [completion_ids[i] for i in mb_rows]
+                # (2k,) -> (2, k): row 0 the chosen completions, row 1 the rejected ones
+                with torch.no_grad(), torch.autocast(**autocast), unsharded(ref_model, world_size):
+                    mb_ref = sequence_logprobs(ref_model, mb_prompts, mb_completions, args.temperature, device, pad_id)
+                with torch.autocast(**autocast):
+                    mb_policy = sequence_logprobs(model, mb_prompts, mb_completions, args.temperature, device, pad_id)
+                mb_policy, mb_ref = mb_policy.view(2, -1), mb_ref.view(2, -1)
+                losses = dpo_loss(mb_policy[0], mb_policy[1], mb_ref[0], mb_ref[1], beta, args.loss_type)  # (k,)
+                # every pair of every rank weighs 1 / all_pairs, however the pairs are micro-batched; FSDP averages
+                # gradients over ranks, hence x world_size
+                loss = losses.sum() / all_pairs * (0 if padding_pass else world_size)
+                loss.backward()
+                step_loss += loss.detach()  # summed on the device: no host sync per micro-batch
+                if not padding_pass:
+                    logprobs[mb], ref_logprobs[mb] = mb_policy.detach().T, mb_ref.T
+            t1 = clock(device)
+            timing["timing/forward_backward"] = t1 - t0  # the reference model's log-probs included
+            grad_norm = clip_gradients(model, args.max_grad_norm)
+            optimizer.step()
+            timing["timing/optimizer"] = clock(device) - t1
+        else:
+            skipped_steps += 1  # every prompt tied (or was unscorable): no pair, no update; the step still counts
+        scheduler.step()
+        global_step += 1
+        progress.update(1)
+
+        # 5. push the new weights to vLLM before the next generation round. --async-generation: once the round in
+        # flight is complete (on every rank), so that vLLM never switches weights in the middle of a round
+        if not args.use_vllm:
+            weights_version = global_step  # `generate` samples from the trained model itself
+        elif all_pairs or engine.get("weights_asleep"):  # asleep: refill before generating
+            t0 = time.perf_counter()
+            if next_round is not None:
+                next_round[2].result()
+                if world_size > 1:
+                    dist.barrier()
+            t1 = time.perf_counter()
+            timing["timing/generation_wait"] += t1 - t0
+            vllm_utils.sync_weights(engine, model)
+            weights_version = global_step
+            timing["timing/weight_sync"] = time.perf_counter() - t1
+
+        # 6. evaluate every --eval-steps steps and after the last one. Here the generator holds this step's weights and
+        # no request is in flight (--async-generation: step 5 waited for the next round before the push, and the round
+        # after it starts only at the top of the loop), so evaluation samples the current policy
+        evaluated = eval_set is not None and (global_step % args.eval_steps == 0 or global_step >= args.max_steps)
+        eval_results = evaluate() if evaluated else {}
+
+        # TRY NOT TO MODIFY: logging (TRL's metric names, over all ranks) and checkpoints
+        lengths = torch.tensor([len(c) for c in completion_ids], dtype=torch.float)
+        truncated = truncated_completions(completion_ids, eos_ids)  # (N,): 1 where no EOS ended the completion
+        pair_rewards = torch.stack([rewards[chosen], rewards[rejected]], -1)  # (num_pairs, 2): chosen, rejected
+        # (num_pairs, 2, 2): (chosen, rejected) x (policy, reference)
+        pair_logprobs = torch.stack([logprobs.cpu(), ref_logprobs.cpu()], -1)
+        counts = torch.tensor([[num_tied, num_unscorable, len(rows)]], dtype=torch.float)
+        rewards, scores, lengths, truncated, pair_rewards, pair_logprobs, counts = gather_from_ranks(
+            world_size, rewards, scores, lengths, truncated, pair_rewards, pair_logprobs, counts
+        )
+        counts = counts.sum(0)  # tied, unscorable, prompts
+        if world_size > 1 and all_pairs:
+            dist.all_reduce(step_loss)
+        metrics = {
+            "step": global_step,
+            "beta": beta,
+            "learning_rate": scheduler.get_last_lr()[0],
+            "objective/scores": rewards.nanmean().item(),
+            "frac_tied": (counts[0] / counts[2]).item(),
+            "frac_unscorable": (counts[1] / counts[2]).item(),
+            "num_pairs": all_pairs,
+            "skipped_steps": skipped_steps,
+            "completions/mean_length": lengths.mean().item(),
+            "completions/clipped_ratio": truncated.mean().item(),  # TRL's name for the share of truncated completions
+            **timing,
+            "sampling/staleness": staleness,
+        }
+        if device.type == "cuda":
+            metrics["memory/peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+        for k, fn in enumerate(reward_fns):
+            metrics[f"scores/{fn.__name__}/mean"] = scores[:, k].nanmean().item()
+        if all_pairs:
+            logprobs, ref_logprobs = pair_logprobs[..., 0], pair_logprobs[..., 1]  # (all_pairs, 2): chosen, rejected
+            implicit = beta * (logprobs - ref_logprobs)  # DPO's implicit rewards of chosen, rejected
+            metrics.update(
+                {
+                    "loss": step_loss.item() / world_size,
+                    "grad_norm": grad_norm.item(),
+                    "rewards/chosen": implicit[:, 0].mean().item(),
+                    "rewards/rejected": implicit[:, 1].mean().item(),
+                    "rewards/margins": (implicit[:, 0] - implicit[:, 1]).mean().item(),
+                    "rewards/accuracies": (implicit[:, 0] > implicit[:, 1]).float().mean().item(),
+                    "logps/chosen": logprobs[:, 0].mean().item(),
+                    "logps/rejected": logprobs[:, 1].mean().item(),
+                    "objective/scores_margin": (pair_rewards[:, 0] - pair_rewards[:, 1]).mean().item(),
+                    # k1 = log pi - log pi_ref, summed over each paired completion's tokens, mean over the completions
+                    "kl/k1_sequence_sum": (logprobs - ref_logprobs).mean().item(),
+                }
+            )
+        metrics["step_time"] = time.perf_counter() - round_start
+        metrics.update(eval_results)
+        if is_main:
+            kl = metrics.get("kl/k1_sequence_sum", 0)
+            progress.set_postfix(score=f"{metrics['objective/scores']:.3f}", kl=f"{kl:.3f}", pairs=all_pairs)
+            if args.log_completions and global_step % args.logging_steps == 0:  # rank 0's rows
+                log_completions(
+                    tokenizer, batch_prompt_ids, completion_ids, rewards, args.log_completions, global_step, args.track
+                )
+        write_metrics(metrics, global_step % args.logging_steps == 0 or evaluated, metrics_file, args.track)
+        preempted = global_sum(preemption.is_set(), world_size, device) > 0 and global_step < args.max_steps  # SIGTERM
+        if preempted or (args.save_steps and global_step % args.save_steps == 0 and global_step < args.max_steps):
+            # a round generated in the background is not trained yet: a resume generates it again
+            consumed = prompts_consumed - (args.prompts_per_step if next_round else 0)
+            counters = dict(global_step=global_step, prompts_consumed=consumed, skipped_steps=skipped_steps)
+            save_checkpoint(args, run, model, optimizer, scheduler, tokenizer, counters, device, world_size)
+            if preempted:
+                stop_preempted(args, global_step, is_main, world_size)
+    progress.close()
+    finish(args, model, tokenizer, metrics_file, output_lock, is_main, world_size)
+
+
+# ==================================================================================================================
+# TRY NOT TO MODIFY: plumbing. First train's set-up and per-phase steps, in the order train calls them
+
+
+def check_inputs(args, world_size):
+    """Every check that the run can make before any model loads: the flags, the reward functions and the datasets
+    (read here, once). Returns (reward functions, training dataset, eval dataset or None)."""
+    check_args(args, world_size)
+    reward_fns = reward_functions(args.reward_funcs)
+    dataset = read_dataset(args)
+    check_dataset(args, dataset, reward_fns)
+    eval_dataset = None  # --eval-steps / --max-steps 0: the eval prompts, read and checked like the training ones
+    if args.eval_steps or args.max_steps == 0:
+        eval_dataset = read_dataset(args, evaluation=True)
+        eval_dataset = {column: values[: args.eval_max_samples] for column, values in eval_dataset.items()}
+        check_dataset(args, eval_dataset, reward_fns, "--eval-dataset", eval_source(args)[0])
+    return reward_fns, dataset, eval_dataset
+
+
+def init_distributed(args, rank, world_size):
+    """This rank's device, the process group (several ranks), and the output directory that rank 0 claims for the run
+    (claim_output_dir). Returns (device, run, checkpoint to resume or None, the output directory's lock)."""
+    device = torch.device(f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if torch.cuda.is_available() else "cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if world_size > 1:
+        # rank 0 alone may spend minutes writing a checkpoint while the others wait in the next collective
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timedelta(hours=1))
+    # the output directory is this run's alone (a lock); another run's files are refused; only this run's checkpoints
+    run, checkpoint_dir, lock = claim_output_dir(args, "online_dpo.py") if rank == 0 else (None, None, None)
+    if world_size > 1:  # rank 0 decided which checkpoint to resume
+        shared = [checkpoint_dir]
+        dist.broadcast_object_list(shared, src=0)
+        checkpoint_dir = shared[0]
+    return device, run, checkpoint_dir, lock
+
+
+def load_models(args, model_path, device, world_size):
+    """The policy (from model_path: the model, or the checkpoint resumed), the frozen reference model (the initial
+    model, in the policy's dtype, so that z = 0 before the first update), the tokenizer, the EOS ids and the padding
+    id. With several ranks both models are FSDP2-sharded."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    dtype = getattr(torch, args.param_dtype)
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(device)
+    ref_model = AutoModelForCausalLM.from_pretrained(args.model_name_or_path, dtype=dtype).to(device).eval()
+    ref_model.requires_grad_(False)
+    for module in model.modules():  # no dropout: before the first update the policy's log-probs equal the reference's
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+    if args.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if world_size > 1:  # FSDP2: every rank keeps 1/world_size of the weights, gradients and AdamW states
+        shard_model(model, mixed_precision=args.bf16 and device.type == "cuda")
+        shard_model(ref_model, mixed_precision=args.bf16 and device.type == "cuda")
+    # a forward that transforms its logits in a way the trainer does not model fails now, not after training on them
+    sentence = "The quick brown fox jumps over the lazy dog, and then it ran away."
+    check_logprobs(model, tokenizer(sentence)["input_ids"], device, world_size)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    eos = model.generation_config.eos_token_id
+    eos_ids = sorted((set(eos if isinstance(eos, list) else [eos]) | {tokenizer.eos_token_id}) - {None})
+    return model, ref_model, tokenizer, eos_ids, pad_id
+
+
+def make_optimizer(args, model, device):
+    """AdamW and the learning-rate schedule."""
+    from transformers import get_scheduler
+
+    # fused: one kernel for all parameters on CUDA, with no full-size temporaries (the foreach default allocates them)
+    optimizer = torch.optim.AdamW(
+        model.parameters(),
+        lr=args.learning_rate,
+        betas=(args.adam_beta1, args.adam_beta2),
+        weight_decay=args.weight_decay,
+        fused=device.type == "cuda",
+    )
+    return optimizer, get_scheduler(args.lr_scheduler_type, optimizer, args.warmup_steps, args.max_steps)
+
+
+def load_checkpoint(checkpoint_dir, model, optimizer, scheduler, device, rank, world_size):
+    """Resume from checkpoint_dir/trainer_state.pt (the model loaded its weights from checkpoint_dir): the optimizer,
+    the schedule and this rank's RNG states. Returns (global_step, prompts_consumed, skipped_steps)."""
+    # mmap: pages of the full optimizer state are read as used, not all into every rank's memory (copy-on-write)
+    state = torch.load(os.path.join(checkpoint_dir, "trainer_state.pt"), weights_only=False, mmap=True)
+    if world_size > 1:  # the full optimizer state, sharded like the weights (resume with the same number of ranks)
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+        set_optimizer_state_dict(model, optimizer, state["optimizer"], options=StateDictOptions(full_state_dict=True))
+    else:
+        optimizer.load_state_dict(state["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
+    torch.set_rng_state(state["torch_rng"][rank])
+    if device.type == "cuda" and state.get("cuda_rng") is not None:  # GPU sampling; older checkpoints have none
+        torch.cuda.set_rng_state(state["cuda_rng"][rank])
+    # optimizer tensors left on the CPU (AdamW's step counts; all of them on a CPU run) still point into the mapped
+    # file: copy them, so that --save-total-limit can delete that checkpoint and its disk space is freed
+    for param_state in optimizer.state.values():
+        on_cpu = {k: v for k, v in param_state.items() if torch.is_tensor(v) and v.device.type == "cpu"}
+        param_state.update({k: v.clone() for k, v in on_cpu.items()})
+    print(f"resumed from {checkpoint_dir} at step {state['global_step']}")
+    return state["global_step"], state["prompts_consumed"], state["skipped_steps"]
+
+
+def make_generator(args, model, model_path, longest_prompt, eos_ids, pad_id, world_size):
+    """Returns (generate, the vLLM engine or None). generate(prompt_ids, n=None, temperature=None) samples n
+    completions per prompt (None: training's n and temperature; temperature 0: greedy) and returns (completion ids,
+    prompt-major; vLLM's sampling_logprobs or None): Hugging Face generate, or vLLM (a colocated engine or a `vllm
+    serve` server)."""
+    if not args.use_vllm:
+
+        def generate(prompt_ids, n=None, temperature=None):
+            with unsharded(model, world_size):  # FSDP2: full weights while decoding, ranks stop at different steps
+                return hf_generate(model, prompt_ids, args, eos_ids, pad_id, n, temperature)
+
+        return generate, None
+    engine = vllm_utils.start(args, model_path, longest_prompt)
+    if args.vllm_mode == "server":  # the server may hold other weights (an earlier run, or this one before a resume)
+        vllm_utils.sync_weights(engine, model)
+    return partial(vllm_utils.generate, engine), engine
+
+
+def open_metrics(args, run, checkpoint_dir, global_step):
+    """Rank 0: start wandb (--track; a resumed run continues its wandb run) and open metrics.jsonl for appending; after
+    a resume, the steps it logged after the checkpoint are dropped (they are done again)."""
+    if args.track:
+        import wandb
+
+        project, entity = args.wandb_project_name, args.wandb_entity
+        wandb.init(
+            project=project, entity=entity, config=asdict(args), name=run["run_name"], id=run["run_id"], resume="allow"
+        )
+    path = os.path.join(args.output_dir, "metrics.jsonl")
+    if checkpoint_dir and os.path.exists(path):
+        kept = [line for line in open(path) if json.loads(line)["step"] <= global_step]
+        with open(path, "w") as f:
+            f.writelines(kept)
+    return open(path, "a")
+
+
+def future_of(fn, *args, background=True):
+    """fn(*args) as a Future: run in a daemon thread (--async-generation: the trainer trains meanwhile; a daemon never
+    holds up the exit after an error), or right now. future.result() returns (the value, the seconds fn took) or
+    raises fn's error."""
+    future = Future()
+
+    def run():
+        try:
+            t0 = time.perf_counter()
+            future.set_result((fn(*args), time.perf_counter() - t0))
+        except BaseException as error:  # noqa: BLE001 - re-raised by future.result() in the training loop
+            future.set_exception(error)
+
+    threading.Thread(target=run, daemon=True).start() if background else run()
+    return future
+
+
+def clock(device):
+    """Phase timings: wait for the GPU's queued work so that each phase is charged its own time."""
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter()
+
+
+def reward_function_scores(args, tokenizer, reward_fns, prompt_set, rows, completion_ids, num_generations):
+    """The reward functions' scores (len(rows) * num_generations, num_funcs) of num_generations completions per prompt
+    row (prompt-major): each function gets the decoded completions and, by name, the rows' dataset columns (training
+    set, or eval set). The completions are chat messages only when the dataset's prompts are (TRL's rule): plain-text
+    prompts that the chat template wraps give plain strings."""
+    texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+    completions = [[{"role": "assistant", "content": t}] for t in texts] if prompt_set.prompts_are_messages else texts
+    repeated = lambda values: [values[i] for i in rows for _ in range(num_generations)]
+    columns = {c: repeated(v) for c, v in prompt_set.columns.items()}
+    prompt_texts = {i: tokenizer.decode(prompt_set.prompt_ids[i]) for i in rows}
+    columns.update(
+        prompts=repeated(prompt_texts),
+        completion_ids=completion_ids,
+        max_completion_length=args.max_completion_length,
+        **args.reward_kwargs,
+    )
+    return score_completions(reward_fns, completions, columns)
+
+
+def score_completions(reward_fns, completions, columns):
+    """Call each reward function; returns rewards (num_completions, num_funcs) with NaN where a function gave None."""
+    scores = torch.full((len(completions), len(reward_fns)), float("nan"))
+    for k, fn in enumerate(reward_fns):
+        try:
+            values = fn(completions=completions, **columns)
+        except Exception as error:
+            raise RuntimeError(
+                f"reward function '{fn.__name__}' raised {type(error).__name__}: {error}. It receives completions and "
+                f"the keyword columns {sorted(columns)}; fix the function or the dataset columns it reads."
+            ) from error
+        if len(values) != len(completions):
+            raise ValueError(
+                f"reward function '{fn.__name__}' returned {len(values)} values for {len(completions)} completions"
+            )
+        scores[:, k] = torch.tensor([float("nan") if v is None else float(v) for v in values])
+    return scores
+
+
+def reward_model_rewards(args, reward_model, tokenizer, prompt_set, rows, completion_ids, device):
+    """The reward model's score of each completion, (len(rows) * num_generations,). A prompt wrapped in chat messages
+    (a chat template was applied) goes to it as those messages; a plain-text prompt as the decoded prompt and its exact
+    continuation (decoding a completion alone may drop a leading space)."""
+    model, reward_tokenizer = reward_model
+    texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+    prompt_ids = [prompt_set.prompt_ids[i] for i in rows for _ in range(args.num_generations)]
+    if isinstance(prompt_set.prompts[0], list):
+        prompts = [prompt_set.prompts[i] for i in rows for _ in range(args.num_generations)]
+        completions = texts
+    else:
+        prompts = tokenizer.batch_decode(prompt_ids, skip_special_tokens=True)
+        full = tokenizer.batch_decode([p + c for p, c in zip(prompt_ids, completion_ids)], skip_special_tokens=True)
+        completions = [f[len(p) :] if f.startswith(p) else t for f, p, t in zip(full, prompts, texts)]
+    inputs = reward_model_inputs(reward_tokenizer, prompts, completions)
+    return reward_model_scores(model, inputs, args.micro_batch_tokens, device)
+
+
+def reward_model_inputs(tokenizer, prompts, completions):
+    """Token ids the reward model reads, one list per sample. prompts[i] is a list of chat messages or a text;
+    completions[i] the completion text. Chat prompts go through the reward tokenizer's chat template with the
+    completion as the assistant's reply, if it has a template; otherwise prompt text + completion text is scored
+    (chat messages' contents joined by blank lines)."""
+    inputs = []
+    for prompt, completion in zip(prompts, completions):
+        if isinstance(prompt, list) and tokenizer.chat_template:
+            messages = prompt + [{"role": "assistant", "content": completion}]
+            text = tokenizer.apply_chat_template(messages, tokenize=False)
+            inputs.append(tokenizer(text, add_special_tokens=False)["input_ids"])  # the template has its own BOS
+        else:
+            parts = [m["content"] for m in prompt] + [completion] if isinstance(prompt, list) else [prompt + completion]
+            inputs.append(tokenizer("\n\n".join(parts))["input_ids"])
+    return inputs
+
+
+def load_reward_model(path, device, dtype=torch.float32):
+    """A sequence-classification model with one output (the reward) and its tokenizer, frozen, in eval mode."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForSequenceClassification.from_pretrained(path, dtype=dtype).to(device)
+    model.eval().requires_grad_(False)
+    if model.config.num_labels != 1:
+        raise ValueError(f"--reward-model-path {path} has {model.config.num_labels} labels; a reward model has 1")
+    if model.config.pad_token_id is None:  # needed for batches; the model reads its score at the last non-pad token
+        pad_id = tokenizer.pad_token_id
+        model.config.pad_token_id = pad_id if pad_id is not None else tokenizer.eos_token_id
+    return model, tokenizer
+
+
+@torch.no_grad()
+def reward_model_scores(reward_model, input_ids, micro_batch_tokens, device):
+    """logits[:, 0] of a sequence-classification model for each token-id list, (N,), in token-budget micro-batches.
+    Rows are right-padded with the model's config.pad_token_id: the model reads a row's score at its last token that
+    is not that id, so a row scores the same padded or alone."""
+    pad_id = reward_model.config.pad_token_id
+    lengths = [len(ids) for ids in input_ids]
+    scores = torch.zeros(len(input_ids))
+    for mb in token_budget_batches(range(len(input_ids)), [0] * len(input_ids), lengths, micro_batch_tokens):
+        # (B, L): each row as a "completion" of an empty prompt, so collate right-pads it
+        ids, attention_mask, _, _, _ = collate([[]] * len(mb), [input_ids[i] for i in mb], device, pad_id)
+        logits = reward_model(input_ids=ids, attention_mask=attention_mask).logits  # (B, 1)
+        scores[mb] = logits[:, 0].float().cpu()
+    return scores
+
+
+def gather_from_ranks(world_size, *tensors):
+    """Each tensor concatenated over the ranks along dim 0, in rank order (the sizes may differ between ranks)."""
+    if world_size == 1:
+        return tensors
+    gathered = [None] * world_size
+    dist.all_gather_object(gathered, tensors)
+    return [torch.cat([g[i] for g in gathered]) for i in range(len(tensors))]
+
+
+def write_metrics(metrics, show, metrics_file, track):
+    """Rank 0 (the one with a metrics_file): print the metrics line if `show`, append it to metrics.jsonl, send it to
+    wandb."""
+    if metrics_file is None:
+        return
+    if show:
+        tqdm.write(" | ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in metrics.items()))
+    metrics_file.write(json.dumps(metrics) + "\n")
+    metrics_file.flush()
+    if track:
+        import wandb
+
+        wandb.log(metrics, step=metrics["step"])
+
+
+def save_checkpoint(args, run, model, optimizer, scheduler, tokenizer, counters, device, world_size):
+    """Write output_dir/checkpoint-N, N = counters["global_step"] (every rank takes part: the full state is gathered
+    onto rank 0, which writes it atomically), then delete this run's checkpoints beyond --save-total-limit."""
+    model_state, optimizer_state = full_state(model, optimizer, world_size)
+    rng = (torch.get_rng_state(), torch.cuda.get_rng_state() if device.type == "cuda" else None)
+    rng_states = [rng] * world_size
+    if world_size > 1:
+        dist.all_gather_object(rng_states, rng)
+    if run is None:  # not rank 0
+        return
+    step = counters["global_step"]
+    with atomic_directory(os.path.join(args.output_dir, f"checkpoint-{step}")) as tmp:
+        model.save_pretrained(tmp, state_dict=model_state)
+        tokenizer.save_pretrained(tmp)
+        torch.save(
+            {
+                "optimizer": optimizer_state,
+                "scheduler": scheduler.state_dict(),
+                **counters,  # global_step, prompts_consumed, skipped_steps
+                "torch_rng": [r[0] for r in rng_states],
+                "cuda_rng": [r[1] for r in rng_states] if device.type == "cuda" else None,
+            },
+            os.path.join(tmp, "trainer_state.pt"),
+        )
+        write_json(os.path.join(tmp, "run.json"), {**run, "script": "online_dpo.py", "global_step": step})
+    old = run_checkpoints(args.output_dir, run["run_id"])[: -args.save_total_limit] if args.save_total_limit else []
+    for path in old:
+        shutil.rmtree(path)  # this run's older checkpoints only, never another run's
+
+
+def stop_preempted(args, global_step, is_main, world_size):
+    """After SIGTERM's checkpoint: say how to continue, and exit with 143 (128 + SIGTERM: stopped, not finished)."""
+    if is_main:
+        print(
+            f"SIGTERM: wrote checkpoint-{global_step} and stopped; the same command with "
+            f"--resume-from-checkpoint latest continues the run",
+            flush=True,
+        )
+        if args.track:
+            import wandb
+
+            wandb.mark_preempting()
+    if world_size > 1:
+        dist.destroy_process_group()
+    sys.exit(143)
+
+
+def finish(args, model, tokenizer, metrics_file, output_lock, is_main, world_size):
+    """The final model + tokenizer, loadable with from_pretrained(output_dir) (--max-steps 0 only evaluated: nothing
+    to save); then close the logs and free the output directory for the next run."""
+    model_state = full_state(model, None, world_size)[0] if args.max_steps else None
+    if is_main:
+        if args.max_steps:
+            save_final(args.output_dir, model, tokenizer, model_state)
+            print(f"saved the final model to {args.output_dir}")
+        metrics_file.close()
+        if args.track:
+            import wandb
+
+            wandb.finish()
+    if output_lock is not None:
+        os.close(output_lock)  # the run is over: the directory is free for the next one
+    if world_size > 1:
+        dist.destroy_process_group()
+
+
 # ------------------------------------------------------------------------------------------------------------------
 # Data
 
 
+class PromptSet(NamedTuple):
+    """A dataset's prompts, tokenized by load_prompts."""
+
+    prompt_ids: list  # token ids per row
+    prompts: list  # each prompt as chat messages (when a chat template was applied) or text
+    columns: dict  # the other columns (the answer column renamed to `answer`) that reward functions receive by name
+    prompts_are_messages: bool  # the dataset's prompts are chat messages (then so are the completions rewards get)
+
+
 def load_prompts(args, dataset, tokenizer, max_context):
-    """Tokenize the prompts of `dataset` ({column: values}, from read_dataset) and return (prompt_ids, prompts,
-    columns, is_conversational): token ids per row, the prompt as chat messages (when a chat template was applied) or
-    text, and the other columns (answer column renamed to `answer`) that reward functions receive by name."""
+    """Tokenize the prompts of `dataset` ({column: values}, from read_dataset): a PromptSet. A plain-text prompt is
+    wrapped as a user message when the chat template is applied, but prompts_are_messages stays False: only the
+    dataset's own chat messages make the reward functions' completions messages."""
     raw = dataset[args.prompt_column]
-    conversational = isinstance(raw[0], list)
-    use_template = conversational or (args.use_chat_template and tokenizer.chat_template is not None)
+    prompts_are_messages = isinstance(raw[0], list)
+    use_template = prompts_are_messages or (args.use_chat_template and tokenizer.chat_template is not None)
     prompt_ids, prompts = [], []
     for prompt in raw:
         if use_template:
-            messages = prompt if conversational else [{"role": "user", "content": prompt}]
+            messages = prompt if prompts_are_messages else [{"role": "user", "content": prompt}]
             if args.system_prompt:
                 messages = [{"role": "system", "content": args.system_prompt}] + messages
             ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
@@ -267,145 +934,22 @@ def load_prompts(args, dataset, tokenizer, max_context):
             f"--max-prompt-length {max_context - args.max_completion_length} to drop such prompts, or lower "
             f"--max-completion-length."
         )
-    return (
+    return PromptSet(
         [prompt_ids[i] for i in keep],
         [prompts[i] for i in keep],
         {c: [v[i] for i in keep] for c, v in columns.items()},
-        use_template,
+        prompts_are_messages,
     )
 
 
 def prompt_stream(num_prompts, seed, start=0):
     """Yield prompt indices forever: a new seeded permutation each epoch. `start` skips that many (for resuming)."""
-    epoch = 0
-    while True:
-        order = torch.randperm(num_prompts, generator=torch.Generator().manual_seed(seed + epoch)).tolist()
-        for index in order:
-            if start > 0:
-                start -= 1
-                continue
-            yield index
-        epoch += 1
+    order = lambda epoch: torch.randperm(num_prompts, generator=torch.Generator().manual_seed(seed + epoch)).tolist()
+    yield from itertools.islice(itertools.chain.from_iterable(map(order, itertools.count())), start, None)
 
 
 # ------------------------------------------------------------------------------------------------------------------
-# Rewards and pairs
-
-
-def score_completions(reward_fns, completions, columns):
-    """Call each reward function; returns rewards (num_completions, num_funcs) with NaN where a function gave None."""
-    scores = torch.full((len(completions), len(reward_fns)), float("nan"))
-    for k, fn in enumerate(reward_fns):
-        try:
-            values = fn(completions=completions, **columns)
-        except Exception as error:
-            raise RuntimeError(
-                f"reward function '{fn.__name__}' raised {type(error).__name__}: {error}. It receives completions and "
-                f"the keyword columns {sorted(columns)}; fix the function or the dataset columns it reads."
-            ) from error
-        if len(values) != len(completions):
-            raise ValueError(
-                f"reward function '{fn.__name__}' returned {len(values)} values for {len(completions)} completions"
-            )
-        scores[:, k] = torch.tensor([float("nan") if v is None else float(v) for v in values])
-    return scores
-
-
-def reward_model_inputs(tokenizer, prompts, completions):
-    """Token ids the reward model reads, one list per sample. prompts[i] is a list of chat messages or a text;
-    completions[i] the completion text. Chat prompts go through the reward tokenizer's chat template with the
-    completion as the assistant's reply, if it has a template; otherwise prompt text + completion text is scored
-    (chat messages' contents joined by blank lines)."""
-    inputs = []
-    for prompt, completion in zip(prompts, completions):
-        if isinstance(prompt, list) and tokenizer.chat_template:
-            text = tokenizer.apply_chat_template(
-                prompt + [{"role": "assistant", "content": completion}], tokenize=False
-            )
-            inputs.append(tokenizer(text, add_special_tokens=False)["input_ids"])  # the template has its own BOS
-        else:
-            text = (
-                "\n\n".join([m["content"] for m in prompt] + [completion])
-                if isinstance(prompt, list)
-                else prompt + completion
-            )
-            inputs.append(tokenizer(text)["input_ids"])
-    return inputs
-
-
-def load_reward_model(path, device, dtype=torch.float32):
-    """A sequence-classification model with one output (the reward) and its tokenizer, frozen, in eval mode."""
-    from transformers import AutoModelForSequenceClassification, AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    model = (
-        AutoModelForSequenceClassification.from_pretrained(path, dtype=dtype).to(device).eval().requires_grad_(False)
-    )
-    if model.config.num_labels != 1:
-        raise ValueError(f"--reward-model-path {path} has {model.config.num_labels} labels; a reward model has 1")
-    if model.config.pad_token_id is None:  # needed for batches; the model reads its score at the last non-pad token
-        model.config.pad_token_id = (
-            tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        )
-    return model, tokenizer
-
-
-@torch.no_grad()
-def reward_model_scores(reward_model, input_ids, micro_batch_tokens, device):
-    """logits[:, 0] of a sequence-classification model for each token-id list, (N,), in token-budget micro-batches.
-    Rows are right-padded with the model's config.pad_token_id: the model reads a row's score at its last token that
-    is not that id, so a row scores the same padded or alone."""
-    pad_id = reward_model.config.pad_token_id
-    lengths = [len(ids) for ids in input_ids]
-    scores = torch.zeros(len(input_ids))
-    for mb in token_budget_batches(range(len(input_ids)), [0] * len(input_ids), lengths, micro_batch_tokens):
-        L = max(lengths[i] for i in mb)
-        ids = torch.full((len(mb), L), pad_id, dtype=torch.long)  # (B, L), right-padded
-        attention_mask = torch.zeros_like(ids)
-        for row, i in enumerate(mb):
-            ids[row, : lengths[i]] = torch.tensor(input_ids[i])
-            attention_mask[row, : lengths[i]] = 1
-        logits = reward_model(input_ids=ids.to(device), attention_mask=attention_mask.to(device)).logits  # (B, 1)
-        scores[mb] = logits[:, 0].float().cpu()
-    return scores
-
-
-def apply_missing_eos_penalty(rewards, completion_ids, eos_ids, penalty):
-    """rewards - penalty for each completion whose last token is not an EOS (it hit max_completion_length)."""
-    truncated = torch.tensor([not (c and c[-1] in eos_ids) for c in completion_ids], dtype=torch.float32)
-    return rewards - penalty * truncated
-
-
-def select_pairs(rewards, num_generations):
-    """Pick one (chosen, rejected) pair per prompt: the highest- and the lowest-rewarded of its G completions.
-
-    rewards: (N,) with N = num_prompts * G, groups contiguous; NaN marks an unscorable completion, left out of the
-    choice. A prompt with fewer than 2 scorable completions, or whose scorable completions all tie, gives no pair.
-    Returns chosen and rejected indices into the N completions, the number of tied prompts and of unscorable ones."""
-    grouped = rewards.view(-1, num_generations)  # (num_prompts, G)
-    chosen, rejected, num_tied, num_unscorable = [], [], 0, 0
-    for g, group in enumerate(grouped.tolist()):
-        valid = [k for k, r in enumerate(group) if not math.isnan(r)]
-        if len(valid) < 2:
-            num_unscorable += 1
-            continue
-        best = max(valid, key=lambda k: group[k])  # the first of equals: completions are exchangeable
-        worst = min(valid, key=lambda k: group[k])
-        if group[best] == group[worst]:
-            num_tied += 1
-            continue
-        chosen.append(g * num_generations + best)
-        rejected.append(g * num_generations + worst)
-    return chosen, rejected, num_tied, num_unscorable
-
-
-def beta_for_epoch(betas, epoch):
-    """--beta holds one value per epoch over the prompt set; after the list ends its last value is reused."""
-    return betas[min(epoch, len(betas) - 1)]
-
-
-# ------------------------------------------------------------------------------------------------------------------
-# Log-probabilities and losses
+# Log-probabilities
 
 
 def collate(prompt_ids, completion_ids, device, pad_id):
@@ -520,19 +1064,13 @@ def per_token_logprobs(
     return logprobs.masked_scatter(mask, torch.cat(pieces)) if pieces else logprobs
 
 
-def sequence_logprobs(model, prompt_ids, completion_ids, temperature, device, pad_id):
-    """log pi(completion | prompt) = sum_t log pi(c_t | prompt, c_<t) at the sampling temperature, (B,)."""
-    ids, attn, pos, cmask, P = collate(prompt_ids, completion_ids, device, pad_id)
-    return per_token_logprobs(model, ids, attn, pos, cmask, P, temperature).sum(-1)  # (B, C) -> (B,): padding is 0
-
-
 def check_logprobs(model, input_ids, device, world_size):
     """Raise unless per_token_logprobs of one short sequence match log_softmax of the model's own logits, which the
     sampler uses: an architecture whose forward transforms its logits in a way final_logits does not know would
     otherwise train on wrong log-probs. Every rank calls it: `unsharded` gathers the FSDP2 shards, a collective."""
-    ids, attn, pos, cmask, P = collate([input_ids[:1]], [input_ids[1:]], device, 0)
+    ids, attn, pos, completion_mask, P = collate([input_ids[:1]], [input_ids[1:]], device, 0)
     with torch.no_grad(), unsharded(model, world_size):
-        ours = per_token_logprobs(model, ids, attn, pos, cmask, P)
+        ours = per_token_logprobs(model, ids, attn, pos, completion_mask, P)
         logits = model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=False).logits[:, P - 1 : -1]
     theirs = logits.float().log_softmax(-1).gather(-1, ids[:, P:, None]).squeeze(-1)
     error = (ours - theirs).abs().mean().item()
@@ -545,19 +1083,6 @@ def check_logprobs(model, input_ids, device, world_size):
             f"differ from those of the model's own logits by {error:.3g} nats per token, so they would not match the "
             f"sampler's. Its forward transforms the logits in a way final_logits does not know: add it there."
         )
-
-
-def dpo_loss(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, beta, loss_type="sigmoid"):
-    """Per-pair loss, (num_pairs,), from sequence log-probs. With
-    z = (log pi(chosen) - log pi(rejected)) - (log pi_ref(chosen) - log pi_ref(rejected)):
-      sigmoid (DPO, arXiv 2305.18290 eq. 7):              -log sigmoid(beta * z)
-      ipo     (IPO, arXiv 2310.12036 eq. 17, tau = beta):  (z - 1 / (2 * beta))^2"""
-    z = (chosen_logps - rejected_logps) - (ref_chosen_logps - ref_rejected_logps)
-    if loss_type == "sigmoid":
-        return -F.logsigmoid(beta * z)
-    if loss_type == "ipo":
-        return (z - 1 / (2 * beta)) ** 2
-    raise ValueError(f"unknown loss_type {loss_type}")
 
 
 def clip_gradients(model, max_norm):
@@ -591,11 +1116,8 @@ def shard_model(model, mixed_precision):
     mixed_precision, each layer computes in bf16 while the sharded fp32 weights and gradient reduction stay fp32."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    policy = (
-        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        if mixed_precision
-        else MixedPrecisionPolicy()
-    )
+    bf16 = dict(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed_precision else {}
+    policy = MixedPrecisionPolicy(**bf16)
     for layer in model.base_model.layers:
         fully_shard(layer, mp_policy=policy)
     fully_shard(model, mp_policy=policy)
@@ -633,12 +1155,12 @@ def same_count_on_all_ranks(micro_batches, world_size, device):
     return micro_batches + [None] * (int(count) - len(micro_batches))
 
 
-def global_sum(value, world_size, device, op="sum"):
-    """Sum (or "min") of a number over all ranks."""
+def global_sum(value, world_size, device):
+    """Sum of a number over all ranks."""
     if world_size == 1:
         return float(value)
     total = torch.tensor(float(value), device=device)
-    dist.all_reduce(total, op=dist.ReduceOp.MIN if op == "min" else dist.ReduceOp.SUM)
+    dist.all_reduce(total)
     return total.item()
 
 
@@ -655,12 +1177,7 @@ def hf_generate(model, prompt_ids, args, eos_ids, pad_id, n=None, temperature=No
 
     n, temperature = n or args.num_generations, args.temperature if temperature is None else temperature
     repeated = [p for p in prompt_ids for _ in range(n)]
-    P = max(len(p) for p in repeated)
-    input_ids = torch.full((len(repeated), P), pad_id, dtype=torch.long)
-    attention_mask = torch.zeros_like(input_ids)
-    for i, p in enumerate(repeated):
-        input_ids[i, P - len(p) :] = torch.tensor(p)
-        attention_mask[i, P - len(p) :] = 1
+    input_ids, attention_mask, _, _, P = collate(repeated, [[]] * len(repeated), model.device, pad_id)  # left-padded
     sampling = dict(do_sample=True, temperature=temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p)
     config = GenerationConfig(
         **(sampling if temperature > 0 else dict(do_sample=False)),
@@ -678,36 +1195,52 @@ def hf_generate(model, prompt_ids, args, eos_ids, pad_id, n=None, temperature=No
     try:
         with torch.autocast(model.device.type, torch.bfloat16, enabled=args.bf16 and model.device.type == "cuda"):
             out = model.generate(
-                input_ids=input_ids.to(model.device),
-                attention_mask=attention_mask.to(model.device),
+                input_ids=input_ids[:, :P],  # the prompts (collate adds one padding column for the completions)
+                attention_mask=attention_mask[:, :P],
                 generation_config=config,
             )
     finally:
         model.generation_config = model_config
-    completions = []
-    for row in out[:, P:].tolist():
-        end = next((t + 1 for t, token in enumerate(row) if token in eos_ids), len(row))
-        completions.append(row[:end])
-    return completions, None
-
-
-def future_of(fn, *args, background=True):
-    """fn(*args) as a Future: run in a daemon thread (--async-generation: the trainer trains meanwhile; a daemon never
-    holds up the exit after an error), or right now. future.result() returns the value or raises fn's error."""
-    future = Future()
-
-    def run():
-        try:
-            future.set_result(fn(*args))
-        except BaseException as error:  # noqa: BLE001 - re-raised by future.result() in the training loop
-            future.set_exception(error)
-
-    threading.Thread(target=run, daemon=True).start() if background else run()
-    return future
+    cut = lambda row: row[: next((t + 1 for t, token in enumerate(row) if token in eos_ids), len(row))]
+    return [cut(row) for row in out[:, P:].tolist()], None
 
 
 # ------------------------------------------------------------------------------------------------------------------
 # Evaluation and sample completions (README.md, "Evaluation")
+
+
+def evaluation(args, generate, eval_set, tokenizer, reward_fns, reward_weights, device):
+    """Greedy (temperature 0) and, with --eval-num-generations k > 1, k sampled completions of every eval prompt,
+    from the run's generator (which must hold the current weights: the loop calls this right after the weight push),
+    scored by the reward functions. Each rank generates its share of the prompts, in calls of one training round's
+    size; the scores are gathered, so every rank returns the eval/... metrics of all prompts."""
+    t0 = time.perf_counter()
+    rank, world_size = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    rows, real = rank_share(len(eval_set.prompt_ids), rank, world_size)
+    k = args.eval_num_generations
+    round_size = args.prompts_per_step // world_size * args.num_generations  # completions per generate call
+
+    def complete(n, temperature):  # this rank's rows, n completions each, prompt-major
+        size, ids = max(1, round_size // n), []
+        for start in range(0, len(rows), size):
+            ids += generate([eval_set.prompt_ids[i] for i in rows[start : start + size]], n, temperature)[0]
+        return ids
+
+    # HF sampling draws from the global RNG: fork it, so that training samples what it would without evaluation
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.manual_seed(args.seed + rank)
+        greedy_ids = complete(1, 0.0)
+        sampled_ids = complete(k, args.temperature) if k > 1 else None
+    score = partial(reward_function_scores, args, tokenizer, reward_fns, eval_set, rows)
+    greedy = score(greedy_ids, 1)[:real]  # (real, num_funcs)
+    sampled = score(sampled_ids, k).view(len(rows), k, -1)[:real] if k > 1 else None
+    lengths = torch.tensor([len(c) for c in greedy_ids[:real]], dtype=torch.float)
+    # every rank's scores, in rank order: the prompts in order, as on one rank
+    greedy, lengths, *sampled = gather_from_ranks(world_size, greedy, lengths, *([sampled] if k > 1 else []))
+    sampled = sampled[0] if k > 1 else None
+    metrics = eval_metrics(greedy, sampled, reward_weights, [fn.__name__ for fn in reward_fns])
+    metrics.update({"eval/num_prompts": len(greedy), "eval/completions/mean_length": lengths.mean().item()})
+    return {**metrics, "timing/eval": time.perf_counter() - t0}
 
 
 def rank_share(num_prompts, rank, world_size):
@@ -741,10 +1274,10 @@ def eval_metrics(greedy, sampled, reward_weights, names):
 def log_completions(tokenizer, prompt_ids, completion_ids, rewards, count, step, track):
     """--log-completions: print `count` (prompt, completion, reward) rows of the step, one short line each, and with
     --track log them to wandb as a table (TRL's "completions" table)."""
-    decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
+    decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
     rows = [[step, decode(p), decode(c), r] for p, c, r in zip(prompt_ids[:count], completion_ids, rewards.tolist())]
     for _, prompt, completion, reward in rows:
-        short = lambda text: textwrap.shorten(text, 70, placeholder=" ...") or repr(text)  # noqa: E731
+        short = lambda text: textwrap.shorten(text, 70, placeholder=" ...") or repr(text)
         tqdm.write(f"  reward {reward:.3g} | {short(prompt)} => {short(completion)}")
     if track:
         import wandb
@@ -757,11 +1290,13 @@ def log_completions(tokenizer, prompt_ids, completion_ids, rewards, count, step,
 # Checkpoints
 
 
-def save_atomically(path, write):
-    """Run write(tmp_dir) then rename tmp_dir to `path`: a crash never leaves a half-written `path`."""
+@contextmanager
+def atomic_directory(path):
+    """Yield a temporary directory to write into, then rename it to `path`: a crash never leaves a half-written
+    `path`."""
     tmp = f"{path}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
-    write(tmp)
+    yield tmp
     if os.path.isdir(path):
         old = f"{path}.old-{os.getpid()}"
         os.replace(path, old)
@@ -816,28 +1351,14 @@ def parse_args(argv=None):
             title = header[1]
         elif name := re.match(r" {4}(\w+):", line):
             groups.setdefault(title, []).append(name[1])
-    fields = {f.name: f for f in dataclasses.fields(Args)}
-    parts = []
+    fields, parts = {f.name: f for f in dataclasses.fields(Args)}, []
     for title, names in groups.items():
-        group = dataclasses.make_dataclass(
-            title,
-            [
-                (
-                    n,
-                    Annotated[fields[n].type, tyro.conf.arg(help=docs[n])],
-                    dataclasses.field(default=fields[n].default, default_factory=fields[n].default_factory),
-                )
-                for n in names
-            ],
-        )
+        field_of = lambda f: dataclasses.field(default=f.default, default_factory=f.default_factory)
+        group_fields = [(n, Annotated[fields[n].type, tyro.conf.arg(help=docs[n])], field_of(fields[n])) for n in names]
+        group = dataclasses.make_dataclass(title, group_fields)
         group.__doc__ = ""
-        parts.append(
-            (
-                re.sub(r"\W+", "_", title).lower(),
-                tyro.conf.OmitArgPrefixes[group],
-                dataclasses.field(default_factory=group),
-            )
-        )
+        name = re.sub(r"\W+", "_", title).lower()
+        parts.append((name, tyro.conf.OmitArgPrefixes[group], dataclasses.field(default_factory=group)))
     description = "\n\n".join(__doc__.split("\n\n")[:3])  # what it does, and the CPU example
     parsed = tyro.cli(dataclasses.make_dataclass("Args", parts), args=argv, description=description)
     return Args(**{k: v for part in dataclasses.fields(parsed) for k, v in vars(getattr(parsed, part.name)).items()})
@@ -905,8 +1426,6 @@ def check_args(args, world_size=1):
             f"--reward-weights has {len(args.reward_weights)} values for {len(args.reward_funcs)} --reward-funcs"
         )
     if args.use_vllm:
-        import vllm_utils
-
         problems += vllm_utils.setup_problems()
     if args.async_generation and not (args.use_vllm and args.vllm_mode == "server"):
         problems.append(
@@ -953,11 +1472,8 @@ def check_args(args, world_size=1):
 
 def reward_functions(names):
     """The functions of rewards.py that --reward-funcs names."""
-    public = [
-        n
-        for n in dir(rewards)
-        if not n.startswith("_") and callable(getattr(rewards, n)) and getattr(rewards, n).__module__ == "rewards"
-    ]
+    functions = {n: f for n, f in vars(rewards).items() if not n.startswith("_") and callable(f)}
+    public = sorted(n for n, f in functions.items() if getattr(f, "__module__", None) == "rewards")
     for name in names:
         if name not in public:
             raise SystemExit(
@@ -985,10 +1501,9 @@ def read_dataset(args, evaluation=False):
     """Read the dataset (with `evaluation`, the eval dataset of eval_source) once, before any model loads: {column: list
     of values}. Local .jsonl / .json files are parsed here, so that a malformed record is reported with its file and
     line; .parquet files and hub datasets through `datasets`."""
-    flag, (name, config, split) = (
-        ("--eval-dataset", eval_source(args))
-        if evaluation
-        else ("--dataset-name", (args.dataset_name, args.dataset_config, args.dataset_split))
+    flag = "--eval-dataset" if evaluation else "--dataset-name"
+    name, config, split = (
+        eval_source(args) if evaluation else (args.dataset_name, args.dataset_config, args.dataset_split)
     )
     if name.endswith((".json", ".jsonl")):
         with open(name, encoding="utf-8") as f:
@@ -1017,11 +1532,8 @@ def read_dataset(args, evaluation=False):
                     f"error: {flag} {name}, {where} {number}: a JSON object per record is expected, "
                     f"got {type(record).__name__}"
                 )
-        dataset = {}
-        for _, record in records:
-            for column in record:
-                dataset.setdefault(column, None)
-        dataset = {column: [record.get(column) for _, record in records] for column in dataset}
+        columns = dict.fromkeys(column for _, record in records for column in record)  # in order of appearance
+        dataset = {column: [record.get(column) for _, record in records] for column in columns}
     else:
         from datasets import load_dataset
 
@@ -1048,19 +1560,15 @@ def check_dataset(args, dataset, reward_fns, flag="--dataset-name", name=None):
                 f"Pass {option} with one of those"
                 + (', or --answer-column "" if it has none.' if "answer" in option else ".")
             )
-    given = set(columns) - {
-        args.prompt_column
-    }  # what reward functions receive (load_prompts: answer column as `answer`)
+    # what reward functions receive (load_prompts: the answer column as `answer`)
+    given = set(columns) - {args.prompt_column}
     if args.answer_column and args.answer_column != "answer":
         given = given - {args.answer_column} | {"answer"}
     given |= {"completions", "prompts", "completion_ids", "max_completion_length", *args.reward_kwargs}
     for fn in reward_fns:
-        parameters = inspect.signature(fn).parameters.values()
-        for missing in [
-            p.name
-            for p in parameters
-            if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name not in given
-        ]:
+        required = [p for p in inspect.signature(fn).parameters.values() if p.default is p.empty]
+        named = [p.name for p in required if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+        for missing in [n for n in named if n not in given]:
             if missing == "answer":
                 raise SystemExit(
                     f"error: reward function '{fn.__name__}' needs the reference answer, and --answer-column "
@@ -1105,12 +1613,9 @@ def run_checkpoints(output_dir, run_id):
     found = []
     for name in os.listdir(output_dir) if os.path.isdir(output_dir) else []:
         path = os.path.join(output_dir, name)
-        if (
-            name.startswith("checkpoint-")
-            and name[11:].isdigit()
-            and (read_json(os.path.join(path, "run.json")) or {}).get("run_id") == run_id
-        ):
-            found.append((int(name[11:]), path))
+        match = re.fullmatch(r"checkpoint-(\d+)", name)
+        if match and (read_json(os.path.join(path, "run.json")) or {}).get("run_id") == run_id:
+            found.append((int(match[1]), path))
     return [path for _, path in sorted(found)]
 
 
@@ -1162,11 +1667,8 @@ def claim_output_dir(args, script):
         except OSError as error:  # a file system without flock (some network mounts): run, but say so
             print(f"warning: cannot lock {out}/.lock ({error}): nothing keeps a second run out of this directory")
         os.ftruncate(lock, 0)
-        os.pwrite(
-            lock,
-            f"{script}, pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}".encode(),
-            0,
-        )
+        since = time.strftime("%Y-%m-%d %H:%M:%S")
+        os.pwrite(lock, f"{script}, pid {os.getpid()} on {socket.gethostname()}, since {since}".encode(), 0)
         remove_dead_temporaries(out)
         owner = read_json(os.path.join(out, "run.json")) or {}
         files = sorted(set(os.listdir(out)) - {".lock", "run.json"})
@@ -1217,9 +1719,8 @@ def claim_output_dir(args, script):
         if checkpoint:
             step = resumed.get("global_step")
             if step is None:  # a checkpoint written before run.json existed
-                step = torch.load(os.path.join(checkpoint, "trainer_state.pt"), weights_only=False, mmap=True)[
-                    "global_step"
-                ]
+                state = torch.load(os.path.join(checkpoint, "trainer_state.pt"), weights_only=False, mmap=True)
+                step = state["global_step"]
             if step >= args.max_steps:
                 raise SystemExit(
                     f"error: --resume-from-checkpoint {checkpoint} is at step {step} and --max-steps is "
@@ -1277,514 +1778,4 @@ def on_sigterm():
 
 
 if __name__ == "__main__":
-    args = parse_args()
-    # several processes (torchrun): each rank takes an equal share of every step's prompts and pairs them itself
-    world_size, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
-    # every mistake in the flags or the data stops the run here: before any model loads or anything is written
-    check_args(args, world_size)
-    reward_fns = reward_functions(args.reward_funcs)
-    dataset = read_dataset(args)
-    check_dataset(args, dataset, reward_fns)
-    eval_dataset = None  # --eval-steps / --max-steps 0: the eval prompts, read and checked like the training ones
-    if args.eval_steps or args.max_steps == 0:
-        eval_dataset = read_dataset(args, evaluation=True)
-        eval_dataset = {column: values[: args.eval_max_samples] for column, values in eval_dataset.items()}
-        check_dataset(args, eval_dataset, reward_fns, "--eval-dataset", eval_source(args)[0])
-    reward_weights = torch.tensor(args.reward_weights or [1.0] * len(reward_fns))
-
-    device = torch.device(f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if torch.cuda.is_available() else "cpu")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    if world_size > 1:
-        # rank 0 alone may spend minutes writing a checkpoint while the others wait in the next collective
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timedelta(hours=1))
-    is_main = rank == 0
-    # the output directory is this run's alone (a lock); another run's files are refused; only this run's checkpoints
-    run, checkpoint_dir, output_lock = claim_output_dir(args, "online_dpo.py") if is_main else (None, None, None)
-    if world_size > 1:  # rank 0 decided which checkpoint to resume
-        shared = [checkpoint_dir]
-        dist.broadcast_object_list(shared, src=0)
-        checkpoint_dir = shared[0]
-    preemption = on_sigterm()  # SIGTERM: a checkpoint at the end of the step, then exit
-
-    # TRY NOT TO MODIFY: seeding (the same on every rank until sampling, so that all ranks hold the same weights)
-    random.seed(args.seed)
-    np.random.seed(args.seed)
-    torch.manual_seed(args.seed)
-    # no weight cache: each weight is cast once per forward anyway, and the cache would outlive gradient checkpointing
-    autocast = dict(device_type=device.type, dtype=torch.bfloat16, enabled=args.bf16 and device.type == "cuda")
-    autocast["cache_enabled"] = False
-
-    # Model, tokenizer, reference model (in the policy's dtype, so that z = 0 before the first update)
-    from transformers import AutoModelForCausalLM, AutoTokenizer, get_scheduler
-
-    model_path = checkpoint_dir or args.model_name_or_path
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, args.param_dtype)).to(device)
-    ref_model = (
-        AutoModelForCausalLM.from_pretrained(args.model_name_or_path, dtype=getattr(torch, args.param_dtype))
-        .to(device)
-        .eval()
-    )
-    ref_model.requires_grad_(False)
-    for module in model.modules():  # no dropout: before the first update the policy's log-probs equal the reference's
-        if isinstance(module, torch.nn.Dropout):
-            module.p = 0.0
-    if args.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    if world_size > 1:  # FSDP2: every rank keeps 1/world_size of the weights, gradients and AdamW states
-        shard_model(model, mixed_precision=args.bf16 and device.type == "cuda")
-        shard_model(ref_model, mixed_precision=args.bf16 and device.type == "cuda")
-    # a forward that transforms its logits in a way the trainer does not model fails now, not after training on them
-    check_logprobs(
-        model,
-        tokenizer("The quick brown fox jumps over the lazy dog, and then it ran away.")["input_ids"],
-        device,
-        world_size,
-    )
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    eos_ids = set(
-        model.generation_config.eos_token_id
-        if isinstance(model.generation_config.eos_token_id, list)
-        else [model.generation_config.eos_token_id]
-    )
-    eos_ids = sorted((eos_ids | {tokenizer.eos_token_id}) - {None})
-
-    # Data, and the reward model if one scores instead of reward functions
-    max_context = getattr(model.config, "max_position_embeddings", None) or 10**9
-    prompt_ids, raw_prompts, columns, conversational = load_prompts(args, dataset, tokenizer, max_context)
-    eval_prompt_ids, eval_columns, eval_conversational = [], {}, False
-    if eval_dataset is not None:
-        eval_prompt_ids, _, eval_columns, eval_conversational = load_prompts(args, eval_dataset, tokenizer, max_context)
-    reward_model = None
-    if args.reward_model_path:
-        reward_model, reward_tokenizer = load_reward_model(
-            args.reward_model_path, device, torch.bfloat16 if device.type == "cuda" else torch.float32
-        )
-
-    # Optimizer and schedule
-    # fused: one kernel for all parameters on CUDA, with no full-size temporaries (the foreach default allocates them)
-    optimizer = torch.optim.AdamW(
-        model.parameters(),
-        lr=args.learning_rate,
-        betas=(args.adam_beta1, args.adam_beta2),
-        weight_decay=args.weight_decay,
-        fused=device.type == "cuda",
-    )
-    scheduler = get_scheduler(args.lr_scheduler_type, optimizer, args.warmup_steps, args.max_steps)
-    global_step, prompts_consumed, skipped_steps = 0, 0, 0
-    torch.manual_seed(args.seed + rank)  # from here on each rank samples its own completions
-    if checkpoint_dir:
-        # mmap: pages of the full optimizer state are read as used, not all into every rank's memory (copy-on-write)
-        state = torch.load(os.path.join(checkpoint_dir, "trainer_state.pt"), weights_only=False, mmap=True)
-        if world_size > 1:  # the full optimizer state, sharded like the weights (resume with the same number of ranks)
-            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
-
-            set_optimizer_state_dict(
-                model, optimizer, state["optimizer"], options=StateDictOptions(full_state_dict=True)
-            )
-        else:
-            optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
-        global_step, prompts_consumed, skipped_steps = (
-            state["global_step"],
-            state["prompts_consumed"],
-            state["skipped_steps"],
-        )
-        torch.set_rng_state(state["torch_rng"][rank])
-        if device.type == "cuda" and state.get("cuda_rng") is not None:  # GPU sampling; older checkpoints have none
-            torch.cuda.set_rng_state(state["cuda_rng"][rank])
-        # optimizer tensors left on the CPU (AdamW's step counts; all of them on a CPU run) still point into the mapped
-        # file: copy them, so that --save-total-limit can delete that checkpoint and its disk space is freed
-        for param_state in optimizer.state.values():
-            param_state.update(
-                {k: v.clone() for k, v in param_state.items() if torch.is_tensor(v) and v.device.type == "cpu"}
-            )
-        del state
-        print(f"resumed from {checkpoint_dir} at step {global_step}")
-    prompts = prompt_stream(len(prompt_ids), args.seed, start=prompts_consumed)
-
-    # Generator: Hugging Face generate, or vLLM (colocated engine or a `vllm serve` server)
-    if args.use_vllm:
-        import vllm_utils
-
-        engine = vllm_utils.start(args, model_path, max(len(p) for p in prompt_ids + eval_prompt_ids))
-        if (
-            args.vllm_mode == "server"
-        ):  # the server may hold other weights (an earlier run, or this one before a resume)
-            vllm_utils.sync_weights(engine, model)
-        generate = lambda ids, n=None, temperature=None: vllm_utils.generate(engine, ids, n, temperature)  # noqa: E731
-    else:
-
-        def generate(batch_prompt_ids, n=None, temperature=None):  # None: training's n and temperature
-            with unsharded(model, world_size):  # FSDP2: full weights while decoding, ranks stop at different steps
-                return hf_generate(model, batch_prompt_ids, args, eos_ids, pad_id, n, temperature)
-
-    if args.track and is_main:
-        import wandb
-
-        wandb.init(
-            project=args.wandb_project_name,
-            entity=args.wandb_entity,
-            config=asdict(args),
-            name=run["run_name"],
-            id=run["run_id"],
-            resume="allow",
-        )  # a resumed run continues its wandb run
-    metrics_path = os.path.join(args.output_dir, "metrics.jsonl")
-    if checkpoint_dir and is_main and os.path.exists(metrics_path):  # steps logged after the checkpoint are redone
-        kept = [line for line in open(metrics_path) if json.loads(line)["step"] <= global_step]
-        with open(metrics_path, "w") as f:
-            f.writelines(kept)
-    metrics_file = open(metrics_path, "a") if is_main else None
-    progress = tqdm(
-        total=args.max_steps, initial=global_step, desc="online_dpo", dynamic_ncols=True, disable=not is_main
-    )
-    prompts_per_rank = args.prompts_per_step // world_size
-
-    G = args.num_generations
-
-    def start_round():
-        """Draw the next prompts_per_step prompts (the same on every rank), keep this rank's share and start generating
-        them: in the background with --async-generation, else now. Returns (rows, the optimizer step of the weights that
-        generate them, a Future of ((completion ids, vLLM log-probs), seconds))."""
-        global prompts_consumed
-        rows = [next(prompts) for _ in range(args.prompts_per_step)][
-            rank * prompts_per_rank : (rank + 1) * prompts_per_rank
-        ]
-        prompts_consumed += args.prompts_per_step
-
-        def work():
-            t0 = time.perf_counter()
-            return generate([prompt_ids[i] for i in rows]), time.perf_counter() - t0
-
-        return rows, weights_version, future_of(work, background=args.async_generation)
-
-    def clock():  # phase timings: wait for the GPU's queued work so that each phase is charged its own time
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        return time.perf_counter()
-
-    def score(rows, completion_ids, n, prompt_ids=prompt_ids, columns=columns, conversational=conversational):
-        """The reward functions' scores (len(rows) * n, num_funcs) of n completions per prompt row (prompt-major): each
-        function gets the decoded completions and, by name, the rows' dataset columns (training set, or eval set)."""
-        texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
-        completions = [[{"role": "assistant", "content": t}] for t in texts] if conversational else texts
-        repeated = lambda values: [values[i] for i in rows for _ in range(n)]  # noqa: E731
-        reward_columns = {c: repeated(v) for c, v in columns.items()}
-        prompt_texts = {i: tokenizer.decode(prompt_ids[i]) for i in rows}
-        reward_columns.update(
-            prompts=repeated(prompt_texts),
-            completion_ids=completion_ids,
-            max_completion_length=args.max_completion_length,
-            **args.reward_kwargs,
-        )
-        return score_completions(reward_fns, completions, reward_columns)
-
-    def evaluate():
-        """Greedy (temperature 0) and, with --eval-num-generations k > 1, k sampled completions of every eval prompt,
-        from the run's generator (which must hold the current weights: the loop calls this right after the weight push),
-        scored by the reward functions. Each rank generates its share of the prompts, in calls of one training round's
-        size; the scores are gathered, so every rank returns the eval/... metrics of all prompts."""
-        t0 = time.perf_counter()
-        rows, real = rank_share(len(eval_prompt_ids), rank, world_size)
-        k = args.eval_num_generations
-        round_size = args.prompts_per_step // world_size * args.num_generations  # completions per generate call
-
-        def complete(n, temperature):  # this rank's rows, n completions each, prompt-major
-            size, ids = max(1, round_size // n), []
-            for start in range(0, len(rows), size):
-                ids += generate([eval_prompt_ids[i] for i in rows[start : start + size]], n, temperature)[0]
-            return ids
-
-        # HF sampling draws from the global RNG: fork it, so that training samples what it would without evaluation
-        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-            torch.manual_seed(args.seed + rank)
-            greedy_ids = complete(1, 0.0)
-            sampled_ids = complete(k, args.temperature) if k > 1 else None
-        eval_set = dict(prompt_ids=eval_prompt_ids, columns=eval_columns, conversational=eval_conversational)
-        greedy = score(rows, greedy_ids, 1, **eval_set)[:real]  # (real, num_funcs)
-        sampled = score(rows, sampled_ids, k, **eval_set).view(len(rows), k, -1)[:real] if k > 1 else None
-        lengths = torch.tensor([len(c) for c in greedy_ids[:real]], dtype=torch.float)
-        if world_size > 1:  # every rank's scores, in rank order: the prompts in order, as on one rank
-            parts = [None] * world_size
-            dist.all_gather_object(parts, (greedy, sampled, lengths))
-            greedy, lengths = torch.cat([p[0] for p in parts]), torch.cat([p[2] for p in parts])
-            sampled = torch.cat([p[1] for p in parts]) if k > 1 else None
-        metrics = eval_metrics(greedy, sampled, reward_weights, [fn.__name__ for fn in reward_fns])
-        metrics.update({"eval/num_prompts": len(greedy), "eval/completions/mean_length": lengths.mean().item()})
-        return {**metrics, "timing/eval": time.perf_counter() - t0}
-
-    def log_metrics(metrics, show):
-        """Rank 0: print the metrics line if `show`, append it to metrics.jsonl, send it to wandb."""
-        if not is_main:
-            return
-        if show:
-            tqdm.write(" | ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in metrics.items()))
-        metrics_file.write(json.dumps(metrics) + "\n")
-        metrics_file.flush()
-        if args.track:
-            wandb.log(metrics, step=metrics["step"])
-
-    weights_version = global_step  # the optimizer step whose weights the generator holds
-    next_round = None  # --async-generation: the round generating in the background while this one trains
-    if eval_dataset is not None and (global_step == 0 or args.max_steps == 0):  # the model before training
-        log_metrics({"step": global_step, **evaluate()}, show=True)
-    while global_step < args.max_steps:
-        round_start = time.perf_counter()
-        timing = defaultdict(float, {"timing/weight_sync": 0.0})
-        # prompts of the rounds before this one (a round generating in the background is drawn but not trained yet)
-        beta = beta_for_epoch(
-            args.beta, (prompts_consumed - (args.prompts_per_step if next_round else 0)) // len(prompt_ids)
-        )
-        # ALGO LOGIC: 1. sample prompts and generate G completions each. --async-generation: this step's round was
-        # generated during the last step, by the weights before it; the next round starts now, from the current
-        # weights, and generates while we train
-        rows, version, generation = next_round or start_round()
-        if args.async_generation:
-            next_round = start_round() if global_step + 1 < args.max_steps else None
-        t0 = time.perf_counter()
-        (completion_ids, _), timing["timing/generation"] = (
-            generation.result()
-        )  # prompt-major: completion k is rows[k // G]'s
-        timing["timing/generation_wait"] = time.perf_counter() - t0  # what generation costs the trainer
-        staleness = global_step - version  # optimizer steps between the sampling and the trained weights
-        if args.use_vllm:
-            vllm_utils.sleep(engine)  # sleep mode: vLLM's memory goes to training until the next generation
-        batch_prompts = [prompt_ids[i] for i in rows for _ in range(G)]
-        texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
-
-        # 2. score every completion: reward functions (their columns by name), or the reward model on prompt + completion
-        t0 = clock()
-        if reward_model is not None:
-            if conversational:
-                rm_prompts, rm_completions = [raw_prompts[i] for i in rows for _ in range(G)], texts
-            else:  # the decoded prompt and its exact continuation (decoding a completion alone may drop a leading space)
-                rm_prompts = tokenizer.batch_decode(batch_prompts, skip_special_tokens=True)
-                full = tokenizer.batch_decode(
-                    [p + c for p, c in zip(batch_prompts, completion_ids)], skip_special_tokens=True
-                )
-                rm_completions = [f[len(p) :] if f.startswith(p) else t for f, p, t in zip(full, rm_prompts, texts)]
-            rm_inputs = reward_model_inputs(reward_tokenizer, rm_prompts, rm_completions)
-            rewards_total = reward_model_scores(reward_model, rm_inputs, args.micro_batch_tokens, device)
-        else:
-            scores = score(rows, completion_ids, G)  # (len(rows) * G, num_funcs)
-            rewards_total = (scores * reward_weights).nansum(-1).masked_fill(scores.isnan().all(-1), float("nan"))
-        if args.missing_eos_penalty is not None:
-            rewards_total = apply_missing_eos_penalty(rewards_total, completion_ids, eos_ids, args.missing_eos_penalty)
-
-        timing["timing/scoring"] = clock() - t0
-
-        # 3. pair the best and the worst completion of each prompt
-        chosen, rejected, num_tied, num_unscorable = select_pairs(rewards_total, G)
-        num_pairs = len(chosen)
-        all_pairs = int(global_sum(num_pairs, world_size, device))  # every rank's pairs weigh the same in the loss
-
-        # 4. one optimizer step on the DPO loss, in micro-batches of whole pairs
-        logps = torch.zeros(num_pairs, 2, device=device)  # sequence log-probs of (chosen, rejected) under the policy
-        ref_logps = torch.zeros(num_pairs, 2, device=device)  # ... and under the reference model
-        t0 = clock()
-        if all_pairs:
-            model.train()
-            optimizer.zero_grad(set_to_none=True)
-            step_loss = 0.0
-            pair_prompt_lengths = [len(batch_prompts[c]) for c in chosen]
-            pair_lengths = [max(len(completion_ids[c]), len(completion_ids[r])) for c, r in zip(chosen, rejected)]
-            micro_batches = token_budget_batches(
-                range(num_pairs), pair_prompt_lengths, pair_lengths, args.micro_batch_tokens // 2
-            )
-            for mb in same_count_on_all_ranks(micro_batches, world_size, device):
-                padding_pass = mb is None  # only to keep FSDP's collectives in step with the other ranks
-                mb_rows = (
-                    [0, 0] if padding_pass else [chosen[j] for j in mb] + [rejected[j] for j in mb]
-                )  # k chosen, k rejected
-                mb_prompts, mb_completions = [batch_prompts[i] for i in mb_rows], [completion_ids[i] for i in mb_rows]
-                # (2k,) -> (2, k): row 0 the chosen completions, row 1 the rejected ones
-                with torch.no_grad(), torch.autocast(**autocast), unsharded(ref_model, world_size):
-                    ref = sequence_logprobs(
-                        ref_model, mb_prompts, mb_completions, args.temperature, device, pad_id
-                    ).view(2, -1)
-                with torch.autocast(**autocast):
-                    policy = sequence_logprobs(
-                        model, mb_prompts, mb_completions, args.temperature, device, pad_id
-                    ).view(2, -1)
-                losses = dpo_loss(policy[0], policy[1], ref[0], ref[1], beta, args.loss_type)  # (k,)
-                # every pair of every rank weighs 1 / all_pairs, however the pairs are micro-batched; FSDP averages
-                # gradients over ranks, hence x world_size
-                loss = losses.sum() / all_pairs * (0 if padding_pass else world_size)
-                loss.backward()
-                step_loss += loss.detach()  # summed on the device: no host sync per micro-batch
-                if not padding_pass:
-                    logps[mb], ref_logps[mb] = policy.detach().T, ref.T
-            t1 = clock()
-            timing["timing/forward_backward"] = t1 - t0  # the reference model's log-probs included
-            grad_norm = clip_gradients(model, args.max_grad_norm)
-            optimizer.step()
-            timing["timing/optimizer"] = clock() - t1
-        else:
-            skipped_steps += 1  # every prompt tied (or was unscorable): no pair, no update; the step still counts
-        scheduler.step()
-        global_step += 1
-        progress.update(1)
-
-        # 5. push the new weights to vLLM before the next generation round. --async-generation: once the round in
-        # flight is complete (on every rank), so that vLLM never switches weights in the middle of a round
-        if args.use_vllm and (all_pairs or engine.get("weights_asleep")):  # asleep: refill before generating
-            t0 = time.perf_counter()
-            if next_round is not None:
-                next_round[2].result()
-                if world_size > 1:
-                    dist.barrier()
-            t1 = time.perf_counter()
-            timing["timing/generation_wait"] += t1 - t0
-            vllm_utils.sync_weights(engine, model)
-            weights_version = global_step
-            timing["timing/weight_sync"] = time.perf_counter() - t1
-        if not args.use_vllm:
-            weights_version = global_step  # `generate` samples from the trained model itself
-
-        # 6. evaluate every --eval-steps steps and after the last one. Here the generator holds this step's weights and
-        # no request is in flight (--async-generation: step 5 waited for the next round before the push, and the round
-        # after it starts only at the top of the loop), so evaluation samples the current policy
-        evaluated = eval_dataset is not None and (global_step % args.eval_steps == 0 or global_step >= args.max_steps)
-        eval_results = evaluate() if evaluated else {}
-
-        # TRY NOT TO MODIFY: logging (TRL's metric names, over all ranks) and checkpoints
-        lengths = torch.tensor([len(c) for c in completion_ids], dtype=torch.float)
-        clipped = torch.tensor([not (c and c[-1] in eos_ids) for c in completion_ids], dtype=torch.float)
-        reward_scores = scores if reward_model is None else torch.zeros(len(completion_ids), 0)
-        pair_rewards = (
-            torch.stack([rewards_total[chosen], rewards_total[rejected]], -1) if num_pairs else torch.zeros(0, 2)
-        )
-        pair_logps = torch.stack(
-            [logps.cpu(), ref_logps.cpu()], -1
-        )  # (num_pairs, 2, 2): (chosen, rejected) x (policy, ref)
-        counts = torch.tensor([num_tied, num_unscorable, len(rows)], dtype=torch.float)
-        if world_size > 1:
-            gathered = [None] * world_size
-            dist.all_gather_object(
-                gathered, (rewards_total, reward_scores, lengths, clipped, pair_rewards, pair_logps, counts)
-            )
-            rewards_total, reward_scores, lengths, clipped, pair_rewards, pair_logps = (
-                torch.cat([g[i] for g in gathered]) for i in range(6)
-            )
-            counts = sum(g[6] for g in gathered)
-            if all_pairs:
-                dist.all_reduce(step_loss)
-        metrics = {
-            "step": global_step,
-            "beta": beta,
-            "learning_rate": scheduler.get_last_lr()[0],
-            "objective/scores": rewards_total.nanmean().item(),
-            "frac_tied": (counts[0] / counts[2]).item(),
-            "frac_unscorable": (counts[1] / counts[2]).item(),
-            "num_pairs": all_pairs,
-            "skipped_steps": skipped_steps,
-            "completions/mean_length": lengths.mean().item(),
-            "completions/clipped_ratio": clipped.mean().item(),
-            **timing,
-            "sampling/staleness": staleness,
-        }
-        if device.type == "cuda":
-            metrics["memory/peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
-        for k, fn in enumerate(reward_fns):
-            metrics[f"scores/{fn.__name__}/mean"] = reward_scores[:, k].nanmean().item()
-        if all_pairs:
-            logps, ref_logps = pair_logps[..., 0], pair_logps[..., 1]  # (all_pairs, 2): chosen, rejected
-            implicit = beta * (logps - ref_logps)  # DPO's implicit rewards of chosen, rejected
-            metrics.update(
-                {
-                    "loss": step_loss.item() / world_size,
-                    "grad_norm": grad_norm.item(),
-                    "rewards/chosen": implicit[:, 0].mean().item(),
-                    "rewards/rejected": implicit[:, 1].mean().item(),
-                    "rewards/margins": (implicit[:, 0] - implicit[:, 1]).mean().item(),
-                    "rewards/accuracies": (implicit[:, 0] > implicit[:, 1]).float().mean().item(),
-                    "logps/chosen": logps[:, 0].mean().item(),
-                    "logps/rejected": logps[:, 1].mean().item(),
-                    "objective/scores_margin": (pair_rewards[:, 0] - pair_rewards[:, 1]).mean().item(),
-                    "kl": (logps - ref_logps)
-                    .mean()
-                    .item(),  # per sampled completion: sum over its tokens of log pi - log pi_ref
-                }
-            )
-        metrics["step_time"] = time.perf_counter() - round_start
-        metrics.update(eval_results)
-        if is_main:
-            progress.set_postfix(
-                score=f"{metrics['objective/scores']:.3f}", kl=f"{metrics.get('kl', 0):.3f}", pairs=all_pairs
-            )
-            if args.log_completions and global_step % args.logging_steps == 0:  # rank 0's rows
-                log_completions(
-                    tokenizer,
-                    batch_prompts,
-                    completion_ids,
-                    rewards_total,
-                    args.log_completions,
-                    global_step,
-                    args.track,
-                )
-        log_metrics(metrics, show=global_step % args.logging_steps == 0 or evaluated)
-        preempted = global_sum(preemption.is_set(), world_size, device) > 0 and global_step < args.max_steps  # SIGTERM
-        if preempted or (args.save_steps and global_step % args.save_steps == 0 and global_step < args.max_steps):
-            model_state, optimizer_state = full_state(model, optimizer, world_size)  # every rank takes part
-            rng = (torch.get_rng_state(), torch.cuda.get_rng_state() if device.type == "cuda" else None)
-            rng_states = [rng] * world_size
-            if world_size > 1:
-                dist.all_gather_object(rng_states, rng)
-
-            def write_checkpoint(tmp):
-                model.save_pretrained(tmp, state_dict=model_state)
-                tokenizer.save_pretrained(tmp)
-                torch.save(
-                    {
-                        "optimizer": optimizer_state,
-                        "scheduler": scheduler.state_dict(),
-                        "global_step": global_step,
-                        # a round generated in the background is not trained yet: a resume generates it again
-                        "prompts_consumed": prompts_consumed - (args.prompts_per_step if next_round else 0),
-                        "skipped_steps": skipped_steps,
-                        "torch_rng": [r[0] for r in rng_states],
-                        "cuda_rng": [r[1] for r in rng_states] if device.type == "cuda" else None,
-                    },
-                    os.path.join(tmp, "trainer_state.pt"),
-                )
-                write_json(
-                    os.path.join(tmp, "run.json"), {**run, "script": "online_dpo.py", "global_step": global_step}
-                )
-
-            if is_main:
-                save_atomically(os.path.join(args.output_dir, f"checkpoint-{global_step}"), write_checkpoint)
-                for old in (
-                    run_checkpoints(args.output_dir, run["run_id"])[: -args.save_total_limit]
-                    if args.save_total_limit
-                    else []
-                ):
-                    shutil.rmtree(old)  # this run's older checkpoints only, never another run's
-            if preempted:
-                if is_main:
-                    print(
-                        f"SIGTERM: wrote checkpoint-{global_step} and stopped; the same command with "
-                        f"--resume-from-checkpoint latest continues the run",
-                        flush=True,
-                    )
-                    if args.track:
-                        wandb.mark_preempting()
-                if world_size > 1:
-                    dist.destroy_process_group()
-                sys.exit(143)  # 128 + SIGTERM: stopped, not finished
-
-    # final model + tokenizer, loadable with from_pretrained(output_dir); --max-steps 0 only evaluated: nothing to save
-    progress.close()
-    model_state = full_state(model, None, world_size)[0] if args.max_steps else None
-    if is_main:
-        if args.max_steps:
-            save_final(args.output_dir, model, tokenizer, model_state)
-            print(f"saved the final model to {args.output_dir}")
-        metrics_file.close()
-        if args.track:
-            wandb.finish()
-    if output_lock is not None:
-        os.close(output_lock)  # the run is over: the directory is free for the next one
-    if world_size > 1:
-        dist.destroy_process_group()
+    train(parse_args())

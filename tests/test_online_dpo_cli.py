@@ -3,13 +3,16 @@ all-tied steps, a reward model, clear errors, and learning on the bundled storie
 
 import json
 import os
+import runpy
 import shutil
+import sys
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForSequenceClassification
 
-from grpo_cli import STORIES, STORIES_TASK, Process, check, read_metrics, run_script, write_jsonl
+import rewards
+from grpo_cli import ROOT, STORIES, STORIES_TASK, Process, check, read_metrics, run_script, write_jsonl
 
 PROMPTS = [
     "Once upon a time, there was a little girl named Lily.",
@@ -125,7 +128,7 @@ def test_train_save_resume_and_beta_schedule(tmp_path, stories_jsonl):
         "logps/chosen",
         "logps/rejected",
         "objective/scores_margin",
-        "kl",
+        "kl/k1_sequence_sum",
     ):
         assert key in trained[0], key
     for key in (
@@ -147,7 +150,11 @@ def test_train_save_resume_and_beta_schedule(tmp_path, stories_jsonl):
         assert 0 <= m["rewards/accuracies"] <= 1
     # step 1 (which has a pair with this seed) runs before any update: the policy is the reference, z = 0, loss log 2
     assert metrics[0]["num_pairs"] > 0 and metrics[0]["loss"] == pytest.approx(0.693147, abs=1e-6)
-    assert metrics[0]["kl"] == 0 and metrics[0]["rewards/margins"] == 0 and metrics[0]["rewards/accuracies"] == 0
+    assert (
+        metrics[0]["kl/k1_sequence_sum"] == 0
+        and metrics[0]["rewards/margins"] == 0
+        and metrics[0]["rewards/accuracies"] == 0
+    )
 
     # a crash after step 5's checkpoint: drop step 6's metrics line and resume from the newest checkpoint
     final_weights = {n: p.clone() for n, p in model.state_dict().items()}
@@ -167,7 +174,7 @@ def test_train_save_resume_and_beta_schedule(tmp_path, stories_jsonl):
         "completions/mean_length",
         "loss",
         "grad_norm",
-        "kl",
+        "kl/k1_sequence_sum",
     ):
         if key in metrics[5]:  # the pair metrics are absent when every prompt tied
             assert resumed[5][key] == pytest.approx(metrics[5][key], rel=1e-4), key
@@ -209,7 +216,7 @@ def test_micro_batches_give_the_same_step(tmp_path, stories_jsonl, reward_model_
         assert a1[key] == pytest.approx(b1[key], rel=1e-5, abs=1e-6), key
     # step 2 is scored on a model updated with that gradient: still the same (up to float summation order)
     assert a2["num_pairs"] == b2["num_pairs"] and a2["objective/scores"] == b2["objective/scores"]
-    for key in ("loss", "grad_norm", "kl"):
+    for key in ("loss", "grad_norm", "kl/k1_sequence_sum"):
         assert a2[key] == pytest.approx(b2[key], rel=1e-3, abs=1e-5), key
 
 
@@ -269,6 +276,33 @@ def test_chat_prompts_reward_model_and_missing_eos_penalty(tmp_path, reward_mode
         assert m["completions/clipped_ratio"] > 0.5
         assert m["objective/scores"] == pytest.approx(-100 * m["completions/clipped_ratio"], abs=5)
         assert "loss" in m and not any(k.startswith("scores/") for k in m)
+
+
+@pytest.mark.parametrize("messages", [False, True])
+def test_reward_functions_get_chat_messages_only_for_chat_prompts(tmp_path, monkeypatch, messages):
+    """TRL's rule: completions reach the reward functions as chat messages only when the dataset's prompts are chat
+    messages. Plain-text prompts that --use-chat-template wraps in the policy's template give plain strings."""
+    policy = tmp_path / "policy"
+    shutil.copytree(STORIES, policy)
+    tokenizer = AutoTokenizer.from_pretrained(policy)
+    tokenizer.chat_template = "{{ bos_token }}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    tokenizer.save_pretrained(policy)
+    rows = [{"prompt": [{"role": "user", "content": p}] if messages else p} for p in PROMPTS]
+    data = write_jsonl(tmp_path / "data.jsonl", rows)
+    received = []
+
+    def record_types(completions, **kwargs):
+        received.extend(type(c).__name__ for c in completions)
+        return [0.0] * len(completions)
+
+    record_types.__module__ = "rewards"  # --reward-funcs takes the functions of rewards.py
+    monkeypatch.setattr(rewards, "record_types", record_types, raising=False)
+    args = [*SMALL, "--model-name-or-path", policy, "--use-chat-template", "--reward-funcs", "record_types"]
+    args += ["--dataset-name", data, "--output-dir", tmp_path / "run", "--max-steps", 1]
+    monkeypatch.setattr(sys, "argv", ["online_dpo.py", *map(str, args)])
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    runpy.run_path(str(ROOT / "online_dpo.py"), run_name="__main__")
+    assert received and set(received) == {"list" if messages else "str"}
 
 
 # ----------------------------------------------------------------------------------------------------------------
