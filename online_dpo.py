@@ -40,6 +40,7 @@ import textwrap
 import threading
 import time
 import uuid
+import warnings
 from collections import defaultdict
 from concurrent.futures import Future
 from contextlib import contextmanager
@@ -427,7 +428,9 @@ def train(args):
             timing["timing/optimizer"] = clock(device) - t1
         else:
             skipped_steps += 1  # every prompt tied (or was unscorable): no pair, no update; the step still counts
-        scheduler.step()
+        with warnings.catch_warnings():  # so the schedule moves on without an update, which PyTorch warns about
+            warnings.filterwarnings("ignore", r"Detected call of `lr_scheduler\.step\(\)` before")
+            scheduler.step()
         global_step += 1
         progress.update(1)
 
