@@ -92,7 +92,10 @@ ARGS = [*SMALL, "--use-vllm", "--vllm-mode", "server", "--seed", 3, "--max-compl
 @pytest.mark.parametrize("script", ["grpo.py", "rloo.py", "online_dpo.py"])
 @pytest.mark.parametrize("async_generation", [False, True])
 def test_async_generation_trains_on_rounds_one_step_behind(tmp_path, monkeypatch, data, script, async_generation):
-    server = StandInServer(monkeypatch)
+    # async: the 0.2 s delay keeps the next round in flight while the step trains, so that a push during it would be
+    # seen (with 0.05 s, a script that pushed without waiting went unnoticed in 1 of 3 online DPO runs); without
+    # --async-generation nothing trains during a round, and the version checks below are what can fail
+    server = StandInServer(monkeypatch, delay=0.2 if async_generation else 0.05)
     flag = "--async-generation" if async_generation else "--no-async-generation"
     run_in_process(
         script, monkeypatch, *ARGS, "--dataset-name", data, "--output-dir", tmp_path / "run", "--max-steps", 4, flag
