@@ -5,11 +5,13 @@ import contextlib
 import itertools
 import json
 import os
+import queue
 import signal
 import subprocess
 import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -145,9 +147,10 @@ def _prefork():
 
 class Process:
     """A command started by tests/prefork.py, with the parts of subprocess.Popen's interface that the tests use
-    (pid, poll, wait, communicate, send_signal, terminate, kill, returncode; text stdout and stderr)."""
+    (pid, poll, wait, communicate, send_signal, terminate, kill, returncode; text stdout and stderr). nice > 0: each
+    process in a session of its own at that lower CPU priority (Background)."""
 
-    def __init__(self, script, *args, nproc=0, timeout=600, preimport=()):
+    def __init__(self, script, *args, nproc=0, timeout=600, preimport=(), nice=0):
         self.args = [
             sys.executable,
             *(["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)] if nproc else []),
@@ -166,6 +169,7 @@ class Process:
                 "timeout": timeout,
                 "out": self._out.name,
                 "preimport": list(preimport),
+                "nice": nice,
             }
         )
         self.pids = self._server.reply(self._id, 0)["pids"]
@@ -213,6 +217,149 @@ class Process:
             if self.poll() is None:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
+
+
+class Background:
+    """Work whose outcome only some tests read (a learning run's metrics, a run under torchrun itself), started before
+    those tests come: conftest.py submits it when the session's first test starts, if a selected test needs it, and
+    puts those tests last. Most tests keep one of the two cores busy (one process, or ranks that wait on each other);
+    this work runs on what they leave idle, two jobs at a time in the order submitted, at the lowest CPU priority:
+    nice 19, in sessions of their own whose autogroup nice is 19 too (Linux's autogroup scheduling shares the CPU
+    between sessions first, and a process's nice counts only within its session), so that the running test keeps
+    both cores when it wants them. A test that asks for a job's result waits for it (starting it now if it was still
+    queued), and from then on the background runs at normal priority (hurry: root may raise priorities, others keep
+    them low), so that other programs on the machine do not starve it while nothing else of ours runs. A job is
+    `fn(background, *args)` in a thread of this process; its commands come from `process` or `popen`, so that close()
+    (end of session) kills those still running."""
+
+    def __init__(self, slots=2):
+        self.nice, self.jobs, self.processes, self._queue = 19, [], [], queue.Queue()
+        self._slots = threading.Semaphore(slots)
+        threading.Thread(target=self._run, daemon=True).start()
+
+    def _run(self):
+        while True:
+            job = self._queue.get()
+            self._slots.acquire()
+            if not job.start(release=self._slots.release):  # a test started it already
+                self._slots.release()
+
+    def submit(self, fn, *args):
+        job = _BackgroundJob(self, fn, args)
+        self.jobs.append(job)
+        self._queue.put(job)
+        return job
+
+    def process(self, script, *args, **kwargs):
+        """Process(script, *args, **kwargs) at the background's CPU priority."""
+        self.processes.append(Process(script, *args, nice=self.nice, **kwargs))
+        return self.processes[-1]
+
+    def popen(self, argv, **kwargs):
+        """subprocess.Popen(argv, **kwargs) at the background's CPU priority, in a session of its own (`nice` execs
+        argv: the pid is argv's)."""
+        process = subprocess.Popen(["nice", "-n", str(self.nice), *map(str, argv)], start_new_session=True, **kwargs)
+        self.processes.append(process)
+        if self.nice:
+            threading.Thread(target=self._lower_sessions, args=(process,), daemon=True).start()
+        return process
+
+    def _lower_sessions(self, process):
+        """The autogroup nice of the command's session and of those its children start (torchrun's workers do), set
+        as they appear, until the command ends or hurry() (tests/prefork.py sets its own children's)."""
+        lowered = set()
+        while process.poll() is None and self.nice:
+            for pid in process_tree(process.pid):
+                with contextlib.suppress(OSError):  # gone, or no autogroup in this kernel
+                    if pid not in lowered and os.getsid(pid) != os.getsid(0):
+                        with open(f"/proc/{pid}/autogroup", "w") as f:
+                            f.write(str(self.nice))
+                        lowered.add(pid)
+            time.sleep(0.2)
+
+    def _running(self):
+        """The processes of the commands still running, with their children (not the pids of ended ones: reused)."""
+        return [
+            pid
+            for process in self.processes
+            if process.poll() is None
+            for top in getattr(process, "pids", [process.pid])
+            for pid in process_tree(top)
+        ]
+
+    def hurry(self):
+        """Normal priority for the running commands, their children (torchrun's workers) and those still to come."""
+        if self.nice == 0:
+            return
+        self.nice = 0
+        for pid in self._running():
+            with contextlib.suppress(OSError):  # gone, or not ours to raise (not root): it keeps its nice
+                os.setpriority(os.PRIO_PROCESS, pid, 0)
+                if os.getsid(pid) != os.getsid(0):
+                    with open(f"/proc/{pid}/autogroup", "w") as f:
+                        f.write("0")
+
+    def close(self):
+        for pid in self._running():  # torchrun's workers too: they do not die with it
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+
+
+def process_tree(pid):
+    """pid and the processes below it (Linux: read from /proc)."""
+    children = {}
+    for entry in os.listdir("/proc"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            with open(f"/proc/{entry}/stat") as f:
+                children.setdefault(int(f.read().rsplit(")", 1)[1].split()[1]), []).append(int(entry))
+    tree, todo = [], [pid]
+    while todo:
+        tree.append(todo.pop())
+        todo += children.get(tree[-1], [])
+    return tree
+
+
+class _BackgroundJob:
+    def __init__(self, background, fn, args):
+        self._background, self._fn, self._args, self._lock = background, fn, args, threading.Lock()
+        self._started, self._done, self._value, self._error = False, threading.Event(), None, None
+
+    def start(self, release=None):
+        """Start the job in a thread, unless it started already (False); `release` is called once it ends."""
+        with self._lock:
+            if self._started:
+                return False
+            self._started = True
+        threading.Thread(target=self._work, args=(release,), daemon=True).start()
+        return True
+
+    def _work(self, release):
+        try:
+            self._value = self._fn(self._background, *self._args)
+        except BaseException as error:  # noqa: BLE001 -- raised again in the test that reads the result
+            self._error = error
+        finally:
+            self._done.set()
+            if release is not None:
+                release()
+
+    def result(self, timeout=900):
+        """The job's return value (or its exception, raised here), waiting for it; started now if still queued."""
+        self.start()
+        if not self._done.is_set():
+            self._background.hurry()
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"background job {self._fn.__name__} still running after {timeout} s")
+        if self._error is not None:
+            raise self._error
+        return self._value
+
+
+def background_run(background, script, *args, nproc=0):
+    """A Background job: `python SCRIPT ARGS` (or on NPROC ranks); its CompletedProcess, an assertion error with its
+    output unless it exited 0. The timeout is long: while the tests keep both cores busy, a niced command gets almost no
+    CPU."""
+    return check(background.process(script, *args, nproc=nproc, timeout=1800).result())
 
 
 def launch(script, *args, nproc=0, timeout=300, preimport=()):

@@ -3,14 +3,16 @@
 Starting `python grpo.py` costs 5-10 s of imports (torch, transformers, datasets, math_verify) before the script does
 anything, more than most CPU test runs themselves take. This process imports all of that once, then serves requests
 read from stdin, one JSON object per line: {"id": n, "argv": [script, *args], "cwd": ..., "env": {...}, "nproc": N,
-"timeout": s, "out": folder, "preimport": [modules]}. For each it forks N children (N = 0: one plain process). Each
-child is a fresh process that runs the script exactly as `python script args` would (runpy, `__name__ == "__main__"`,
-sys.argv, sys.path[0] = the script's folder, the request's environment and working directory), its stdout and stderr
-written to out/rankI.stdout and out/rankI.stderr, its exit status that of the interpreter: 0, SystemExit's code, or 1
-after an uncaught exception's traceback. N >= 1 launches the children as `torchrun --standalone --nproc_per_node N`
-launches its workers: the same rendezvous variables (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, ...),
-and when one worker fails the others are stopped. Commands run side by side; each gets two answers, one JSON line
-each: {"id": n, "pids": [...]} once started, {"id": n, "returncode": rc, "timed_out": bool} once ended.
+"timeout": s, "out": folder, "preimport": [modules], "nice": n}. For each it forks N children (N = 0: one plain
+process). Each child is a fresh process that runs the script exactly as `python script args` would (runpy, `__name__ ==
+"__main__"`, sys.argv, sys.path[0] = the script's folder, the request's environment and working directory), its stdout
+and stderr written to out/rankI.stdout and out/rankI.stderr, its exit status that of the interpreter: 0, SystemExit's
+code, or 1 after an uncaught exception's traceback; with "nice" > 0 (the tests' background runs, grpo_cli.Background)
+it starts a session of its own, lowered by that much in CPU priority (os.nice, and the session's autogroup nice).
+N >= 1 launches the children as `torchrun --standalone --nproc_per_node N` launches its workers: the same rendezvous
+variables (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, ...), and when one worker fails the others are
+stopped. Commands run side by side; each gets two answers, one JSON line each: {"id": n, "pids": [...]} once started,
+{"id": n, "returncode": rc, "timed_out": bool} once ended.
 Nothing here computes with torch before forking: the children start from imported modules only."""
 
 import json
@@ -54,9 +56,14 @@ except Exception:  # noqa: BLE001
     pass
 
 
-def run_child(argv, cwd, env, out, rank):
+def run_child(argv, cwd, env, out, rank, nice=0):
     """In the forked child: become `python argv...` and exit with its status. Never returns."""
-    os.setpgid(0, 0)  # its own process group, so that a timeout can stop whatever it started
+    if nice:  # a background command (grpo_cli.Background): a session of its own, low priority within it and among them
+        os.setsid()
+        os.nice(nice)
+        lower_session(nice)
+    else:
+        os.setpgid(0, 0)  # its own process group, so that a timeout can stop whatever it started
     die_with_parent()
     for fd, path, flags in (
         (0, os.devnull, os.O_RDONLY),
@@ -95,6 +102,16 @@ def run_child(argv, cwd, env, out, rank):
             os._exit(code & 0xFF if isinstance(code, int) else 1)
 
 
+def lower_session(nice):
+    """Linux's autogroup scheduling shares the CPU between sessions first (a process's nice counts only within its
+    session): the session's own nice, where the kernel has one."""
+    try:
+        with open("/proc/self/autogroup", "w") as f:
+            f.write(str(nice))
+    except OSError:
+        pass
+
+
 def die_with_parent():
     """Linux: killed when the parent process ends (pytest interrupted, the server killed) instead of running on."""
     try:
@@ -122,10 +139,14 @@ class Job:
             pid = os.fork()
             if pid == 0:
                 die_with_parent()
+                if request.get("nice"):
+                    os.setsid()
+                    os.nice(request["nice"])
+                    lower_session(request["nice"])
                 os.close(read_end)
                 for name in request["preimport"]:
                     __import__(name)
-                job = Job(dict(request, preimport=[]))
+                job = Job(dict(request, preimport=[], nice=0))  # this process is niced already
                 while (reply := job.poll()) is None:
                     time.sleep(0.02)
                 os.write(write_end, json.dumps(reply).encode())
@@ -156,7 +177,7 @@ class Job:
             child_env = dict(env, RANK=str(rank), LOCAL_RANK=str(rank), ROLE_RANK=str(rank)) if nproc else env
             pid = os.fork()
             if pid == 0:
-                run_child(argv, request["cwd"], child_env, request["out"], rank)
+                run_child(argv, request["cwd"], child_env, request["out"], rank, request.get("nice", 0))
             self.children[pid] = rank
         self.pids = list(self.children)  # in rank order
 

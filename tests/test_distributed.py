@@ -39,20 +39,14 @@ def test_two_ranks_take_the_same_step_as_one(tmp_path):
         assert any(g.abs().max() > 1e-3 for g in one[loss_type]["grads"].values())
 
 
-@pytest.mark.parametrize("script, real_torchrun", [("grpo.py", True), ("rloo.py", False), ("online_dpo.py", False)])
-def test_the_scripts_take_the_same_steps_on_two_ranks_as_on_one(tmp_path, script, real_torchrun):
-    """The scripts themselves, not a copy of their loop: `python SCRIPT` and `torchrun --nproc_per_node 2 SCRIPT` on
-    the same global batch end with the same weights. Each rank samples its own completions (seed + rank), so the data
-    is one prompt twice: with keyword "She" (about a third of its first tokens) and with "zzzqqq" (never). Completions
-    of 1 token (a single sampling step, whose random numbers for the first rows do not depend on the batch size) make
-    the "She" group, first in the 1-process batch and rank 0's share on 2 ranks, the same in both runs; the "zzzqqq"
-    group is all 0 in both, so it adds nothing to the gradient (zero advantage; no DPO pair) but still counts in the
-    normalisers, and rank 1 still takes part in every FSDP collective and owns half of every updated weight. GRPO and
-    RLOO take 2 optimizer steps on the round (--num-iterations 2: old log-probs, clipping). tests/dist_step.py adds
-    what this cannot show: every rank's rows weighted right when all of them carry signal, for every loss type."""
-    from itertools import islice
+SAME_STEPS_SCRIPTS = [("grpo.py", True), ("rloo.py", False), ("online_dpo.py", False)]  # (script, real torchrun)
 
-    from safetensors.torch import load_file
+
+def run_on_one_and_two_ranks(background, tmp_path, script, real_torchrun):
+    """The runs of test_the_scripts_take_the_same_steps_on_two_ranks_as_on_one: `python SCRIPT` (output tmp_path/one)
+    and `torchrun --nproc_per_node 2 SCRIPT` (tmp_path/two), torchrun itself if real_torchrun, on the same global
+    batch; a background job (conftest.py's same_steps_runs). Returns tmp_path and the two CompletedProcesses."""
+    from itertools import islice
 
     from grpo_cli import STORIES, write_jsonl
 
@@ -91,30 +85,42 @@ def test_the_scripts_take_the_same_steps_on_two_ranks_as_on_one(tmp_path, script
         "online_dpo.py": ["--max-steps", 1],
         "rloo.py": ["--num-iterations", 2, "--max-steps", 2, "--beta", 0],
     }[script]  # RLOO's KL-in-reward would reward rank 1's rows
-    one = launch(script, *args, "--output-dir", tmp_path / "one")
-    assert one.returncode == 0, one.stderr[-4000:]
+    one = background.process(script, *args, "--output-dir", tmp_path / "one", timeout=1800).result()
     if real_torchrun:
-        two = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "torch.distributed.run",
-                "--standalone",
-                "--nproc_per_node",
-                "2",
-                script,
-                *map(str, args),
-                "--output-dir",
-                str(tmp_path / "two"),
-            ],
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", script]
+        run = background.popen(
+            [*command, *args, "--output-dir", tmp_path / "two"],
             cwd=ROOT,
             env=ENV,
-            capture_output=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
             text=True,
-            timeout=300,
         )
+        stdout, stderr = run.communicate(timeout=1800)
+        two = subprocess.CompletedProcess(run.args, run.returncode, stdout, stderr)
     else:
-        two = torchrun(2, script, *args, "--output-dir", tmp_path / "two")
+        two = background.process(script, *args, "--output-dir", tmp_path / "two", nproc=2, timeout=1800).result()
+    return tmp_path, one, two
+
+
+@pytest.mark.parametrize("script, real_torchrun", SAME_STEPS_SCRIPTS)
+def test_the_scripts_take_the_same_steps_on_two_ranks_as_on_one(same_steps_runs, script, real_torchrun):
+    """The scripts themselves, not a copy of their loop: `python SCRIPT` and `torchrun --nproc_per_node 2 SCRIPT` on
+    the same global batch end with the same weights. Each rank samples its own completions (seed + rank), so the data
+    is one prompt twice: with keyword "She" (about a third of its first tokens) and with "zzzqqq" (never). Completions
+    of 1 token (a single sampling step, whose random numbers for the first rows do not depend on the batch size) make
+    the "She" group, first in the 1-process batch and rank 0's share on 2 ranks, the same in both runs; the "zzzqqq"
+    group is all 0 in both, so it adds nothing to the gradient (zero advantage; no DPO pair) but still counts in the
+    normalisers, and rank 1 still takes part in every FSDP collective and owns half of every updated weight. GRPO and
+    RLOO take 2 optimizer steps on the round (--num-iterations 2: old log-probs, clipping). tests/dist_step.py adds
+    what this cannot show: every rank's rows weighted right when all of them carry signal, for every loss type. The
+    runs (run_on_one_and_two_ranks above) start in the background with the session."""
+    from safetensors.torch import load_file
+
+    from grpo_cli import STORIES
+
+    tmp_path, one, two = same_steps_runs[script].result()
+    assert one.returncode == 0, one.stderr[-4000:]
     assert two.returncode == 0, two.stderr[-4000:]
     (m1,), (m2,) = (read_metrics(tmp_path / run) for run in ("one", "two"))
     if script == "online_dpo.py":

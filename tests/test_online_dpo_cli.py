@@ -411,23 +411,16 @@ LEARN = [
 
 
 @pytest.fixture(scope="module")
-def scores(tmp_path_factory):
-    """scores(lr): objective/scores of each step of `online_dpo.py LEARN --learning-rate lr`; both learning rates of
-    the tests below run side by side (a core each), started with the first call."""
-    root, runs = tmp_path_factory.mktemp("learn"), {}
+def scores(online_dpo_learning_run):
+    """scores(lr): objective/scores of each step of `online_dpo.py LEARN --learning-rate lr` (the conftest fixture runs
+    both learning rates of the tests below in the background from the session's start)."""
 
     def run(learning_rate):
-        if not runs:
-            for lr in (3e-4, 0.0):
-                runs[lr] = Process("online_dpo.py", *LEARN, "--learning-rate", lr, "--output-dir", root / f"lr{lr}")
-        check(runs[learning_rate].result())
-        metrics = read_metrics(root / f"lr{learning_rate}")
+        metrics = read_metrics(online_dpo_learning_run(learning_rate))
         assert [m["step"] for m in metrics] == list(range(1, 31))
         return [m["objective/scores"] for m in metrics]
 
-    yield run
-    for process in runs.values():
-        process.kill()
+    return run
 
 
 def test_score_rises(scores):

@@ -85,26 +85,25 @@ def test_sequence_policy_loss_gradient_is_reinforce_on_policy():
     assert logprobs.grad.tolist() == [[-2.0, -2.0], [1.0, 0.0]]
 
 
-def test_rloo_learns_on_cpu(tmp_path):
-    out = tmp_path / "run"
-    result = run_rloo(
-        *STORIES_TASK,
-        "--num-generations",
-        4,
-        "--prompts-per-step",
-        4,
-        "--learning-rate",
-        5e-4,
-        "--max-completion-length",
-        24,
-        "--max-steps",
-        30,
-        "--seed",
-        1,
-        "--output-dir",
-        out,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
+# learning: RLOO teaches stories260K to use the word "play"; the run (rloo_learning_run, conftest.py) starts in the
+# background with the session, with --learning-rate 5e-4
+LEARN = [
+    *STORIES_TASK,
+    "--num-generations",
+    4,
+    "--prompts-per-step",
+    4,
+    "--max-completion-length",
+    24,
+    "--max-steps",
+    30,
+    "--seed",
+    1,
+]
+
+
+def test_rloo_learns_on_cpu(rloo_learning_run):
+    out = rloo_learning_run(5e-4)  # the run exited 0
     metrics = [json.loads(line) for line in open(out / "metrics.jsonl")]
     rewards = [m["reward"] for m in metrics]
     first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5

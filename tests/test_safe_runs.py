@@ -375,12 +375,12 @@ def test_temporaries_of_dead_runs_are_removed_at_start(tmp_path, earlier_run, st
 # preemption: SIGTERM writes a checkpoint at the end of the step and exits; the run resumes from it
 
 
-def sigterm_after_two_steps(run, out):
+def sigterm_after_two_steps(run, out, timeout=180):
     """Send SIGTERM (what a cluster scheduler sends) once the run logged 2 steps; returns its (stdout, stderr)."""
     try:
-        wait_for_steps(run, out, 2)
+        wait_for_steps(run, out, 2, timeout)
         run.send_signal(signal.SIGTERM)
-        return run.communicate(timeout=120)
+        return run.communicate(timeout=max(120, timeout))
     finally:
         run.kill()
 
@@ -409,21 +409,30 @@ def test_sigterm_leaves_a_resumable_checkpoint(monkeypatch, tmp_path, stories_js
         assert len(runs) == 2 and all(name.endswith(f"-{run_id}") for name in runs), (runs, run_id)
 
 
-def test_sigterm_under_torchrun_stops_both_ranks_at_one_checkpoint(tmp_path, stories_jsonl):
-    # torchrun forwards SIGTERM to every worker; the ranks agree on the step (a collective), write one checkpoint, stop
+def sigterm_under_torchrun(background, tmp_path):
+    """The run of test_sigterm_under_torchrun_stops_both_ranks_at_one_checkpoint, a background job (conftest.py's
+    sigterm_under_torchrun_run): grpo.py under torchrun itself, sent SIGTERM through torchrun once it logged 2 steps.
+    Returns the output directory, the arguments and (stdout, stderr)."""
     out = tmp_path / "run"
-    common = [*SMALL, "--dataset-name", stories_jsonl, "--output-dir", out, "--prompts-per-step", 4]
+    data = write_jsonl(tmp_path / "stories.jsonl", [{"prompt": p, "keyword": "the"} for p in PROMPTS])
+    common = [*SMALL, "--dataset-name", data, "--output-dir", out, "--prompts-per-step", 4]
     env = dict(os.environ, WANDB_MODE="offline", OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "grpo.py"]
-    run = subprocess.Popen(
-        [*torchrun, *map(str, common), "--max-steps", "100000"],
+    run = background.popen(
+        [*torchrun, *common, "--max-steps", 100000],
         cwd=ROOT,
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
     )
-    stdout, stderr = sigterm_after_two_steps(run, out)
+    return out, common, sigterm_after_two_steps(run, out, timeout=1800)  # niced: slow while the tests use both cores
+
+
+def test_sigterm_under_torchrun_stops_both_ranks_at_one_checkpoint(sigterm_under_torchrun_run):
+    # torchrun forwards SIGTERM to every worker; the ranks agree on the step (a collective), write one checkpoint, stop.
+    # The run (sigterm_under_torchrun above) starts in the background with the session
+    out, common, (stdout, stderr) = sigterm_under_torchrun_run.result()
     steps = [m["step"] for m in read_metrics(out)]
     assert f"SIGTERM: wrote checkpoint-{steps[-1]} and stopped" in stdout, stderr[-3000:]
     assert sorted(d for d in os.listdir(out) if d.startswith("checkpoint")) == [f"checkpoint-{steps[-1]}"]
