@@ -1005,7 +1005,7 @@ class TokenLogprobs(torch.autograd.Function):
         device = hidden.device.type
         ctx.dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else weight.dtype
         ctx.config, ctx.temperature = config, temperature
-        z = TokenLogprobs.logits(hidden, weight, bias, ctx)
+        z = TokenLogprobs.logits(TokenLogprobs.head(hidden, weight, bias, ctx.dtype), ctx)
         lse = z.logsumexp(-1)
         logprobs = z.gather(-1, targets[:, None]).squeeze(-1) - lse
         ctx.save_for_backward(hidden, weight, bias, targets, lse)
@@ -1019,10 +1019,9 @@ class TokenLogprobs(torch.autograd.Function):
         return torch.nn.functional.linear(hidden.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype))
 
     @staticmethod
-    def logits(hidden, weight, bias, ctx, raw=None):
-        """z in float32: the LM head, the model's transform in the head's dtype (as its forward applies it), 1 / T."""
-        if raw is None:
-            raw = TokenLogprobs.head(hidden, weight, bias, ctx.dtype)
+    def logits(raw, ctx):
+        """z in float32 from the LM head's output: the model's transform in the head's dtype (as its forward applies
+        it), then 1 / T."""
         z = final_logits(raw, ctx.config).float()
         return z / ctx.temperature if ctx.temperature != 1 else z  # dividing by 1 would be two more passes
 
@@ -1031,9 +1030,10 @@ class TokenLogprobs(torch.autograd.Function):
         hidden, weight, bias, targets, lse = ctx.saved_tensors
         h, w = hidden.to(ctx.dtype), weight.to(ctx.dtype)
         raw = TokenLogprobs.head(h, w, bias, ctx.dtype)
-        plain = final_logits(raw, ctx.config) is raw and ctx.temperature == 1  # z = raw.float(): dz/draw is the cast
+        probe = raw[:0]  # no rows: whether the model transforms its logits, without a pass over them
+        plain = final_logits(probe, ctx.config) is probe and ctx.temperature == 1  # z = raw.float(): dz/draw: the cast
         with torch.enable_grad():  # otherwise autograd differentiates the elementwise transform (no parameters in it)
-            z = TokenLogprobs.logits(None, None, None, ctx, raw.requires_grad_(not plain))
+            z = TokenLogprobs.logits(raw.requires_grad_(not plain), ctx)
         grad = (z.sub_(lse[:, None]) if plain else z.detach() - lse[:, None]).exp_()  # softmax(z), in place if we may
         grad.mul_(-grad_logprobs[:, None])  # -g softmax(z) ...
         grad[torch.arange(len(targets), device=grad.device), targets] += grad_logprobs  # ... + g onehot(t)
