@@ -114,10 +114,11 @@ def colocate_generate(llm, prompt_ids, n, fields):
     """n completions per prompt from an in-process engine: (completion ids, sampled-token log-probs), prompt-major."""
     from vllm import SamplingParams
 
-    params = SamplingParams(n=n, logprobs=0, detokenize=False, **fields)  # no text: detokenizing here stalls decoding
+    # no text (detokenizing stalls decoding here) and flat log-probs (a dict and an object per token would too)
+    params = SamplingParams(n=n, logprobs=0, detokenize=False, flat_logprobs=True, **fields)
     outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], params, use_tqdm=False)
     samples = [sample for output in outputs for sample in output.outputs]
-    logprobs = [[step[token].logprob for token, step in zip(s.token_ids, s.logprobs)] for s in samples]
+    logprobs = [list(s.logprobs.logprobs) for s in samples]  # logprobs=0: the sampled token's only, one per position
     return [list(sample.token_ids) for sample in samples], logprobs
 
 

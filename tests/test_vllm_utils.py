@@ -845,20 +845,26 @@ def test_generate_takes_n_and_temperature_per_call(monkeypatch):
 
 def test_colocate_generation_asks_for_token_ids_and_logprobs_without_text():
     """The in-process engine detokenizes between decoding steps when asked to (vLLM's default): nothing here reads the
-    text, so colocate_generate turns it off; rows come back prompt-major with each sampled token's log-prob."""
+    text, so colocate_generate turns it off, and asks for vLLM's flat log-probs (no dict and object per token); rows
+    come back prompt-major with each sampled token's log-prob."""
+    from vllm.logprobs import FlatLogprobs, Logprob
+
     seen = {}
+
+    def sample(ids):
+        logprobs = FlatLogprobs()  # what the engine builds for flat_logprobs=True: one position per token
+        for t in ids:
+            logprobs.append({t: Logprob(logprob=-0.5 * t, rank=1, decoded_token=None)})
+        return SimpleNamespace(token_ids=ids, logprobs=logprobs)
 
     def generate(prompts, params, use_tqdm):
         seen.update(params=params, prompts=prompts)
-        sample = lambda ids: SimpleNamespace(  # noqa: E731
-            token_ids=ids, logprobs=[{t: SimpleNamespace(logprob=-0.5 * t)} for t in ids]
-        )
         return [SimpleNamespace(outputs=[sample([p["prompt_token_ids"][0], 7]), sample([8])]) for p in prompts]
 
     ids, logprobs = vllm_utils.colocate_generate(
         SimpleNamespace(generate=generate), [[1, 2], [3]], 2, {"temperature": 0.7, "max_tokens": 4}
     )
     params = seen["params"]
-    assert params.detokenize is False and params.n == 2 and params.logprobs == 0 and params.temperature == 0.7
-    assert seen["prompts"] == [{"prompt_token_ids": [1, 2]}, {"prompt_token_ids": [3]}]
+    assert params.detokenize is False and params.flat_logprobs and params.n == 2 and params.logprobs == 0
+    assert params.temperature == 0.7 and seen["prompts"] == [{"prompt_token_ids": [1, 2]}, {"prompt_token_ids": [3]}]
     assert ids == [[1, 7], [8], [3, 7], [8]] and logprobs == [[-0.5, -3.5], [-4.0], [-1.5, -3.5], [-4.0]]

@@ -6,7 +6,8 @@
 #   tensor parallel 2 (both models)
 # Each model's server boots on GPU 1 while its colocate runs use GPU 0. Results: OUT/*.json, OUT/results.json (all of
 # them), OUT/pytest.log, OUT/serve_*.log.  Usage (from the project root, after `source .gpu/setup.sh`):
-#   bash tests/gpu/run_issue14.sh OUT [all|dsv2|faults|qwen|tp2|qwen+tp2|faults+qwen+tp2]
+#   bash tests/gpu/run_issue14.sh OUT [all|dsv2|faults|qwen|tp2|qwen+tp2|faults+qwen+tp2|colocate]
+# (colocate: both models' colocate tests only, with and without sleep: what a 1-GPU host can run)
 # pytest gets ISSUE14_TIMEOUT s (default 520, then SIGINT: the session's server is stopped); what it cut can be run in
 # a second call by naming its part.
 set -u
@@ -25,8 +26,8 @@ TP2=("$R::test_tensor_parallel_2[dsv2]" "$R::test_tensor_parallel_2[qwen3moe]")
 case "${2:-all}" in  # a second call can run what the first one's timeout cut: e.g. `... OUT2 tp2`
   all) TESTS=("${DSV2[@]}" "${FAULTS[@]}" "${QWEN[@]}" "${TP2[@]}") ;;
   dsv2) TESTS=("${DSV2[@]}") ;; faults) TESTS=("${FAULTS[@]}") ;; qwen) TESTS=("${QWEN[@]}") ;; tp2) TESTS=("${TP2[@]}") ;;
-  qwen+tp2) TESTS=("${QWEN[@]}" "${TP2[@]}") ;; faults+qwen+tp2) TESTS=("${FAULTS[@]}" "${QWEN[@]}" "${TP2[@]}") ;;
-  *) echo "unknown part $2 (all, dsv2, faults, qwen, tp2, qwen+tp2, faults+qwen+tp2)"; exit 2 ;;
+  qwen+tp2) TESTS=("${QWEN[@]}" "${TP2[@]}") ;; colocate) TESTS=("${DSV2[@]:0:2}" "${QWEN[@]:0:2}") ;; faults+qwen+tp2) TESTS=("${FAULTS[@]}" "${QWEN[@]}" "${TP2[@]}") ;;
+  *) echo "unknown part $2 (all, dsv2, faults, qwen, tp2, qwen+tp2, faults+qwen+tp2, colocate)"; exit 2 ;;
 esac
 T0=$(date +%s)
 if [ ! -f "$VLLM_TEST_TINY_DIR/tiny-qwen3moe/config.json" ]; then
