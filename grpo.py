@@ -93,8 +93,6 @@ class Args:
     """run forward/backward under bfloat16 autocast on CUDA (ignored on the CPU)"""
     gradient_checkpointing: bool = False
     """recompute activations in the backward pass to save memory"""
-    torch_compile: bool = False
-    """torch.compile each decoder layer (fuses norms, activations and casts; the first steps pay for compiling)"""
     use_chat_template: bool = True
     """wrap plain-text prompts as a user message and apply the tokenizer's chat template (if it has one)"""
     system_prompt: str | None = None
@@ -679,9 +677,6 @@ def set_up(args):
             module.p = 0.0
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    if args.torch_compile:  # the layers share their code, so one compiled graph serves them all
-        for layer in model.base_model.layers:
-            layer.compile(dynamic=True)
     run.ref_model = None
     if args.beta > 0:  # the policy's dtype and compute (mixed precision included): the KL at step 1 is exactly 0
         run.ref_model = AutoModelForCausalLM.from_pretrained(

@@ -29,27 +29,33 @@ _restart = lambda model: f"Restart it as:\n  {serve_command(model)}"  # noqa: E7
 # Weights (what is sent, in which order, in which message format) and colocate: vllm.LLM in this process
 
 
-def _checkpoint_name(name):
-    # activation-checkpoint / FSDP wrappers insert these into names; vLLM knows the checkpoint names
-    return name.replace("_checkpoint_wrapped_module.", "").replace("_fsdp_wrapped_module.", "")
+def _checkpoint_tensors(name, tensor):
+    """(name, tensor) as vLLM's loaders know them: the checkpoint's. Wrappers' infixes go, and transformers 5's fused
+    MoE experts (mlp.experts.gate_up_proj [E, 2I, H], mlp.experts.down_proj [E, H, I]) split into the per-expert
+    mlp.experts.{e}.gate_proj / up_proj / down_proj.weight that save_pretrained writes (vLLM 0.26's DeepseekV2 loader
+    knows only those). Views, no copies; a meta tensor gives the shapes."""
+    name = name.replace("_checkpoint_wrapped_module.", "").replace("_fsdp_wrapped_module.", "")
+    prefix, _, leaf = name.rpartition(".")
+    if not (prefix.endswith("mlp.experts") and leaf in ("gate_up_proj", "down_proj") and tensor.ndim == 3):
+        return [(name, tensor)]
+    parts = dict(zip(("gate_proj", "up_proj"), tensor.chunk(2, dim=1))) if leaf == "gate_up_proj" else {leaf: tensor}
+    return [(f"{prefix}.{e}.{part}.weight", value[e]) for e in range(len(tensor)) for part, value in parts.items()]
 
 
 def named_weights(model, dtype=torch.bfloat16):
-    """(HF name, tensor) per parameter, cast to `dtype` (bf16 halves the bytes sent), tied ones once. A generator: with
-    FSDP2 each is gathered (a collective: all ranks iterate alike) only when reached, and dropped once consumed."""
+    """(checkpoint name, tensor) per parameter, cast to `dtype` (bf16 halves the bytes sent), tied ones once. A
+    generator: with FSDP2 each is gathered (a collective: all ranks iterate alike) only when reached, then dropped."""
     for name, param in model.named_parameters():
-        tensor = param.detach()
-        if hasattr(tensor, "full_tensor"):  # FSDP2 DTensor: gather the full parameter
-            tensor = tensor.full_tensor()
-        yield _checkpoint_name(name), tensor.to(dtype)
+        tensor = param.detach().full_tensor() if hasattr(param, "full_tensor") else param.detach()  # FSDP2: gather
+        yield from _checkpoint_tensors(name, tensor.to(dtype))
 
 
 def weight_metadata(model, dtype=torch.bfloat16):
     """The lists vLLM allocates its receive buffers from: exactly the tensors `named_weights` streams, in its order.
     Read from the parameters without gathering anything (an FSDP2 DTensor's shape is the full one)."""
-    params = list(model.named_parameters())
-    names, shapes = [_checkpoint_name(name) for name, _ in params], [list(param.shape) for _, param in params]
-    return {"names": names, "dtype_names": [str(dtype).removeprefix("torch.")] * len(params), "shapes": shapes}
+    meta = [x for n, p in model.named_parameters() for x in _checkpoint_tensors(n, torch.empty(p.shape, device="meta"))]
+    dtype_names = [str(dtype).removeprefix("torch.")] * len(meta)
+    return {"names": [n for n, _ in meta], "dtype_names": dtype_names, "shapes": [list(t.shape) for _, t in meta]}
 
 
 def vllm_version(version=None, who=None):
@@ -87,17 +93,16 @@ def colocate_engine(model_path, tensor_parallel_size=1, seed=0, **llm_args):
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if world_size % tensor_parallel_size:
         raise ValueError(f"--vllm-tensor-parallel-size {tensor_parallel_size} must divide the {world_size} processes")
+    os.environ.update({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", **os.environ})  # the environment's first
     if "MASTER_PORT" not in os.environ:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1"}.items():
-        os.environ.setdefault(key, value)
     from vllm import LLM
 
     fixed = {"distributed_executor_backend": "external_launcher", "logprobs_mode": "processed_logprobs"}
     llm_args = {"gpu_memory_utilization": 0.3, "dtype": "bfloat16", **llm_args, **fixed}
     if tensor_parallel_size > 1 and os.environ.get("NCCL_NVLS_ENABLE") == "0":
-        # With TP > 1, vLLM fuses all-reduce + RMSNorm through FlashInfer, whose default "mnnvl" workspace maps NVLink
-        # multicast memory. A host that switched multicast off (NCCL_NVLS_ENABLE=0) must not get it: plain all-reduce.
+        # TP > 1 fuses all-reduce + RMSNorm through FlashInfer, whose "mnnvl" workspace maps NVLink multicast memory:
+        # a host that switched multicast off (NCCL_NVLS_ENABLE=0) gets plain all-reduce.
         llm_args["compilation_config"] = {"pass_config": {"fuse_allreduce_rms": False}}
     seed += int(os.environ["RANK"]) // tensor_parallel_size  # ranks of one TP group must sample identically
     return LLM(model=model_path, tensor_parallel_size=tensor_parallel_size, seed=seed, **llm_args)
@@ -114,7 +119,7 @@ def colocate_generate(llm, prompt_ids, n, fields):
     """n completions per prompt from an in-process engine: (completion ids, sampled-token log-probs), prompt-major."""
     from vllm import SamplingParams
 
-    # no text (detokenizing stalls decoding here) and flat log-probs (a dict and an object per token would too)
+    # no text, flat log-probs: per-token strings, dicts and objects stall decoding in this process
     params = SamplingParams(n=n, logprobs=0, detokenize=False, flat_logprobs=True, **fields)
     outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], params, use_tqdm=False)
     samples = [sample for output in outputs for sample in output.outputs]
@@ -211,7 +216,7 @@ def check_same_model(server, model, model_path):
         config.update(served.get("hf_overrides") or {})
         with torch.device("meta"):
             params = transformers.AutoModelForCausalLM.from_config(config, **remote).named_parameters()
-            shapes = {key: list(param.shape) for key, param in params}
+            shapes = {n: list(t.shape) for key, param in params for n, t in _checkpoint_tensors(key, param)}
     except (OSError, ValueError, TypeError, KeyError):
         return print(f"vllm_utils: cannot build the served {name} here to compare it with the trainer's {model_path}")
     sent = dict(zip(*(weight_metadata(model)[key] for key in ("names", "shapes"))))
@@ -417,13 +422,11 @@ def start(args, model_path, max_prompt_length):
     engine["base_url"] = base_url = f"http://{args.vllm_server_host}:{args.vllm_server_port}"
     wait_for_server(base_url, args.vllm_server_timeout, model_path)
     engine["server"] = server = check_server(base_url, model_path)
-    if server["max_model_len"] and max_len > server["max_model_len"]:
-        raise ValueError(
-            f"the longest prompt ({max_prompt_length} tokens) + --max-completion-length "
-            f"{args.max_completion_length} exceeds the server's --max-model-len {server['max_model_len']}"
-        )
+    if (limit := server["max_model_len"]) and max_len > limit:
+        longest = f"the longest prompt ({max_prompt_length} tokens) + --max-completion-length"
+        raise ValueError(f"{longest} {args.max_completion_length} exceeds the server's --max-model-len {limit}")
     engine.update({key: getattr(args, key, default) for key, default in SERVER_OPTIONS.items()})
-    if _rank() == 0:  # with torchrun every rank generates through HTTP, rank 0 alone sends the weights
+    if os.environ.get("RANK", "0") == "0":  # with torchrun every rank generates over HTTP, rank 0 alone syncs
         check_gpu_not_shared(base_url)
         # the server's workers connect to this address: loopback for a local server, else this host's routable IP
         # (vLLM's get_ip honours VLLM_HOST_IP, the override for hosts with several interfaces)
@@ -465,10 +468,6 @@ def sleep(engine):
         engine["weights_asleep"] = engine["kv_asleep"] = True
 
 
-def _rank():
-    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-
-
 def sync_weights(engine, model):
     """Push the trainer's weights to vLLM after each optimizer step (every torchrun rank: FSDP2 gathers are collective).
     Colocate with sleep mode drops the gradients (the next step recomputes them) so that vLLM can map its memory."""
@@ -476,7 +475,7 @@ def sync_weights(engine, model):
         if not engine.get("model_checked"):  # on every rank, so that all stop together
             check_same_model(engine["server"], model, engine["model"])
             engine["model_checked"] = True
-        if _rank() == 0:
+        if os.environ.get("RANK", "0") == "0":
             sync = {"version": engine["server"]["version"], "timeout": engine["vllm_weight_sync_timeout"]}
             sync["buffer_bytes"] = engine["vllm_weight_sync_buffer_mb"] << 20
             if engine.get("group") is None:

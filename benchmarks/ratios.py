@@ -13,7 +13,6 @@ MODES = {
     "async": ("ours_async", "trl_server", "server"),
     "server_gradient_checkpointing": ("ours_lean", "trl_server", "server"),
     "colocate": ("ours_colocate", "trl_colocate", "colocate"),
-    "colocate_torch_compile": ("ours_compiled", "trl_colocate", "colocate"),
 }
 
 

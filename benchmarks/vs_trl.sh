@@ -6,8 +6,7 @@
 #   server:      bench-0.5b, trainer on GPU 0 and one `vllm serve` on GPU 1 shared by all runs (each pushes its own
 #                weights first): PAIR=1 runs TRL, ours, ours --async-generation, ours --gradient-checkpointing (the
 #                memory-lean setting, TRL's default); PAIR=2 the same in reverse order.
-#   colocate:    bench-0.5b on GPU 0, vLLM at 0.3 of the GPU, no sleep: PAIR=1 TRL, ours, ours --torch-compile;
-#                PAIR=2 the reverse (one call each).
+#   colocate:    bench-0.5b on GPU 0 (TRAIN_GPU), vLLM at 0.3 of the GPU, no sleep: TRL, ours, ours, TRL.
 #   learn_async: the addition task with SmolLM2-135M-Instruct, --async-generation, grpo.py / rloo.py / online_dpo.py
 #                (SCRIPTS="online_dpo" runs a subset; SERVE_GPU / TRAIN_GPU pick the GPUs, default 1 / 0).
 #   stop:        stop the `vllm serve` processes these phases started (colocate and learn_async expect a free GPU 1).
@@ -64,14 +63,12 @@ if [ "$PHASE" = server ]; then  # PAIR=1: TRL, ours, ours async; PAIR=2: the rev
   [ "$P" = 2 ] && trl trl_server_2 200 server 8001
 fi
 [ "$PHASE" = stop ] && stop_servers
-if [ "$PHASE" = colocate ]; then  # PAIR=1: TRL, ours, ours compiled; PAIR=2: the reverse order (one call each)
+if [ "$PHASE" = colocate ]; then
   export CUDA_VISIBLE_DEVICES=${TRAIN_GPU:-0}
-  P=${PAIR:-1}
-  [ "$P" = 1 ] && trl trl_colocate_1 200 colocate
-  [ "$P" = 2 ] && ours ours_compiled_2 240 grpo.py $BENCH --vllm-mode colocate --torch-compile
-  ours ours_colocate_$P 180 grpo.py $BENCH --vllm-mode colocate
-  [ "$P" = 1 ] && ours ours_compiled_1 240 grpo.py $BENCH --vllm-mode colocate --torch-compile
-  [ "$P" = 2 ] && trl trl_colocate_2 200 colocate
+  trl trl_colocate_1 200 colocate
+  ours ours_colocate_1 180 grpo.py $BENCH --vllm-mode colocate
+  ours ours_colocate_2 180 grpo.py $BENCH --vllm-mode colocate
+  trl trl_colocate_2 200 colocate
 fi
 if [ "$PHASE" = learn_async ]; then
   serve /tmp/smol 8000 --gpu-memory-utilization "${SERVER_MEM:-0.5}"; wait_server 8000

@@ -400,7 +400,7 @@ def test_every_rank_generates_through_the_server_and_only_rank_0_joins_the_weigh
     )  # an older Args: no vllm_group_port
     model = _tiny_llama()
     for rank in (1, 0):
-        monkeypatch.setattr(vllm_utils, "_rank", lambda: rank)
+        monkeypatch.setenv("RANK", str(rank))
         monkeypatch.setattr("vllm.utils.network_utils.get_ip", lambda: "10.0.0.1")
         engine = vllm_utils.start(args, "m", max_prompt_length=10)
         assert vllm_utils.generate(engine, [[5, 6]]) == ([[1]], [[-0.1]])
@@ -868,3 +868,33 @@ def test_colocate_generation_asks_for_token_ids_and_logprobs_without_text():
     assert params.detokenize is False and params.flat_logprobs and params.n == 2 and params.logprobs == 0
     assert params.temperature == 0.7 and seen["prompts"] == [{"prompt_token_ids": [1, 2]}, {"prompt_token_ids": [3]}]
     assert ids == [[1, 7], [8], [3, 7], [8]] and logprobs == [[-0.5, -3.5], [-4.0], [-1.5, -3.5], [-4.0]]
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v2", "qwen3_moe"])
+def test_moe_experts_are_sent_under_the_names_and_values_save_pretrained_writes(arch, tmp_path):
+    """transformers 5 fuses each MoE layer's experts into mlp.experts.gate_up_proj [E, 2I, H] / down_proj [E, H, I];
+    vLLM 0.26's DeepseekV2 loader knows only the checkpoint's per-expert tensors (on the GPU the fused names failed
+    with KeyError 'layers.1.mlp.experts.gate_up_proj'). What the trainer sends must be what save_pretrained writes:
+    the same names, shapes and values, and weight_metadata must announce exactly that."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM, DeepseekV2Config, Qwen3MoeConfig
+
+    common = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2)
+    common.update(intermediate_size=48, moe_intermediate_size=8, num_experts_per_tok=2, tie_word_embeddings=False)
+    if arch == "deepseek_v2":
+        config = DeepseekV2Config(**common, n_routed_experts=4, n_shared_experts=1, first_k_dense_replace=1)
+        config.update(dict(q_lora_rank=None, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8))
+    else:
+        config = Qwen3MoeConfig(**common, head_dim=16, num_experts=4, decoder_sparse_step=1, mlp_only_layers=[])
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).to(torch.bfloat16)
+    assert any(name.endswith("mlp.experts.gate_up_proj") for name, _ in model.named_parameters())  # fused here
+    model.save_pretrained(tmp_path)
+    saved = load_file(tmp_path / "model.safetensors")
+    sent = dict(vllm_utils.named_weights(model))
+    assert sorted(sent) == sorted(saved)
+    assert any(".mlp.experts.3.up_proj.weight" in name for name in sent)
+    for name, tensor in saved.items():
+        assert torch.equal(sent[name], tensor), name
+    meta = vllm_utils.weight_metadata(model)
+    assert meta["names"] == list(sent) and meta["shapes"] == [list(t.shape) for t in sent.values()]
