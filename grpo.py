@@ -1373,12 +1373,11 @@ def load_checkpoint(run, checkpoint_dir):
     model, optimizer, scheduler, device, rank = run.model, run.optimizer, run.scheduler, run.device, run.rank
     # mmap: pages of the full optimizer state are read as used, not all into every rank's memory (copy-on-write)
     state = torch.load(os.path.join(checkpoint_dir, "trainer_state.pt"), weights_only=False, mmap=True)
-    if run.world_size > 1:  # the full optimizer state, sharded like the weights (resume with the same number of ranks)
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
-        set_optimizer_state_dict(model, optimizer, state["optimizer"], options=StateDictOptions(full_state_dict=True))
-    else:
-        optimizer.load_state_dict(state["optimizer"])
+    # by parameter name (older checkpoints of one rank: by index); with several ranks sharded like the weights
+    full = StateDictOptions(full_state_dict=run.world_size > 1)
+    set_optimizer_state_dict(model, optimizer, state["optimizer"], options=full)
     scheduler.load_state_dict(state["scheduler"])
     torch.set_rng_state(state["torch_rng"][rank])
     if device.type == "cuda" and state.get("cuda_rng") is not None:  # GPU sampling; older checkpoints have none
@@ -1397,7 +1396,7 @@ def save_checkpoint(run, global_step, prompts_consumed):
     states, the prompts consumed) and run.json; then this run's checkpoints beyond --save-total-limit are deleted.
     Every rank calls this (gathering the weights is a collective); rank 0 writes."""
     args, world_size, cuda = run.args, run.world_size, run.device.type == "cuda"
-    model_state, optimizer_state = full_state(run.model, run.optimizer, world_size)
+    model_state, optimizer_state = full_state(run.model, run.optimizer)
     rng = (torch.get_rng_state(), torch.cuda.get_rng_state() if cuda else None)
     rng_states = gather_objects(rng, world_size)
     if not run.is_main:
@@ -1440,7 +1439,7 @@ def finish(run):
     save); then the output directory's lock and the process group are released."""
     args = run.args
     run.progress.close()
-    model_state = full_state(run.model, None, run.world_size)[0] if args.max_steps else None
+    model_state = full_state(run.model, None)[0] if args.max_steps else None
     if run.is_main:
         if args.max_steps:
             save_final(args.output_dir, run.model, run.tokenizer, model_state)
@@ -1467,11 +1466,9 @@ def replace_atomically(tmp, path):
         os.replace(tmp, path)
 
 
-def full_state(model, optimizer, world_size):
-    """Unsharded weights and optimizer state; with several ranks they are gathered onto rank 0's CPU (every rank must
-    call this: it is a collective), the other ranks get empty dicts."""
-    if world_size == 1:
-        return model.state_dict(), optimizer.state_dict() if optimizer is not None else None
+def full_state(model, optimizer):
+    """Unsharded weights and optimizer state (parameter names as keys) on the CPU, one way for one rank and for FSDP2
+    shards, which are gathered onto rank 0 (every rank must call this: a collective; the others get empty dicts)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)

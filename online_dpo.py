@@ -612,12 +612,11 @@ def load_checkpoint(checkpoint_dir, model, optimizer, scheduler, device, rank, w
     the schedule and this rank's RNG states. Returns (global_step, prompts_consumed, skipped_steps)."""
     # mmap: pages of the full optimizer state are read as used, not all into every rank's memory (copy-on-write)
     state = torch.load(os.path.join(checkpoint_dir, "trainer_state.pt"), weights_only=False, mmap=True)
-    if world_size > 1:  # the full optimizer state, sharded like the weights (resume with the same number of ranks)
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
-        set_optimizer_state_dict(model, optimizer, state["optimizer"], options=StateDictOptions(full_state_dict=True))
-    else:
-        optimizer.load_state_dict(state["optimizer"])
+    # by parameter name (older checkpoints of one rank: by index); with several ranks sharded like the weights
+    full = StateDictOptions(full_state_dict=world_size > 1)
+    set_optimizer_state_dict(model, optimizer, state["optimizer"], options=full)
     scheduler.load_state_dict(state["scheduler"])
     torch.set_rng_state(state["torch_rng"][rank])
     if device.type == "cuda" and state.get("cuda_rng") is not None:  # GPU sampling; older checkpoints have none
@@ -822,7 +821,7 @@ def write_metrics(metrics, show, metrics_file, track):
 def save_checkpoint(args, run, model, optimizer, scheduler, tokenizer, counters, device, world_size):
     """Write output_dir/checkpoint-N, N = counters["global_step"] (every rank takes part: the full state is gathered
     onto rank 0, which writes it atomically), then delete this run's checkpoints beyond --save-total-limit."""
-    model_state, optimizer_state = full_state(model, optimizer, world_size)
+    model_state, optimizer_state = full_state(model, optimizer)
     rng = (torch.get_rng_state(), torch.cuda.get_rng_state() if device.type == "cuda" else None)
     rng_states = [rng] * world_size
     if world_size > 1:
@@ -869,7 +868,7 @@ def stop_preempted(args, global_step, is_main, world_size):
 def finish(args, model, tokenizer, metrics_file, output_lock, is_main, world_size):
     """The final model + tokenizer, loadable with from_pretrained(output_dir) (--max-steps 0 only evaluated: nothing
     to save); then close the logs and free the output directory for the next run."""
-    model_state = full_state(model, None, world_size)[0] if args.max_steps else None
+    model_state = full_state(model, None)[0] if args.max_steps else None
     if is_main:
         if args.max_steps:
             save_final(args.output_dir, model, tokenizer, model_state)
@@ -1309,11 +1308,9 @@ def atomic_directory(path):
         os.replace(tmp, path)
 
 
-def full_state(model, optimizer, world_size):
-    """Unsharded weights and optimizer state; with several ranks they are gathered onto rank 0's CPU (every rank must
-    call this: it is a collective), the other ranks get empty dicts."""
-    if world_size == 1:
-        return model.state_dict(), optimizer.state_dict() if optimizer is not None else None
+def full_state(model, optimizer):
+    """Unsharded weights and optimizer state (parameter names as keys) on the CPU, one way for one rank and for FSDP2
+    shards, which are gathered onto rank 0 (every rank must call this: a collective; the others get empty dicts)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)

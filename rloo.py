@@ -683,12 +683,11 @@ def resume(checkpoint_dir, model, optimizer, scheduler, device, rank, world_size
     (global_step, prompts_consumed)."""
     # mmap: pages of the full optimizer state are read as used, not all into every rank's memory (copy-on-write)
     state = torch.load(os.path.join(checkpoint_dir, "trainer_state.pt"), weights_only=False, mmap=True)
-    if world_size > 1:  # the full optimizer state, sharded like the weights (resume with the same number of ranks)
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
-        set_optimizer_state_dict(model, optimizer, state["optimizer"], options=StateDictOptions(full_state_dict=True))
-    else:
-        optimizer.load_state_dict(state["optimizer"])
+    # by parameter name (older checkpoints of one rank: by index); with several ranks sharded like the weights
+    full = StateDictOptions(full_state_dict=world_size > 1)
+    set_optimizer_state_dict(model, optimizer, state["optimizer"], options=full)
     scheduler.load_state_dict(state["scheduler"])
     torch.set_rng_state(state["torch_rng"][rank])
     if device.type == "cuda" and state.get("cuda_rng") is not None:  # GPU sampling; older checkpoints have none
@@ -1365,7 +1364,7 @@ def save_checkpoint(
     schedule, step, prompts consumed, every rank's random states) and run.json; then only the newest
     --save-total-limit of this run's checkpoints are kept. Every rank calls it (gathering the state is a collective);
     rank 0 (run is None on the others) writes."""
-    model_state, optimizer_state = full_state(model, optimizer, world_size)
+    model_state, optimizer_state = full_state(model, optimizer)
     rng = (torch.get_rng_state(), torch.cuda.get_rng_state() if device.type == "cuda" else None)
     rng_states = [rng] * world_size
     if world_size > 1:
@@ -1405,7 +1404,7 @@ def stop_preempted(args, global_step, world_size):
 def finish(args, model, tokenizer, metrics_file, output_lock, world_size):
     """The final model + tokenizer in output_dir (not after --max-steps 0, which only evaluated), then close the
     metrics, wandb, the output directory's lock and the process group."""
-    model_state = full_state(model, None, world_size)[0] if args.max_steps else None
+    model_state = full_state(model, None)[0] if args.max_steps else None
     if metrics_file is not None:  # rank 0
         if args.max_steps:
             save_final(args.output_dir, model, tokenizer, model_state)
@@ -1421,11 +1420,9 @@ def finish(args, model, tokenizer, metrics_file, output_lock, world_size):
         dist.destroy_process_group()
 
 
-def full_state(model, optimizer, world_size):
-    """Unsharded weights and optimizer state; with several ranks they are gathered onto rank 0's CPU (every rank must
-    call this: it is a collective), the other ranks get empty dicts."""
-    if world_size == 1:
-        return model.state_dict(), optimizer.state_dict() if optimizer is not None else None
+def full_state(model, optimizer):
+    """Unsharded weights and optimizer state (parameter names as keys) on the CPU, one way for one rank and for FSDP2
+    shards, which are gathered onto rank 0 (every rank must call this: a collective; the others get empty dicts)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)

@@ -62,7 +62,7 @@ def step_and_record(name, script, model, optimizer):
         for n, p in model.named_parameters()
     }
     optimizer.step()
-    state, _ = script.full_state(model, None, world_size)
+    state, _ = script.full_state(model, None)
     results[name] = {"grads": grads, "weights": {k: v.clone() for k, v in state.items()}}
 
 
