@@ -275,7 +275,11 @@ class FakeLLM:
 
     def generate(self, prompts, params, use_tqdm=False):
         self.calls.append(("generate", len(prompts)))
-        sample = SimpleNamespace(token_ids=[7], logprobs=[{7: SimpleNamespace(logprob=-0.5)}])
+        from vllm.logprobs import Logprob, create_sample_logprobs
+
+        logprobs = create_sample_logprobs(params.flat_logprobs)  # as vLLM's engine builds them
+        logprobs.append({7: Logprob(logprob=-0.5, rank=1, decoded_token=None)})
+        sample = SimpleNamespace(token_ids=[7], logprobs=logprobs)
         return [SimpleNamespace(outputs=[sample] * params.n) for _ in prompts]
 
 
