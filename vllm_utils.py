@@ -119,7 +119,7 @@ def colocate_generate(llm, prompt_ids, n, fields):
     """n completions per prompt from an in-process engine: (completion ids, sampled-token log-probs), prompt-major."""
     from vllm import SamplingParams
 
-    # no text, flat log-probs: per-token strings, dicts and objects stall decoding in this process
+    # no text (detokenizing stalls decoding in this process: 3.4 vs 2.2 s a bench round) and flat log-probs (fewer objects)
     params = SamplingParams(n=n, logprobs=0, detokenize=False, flat_logprobs=True, **fields)
     outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], params, use_tqdm=False)
     samples = [sample for output in outputs for sample in output.outputs]
