@@ -17,21 +17,18 @@ class EchoLLM:
         self.seen = []
 
     def generate(self, prompts, params, use_tqdm=False):
+        from vllm.logprobs import Logprob, create_sample_logprobs
+
         self.seen.append([p["prompt_token_ids"] for p in prompts])
+
+        def sample(first, k):  # tokens [first, k] with log-probs -1, -2, as vLLM's engine builds them
+            logprobs = create_sample_logprobs(params.flat_logprobs)
+            for token, value in ((first, -1.0), (k, -2.0)):
+                logprobs.append({token: Logprob(logprob=value, rank=1, decoded_token=None)})
+            return SimpleNamespace(token_ids=[first, k], logprobs=logprobs)
+
         return [
-            SimpleNamespace(
-                outputs=[
-                    SimpleNamespace(
-                        token_ids=[p["prompt_token_ids"][0], k],
-                        logprobs=[
-                            {p["prompt_token_ids"][0]: SimpleNamespace(logprob=-1.0)},
-                            {k: SimpleNamespace(logprob=-2.0)},
-                        ],
-                    )
-                    for k in range(params.n)
-                ]
-            )
-            for p in prompts
+            SimpleNamespace(outputs=[sample(p["prompt_token_ids"][0], k) for k in range(params.n)]) for p in prompts
         ]
 
 
