@@ -695,13 +695,9 @@ def reward_function_scores(args, tokenizer, reward_fns, prompt_set, rows, comple
     completions = [[{"role": "assistant", "content": t}] for t in texts] if prompt_set.prompts_are_messages else texts
     repeated = lambda values: [values[i] for i in rows for _ in range(num_generations)]
     columns = {c: repeated(v) for c, v in prompt_set.columns.items()}
-    prompt_texts = {i: tokenizer.decode(prompt_set.prompt_ids[i]) for i in rows}
-    columns.update(
-        prompts=repeated(prompt_texts),
-        completion_ids=completion_ids,
-        max_completion_length=args.max_completion_length,
-        **args.reward_kwargs,
-    )
+    prompts = repeated({i: tokenizer.decode(prompt_set.prompt_ids[i]) for i in rows})
+    passed = dict(prompts=prompts, completion_ids=completion_ids, max_completion_length=args.max_completion_length)
+    columns.update(**passed, **args.reward_kwargs)  # a --reward-kwargs key that repeats one of these is a TypeError
     scores = torch.full((len(completions), len(reward_fns)), float("nan"))
     for k, fn in enumerate(reward_fns):
         try:
@@ -1708,10 +1704,7 @@ def claim_output_dir(args, script):
             run = {"run_id": uuid.uuid4().hex[:12], "run_name": f"{args.exp_name}__{args.seed}__{int(time.time())}"}
             atexit.register(forget_unstarted_run, out, run["run_id"], created)
         if run["run_id"] != owner.get("run_id"):
-            write_json(
-                os.path.join(out, "run.json"),
-                {**run, "script": script, "started": time.strftime("%Y-%m-%d %H:%M:%S"), "args": asdict(args)},
-            )
+            write_json(os.path.join(out, "run.json"), {**run, "script": script, "started": since, "args": asdict(args)})
         return run, checkpoint, lock
     except BaseException:
         if locked and lock_created:  # refused before writing anything: leave the directory as it was
