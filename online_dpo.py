@@ -838,11 +838,8 @@ def save_checkpoint(args, run, model, optimizer, scheduler, tokenizer, counters,
 def stop_preempted(args, global_step, is_main, world_size):
     """After SIGTERM's checkpoint: say how to continue, and exit with 143 (128 + SIGTERM: stopped, not finished)."""
     if is_main:
-        print(
-            f"SIGTERM: wrote checkpoint-{global_step} and stopped; the same command with "
-            f"--resume-from-checkpoint latest continues the run",
-            flush=True,
-        )
+        tip = "the same command with --resume-from-checkpoint latest continues the run"
+        print(f"SIGTERM: wrote checkpoint-{global_step} and stopped; {tip}", flush=True)
         if args.track:
             import wandb
 
