@@ -490,30 +490,26 @@ def train(args):
         if all_pairs:
             logprobs, ref_logprobs = pair_logprobs[..., 0], pair_logprobs[..., 1]  # (all_pairs, 2): chosen, rejected
             implicit = beta * (logprobs - ref_logprobs)  # DPO's implicit rewards of chosen, rejected
-            metrics.update(
-                {
-                    "loss": step_loss.item() / world_size,
-                    "grad_norm": grad_norm.item(),
-                    "rewards/chosen": implicit[:, 0].mean().item(),
-                    "rewards/rejected": implicit[:, 1].mean().item(),
-                    "rewards/margins": (implicit[:, 0] - implicit[:, 1]).mean().item(),
-                    "rewards/accuracies": (implicit[:, 0] > implicit[:, 1]).float().mean().item(),
-                    "logps/chosen": logprobs[:, 0].mean().item(),
-                    "logps/rejected": logprobs[:, 1].mean().item(),
-                    "objective/scores_margin": (pair_rewards[:, 0] - pair_rewards[:, 1]).mean().item(),
-                    # k1 = log pi - log pi_ref, summed over each paired completion's tokens, mean over the completions
-                    "kl/k1_sequence_sum": (logprobs - ref_logprobs).mean().item(),
-                }
-            )
+            metrics |= {
+                "loss": step_loss.item() / world_size,
+                "grad_norm": grad_norm.item(),
+                "rewards/chosen": implicit[:, 0].mean().item(),
+                "rewards/rejected": implicit[:, 1].mean().item(),
+                "rewards/margins": (implicit[:, 0] - implicit[:, 1]).mean().item(),
+                "rewards/accuracies": (implicit[:, 0] > implicit[:, 1]).float().mean().item(),
+                "logps/chosen": logprobs[:, 0].mean().item(),
+                "logps/rejected": logprobs[:, 1].mean().item(),
+                "objective/scores_margin": (pair_rewards[:, 0] - pair_rewards[:, 1]).mean().item(),
+                # k1 = log pi - log pi_ref, summed over each paired completion's tokens, mean over the completions
+                "kl/k1_sequence_sum": (logprobs - ref_logprobs).mean().item(),
+            }
         metrics["step_time"] = time.perf_counter() - round_start
         metrics.update(eval_results)
         if is_main:
             kl = metrics.get("kl/k1_sequence_sum", 0)
             progress.set_postfix(score=f"{metrics['objective/scores']:.3f}", kl=f"{kl:.3f}", pairs=all_pairs)
             if args.log_completions and global_step % args.logging_steps == 0:  # rank 0's rows
-                log_completions(
-                    tokenizer, batch_prompt_ids, completion_ids, rewards, args.log_completions, global_step, args.track
-                )
+                log_completions(args, tokenizer, batch_prompt_ids, completion_ids, rewards, global_step)
         write_metrics(metrics, global_step % args.logging_steps == 0 or evaluated, metrics_file, args.track)
         preempted = global_sum(preemption.is_set(), world_size, device) > 0 and global_step < args.max_steps  # SIGTERM
         if preempted or (args.save_steps and global_step % args.save_steps == 0 and global_step < args.max_steps):
@@ -693,24 +689,15 @@ def clock(device):
 def reward_function_scores(args, tokenizer, reward_fns, prompt_set, rows, completion_ids, num_generations):
     """The reward functions' scores (len(rows) * num_generations, num_funcs) of num_generations completions per prompt
     row (prompt-major): each function gets the decoded completions and, by name, the rows' dataset columns (training
-    set, or eval set). The completions are chat messages only when the dataset's prompts are (TRL's rule): plain-text
-    prompts that the chat template wraps give plain strings."""
+    set, or eval set); NaN where a function gave None. The completions are chat messages only when the dataset's prompts
+    are (TRL's rule): plain-text prompts that the chat template wraps give plain strings."""
     texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
     completions = [[{"role": "assistant", "content": t}] for t in texts] if prompt_set.prompts_are_messages else texts
     repeated = lambda values: [values[i] for i in rows for _ in range(num_generations)]
     columns = {c: repeated(v) for c, v in prompt_set.columns.items()}
-    prompt_texts = {i: tokenizer.decode(prompt_set.prompt_ids[i]) for i in rows}
-    columns.update(
-        prompts=repeated(prompt_texts),
-        completion_ids=completion_ids,
-        max_completion_length=args.max_completion_length,
-        **args.reward_kwargs,
-    )
-    return score_completions(reward_fns, completions, columns)
-
-
-def score_completions(reward_fns, completions, columns):
-    """Call each reward function; returns rewards (num_completions, num_funcs) with NaN where a function gave None."""
+    prompts = repeated({i: tokenizer.decode(prompt_set.prompt_ids[i]) for i in rows})
+    passed = dict(prompts=prompts, completion_ids=completion_ids, max_completion_length=args.max_completion_length)
+    columns.update(**passed, **args.reward_kwargs)  # a --reward-kwargs key that repeats one of these is a TypeError
     scores = torch.full((len(completions), len(reward_fns)), float("nan"))
     for k, fn in enumerate(reward_fns):
         try:
@@ -851,11 +838,8 @@ def save_checkpoint(args, run, model, optimizer, scheduler, tokenizer, counters,
 def stop_preempted(args, global_step, is_main, world_size):
     """After SIGTERM's checkpoint: say how to continue, and exit with 143 (128 + SIGTERM: stopped, not finished)."""
     if is_main:
-        print(
-            f"SIGTERM: wrote checkpoint-{global_step} and stopped; the same command with "
-            f"--resume-from-checkpoint latest continues the run",
-            flush=True,
-        )
+        tip = "the same command with --resume-from-checkpoint latest continues the run"
+        print(f"SIGTERM: wrote checkpoint-{global_step} and stopped; {tip}", flush=True)
         if args.track:
             import wandb
 
@@ -936,12 +920,8 @@ def load_prompts(args, dataset, tokenizer, max_context):
             f"--max-prompt-length {max_context - args.max_completion_length} to drop such prompts, or lower "
             f"--max-completion-length."
         )
-    return PromptSet(
-        [prompt_ids[i] for i in keep],
-        [prompts[i] for i in keep],
-        {c: [v[i] for i in keep] for c, v in columns.items()},
-        prompts_are_messages,
-    )
+    pick = lambda values: [values[i] for i in keep]
+    return PromptSet(pick(prompt_ids), pick(prompts), {c: pick(v) for c, v in columns.items()}, prompts_are_messages)
 
 
 def prompt_stream(num_prompts, seed, start=0):
@@ -986,14 +966,14 @@ def final_logits(logits, config):
 
 
 class TokenLogprobs(torch.autograd.Function):
-    """log pi(target) and the entropy (None unless asked) of one chunk of final hidden states, (n,) each, keeping no
-    vocabulary-wide tensor for the backward: the forward saves the hidden states and the log-sum-exp; the backward
-    recomputes the logits once and writes their gradient in one pass, d log pi(t) / dz = onehot(t) - softmax(z), where z
-    are the logits after the model's own transform and the temperature. (Log-softmax + gather under activation
-    checkpointing computes the same numbers with more vocabulary-wide passes: benchmarks/logprob_variants.py.)"""
+    """log pi(target) of one chunk of final hidden states, (n,), keeping no vocabulary-wide tensor for the backward:
+    the forward saves the hidden states and the log-sum-exp; the backward recomputes the logits once and writes their
+    gradient in one pass, d log pi(t) / dz = onehot(t) - softmax(z), where z are the logits after the model's own
+    transform and the temperature. (Log-softmax + gather under activation checkpointing computes the same numbers with
+    more vocabulary-wide passes: benchmarks/logprob_variants.py.)"""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, config, temperature, with_entropy):
+    def forward(ctx, hidden, weight, bias, targets, config, temperature):
         # the LM head computes in autocast's dtype when autocast is on, as the model's own forward would
         device = hidden.device.type
         ctx.dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else weight.dtype
@@ -1002,10 +982,7 @@ class TokenLogprobs(torch.autograd.Function):
         lse = z.logsumexp(-1)
         logprobs = z.gather(-1, targets[:, None]).squeeze(-1) - lse
         ctx.save_for_backward(hidden, weight, bias, targets, lse)
-        if not with_entropy:
-            return logprobs, None
-        z = z.sub_(lse[:, None])  # log softmax(z), in place: the entropy is -sum_v p_v log p_v
-        return logprobs, -z.exp().mul_(z).sum(-1)
+        return logprobs
 
     @staticmethod
     def head(hidden, weight, bias, dtype):
@@ -1019,7 +996,7 @@ class TokenLogprobs(torch.autograd.Function):
         return z / ctx.temperature if ctx.temperature != 1 else z  # dividing by 1 would be two more passes
 
     @staticmethod
-    def backward(ctx, grad_logprobs, _grad_entropy):  # the entropy is a metric: no gradient flows from it
+    def backward(ctx, grad_logprobs):
         hidden, weight, bias, targets, lse = ctx.saved_tensors
         h, w = hidden.to(ctx.dtype), weight.to(ctx.dtype)
         raw = TokenLogprobs.head(h, w, bias, ctx.dtype)
@@ -1032,7 +1009,7 @@ class TokenLogprobs(torch.autograd.Function):
         grad[torch.arange(len(targets), device=grad.device), targets] += grad_logprobs  # ... + g onehot(t)
         grad = grad.to(ctx.dtype) if plain else torch.autograd.grad(z, raw, grad)[0]
         grad_bias = grad.sum(0).to(bias.dtype) if bias is not None else None
-        return (grad @ w).to(hidden.dtype), (grad.T @ h).to(weight.dtype), grad_bias, None, None, None, None
+        return (grad @ w).to(hidden.dtype), (grad.T @ h).to(weight.dtype), grad_bias, None, None, None
 
 
 def per_token_logprobs(
@@ -1059,7 +1036,7 @@ def per_token_logprobs(
     hidden, targets = hidden[mask], targets[mask]  # (n_tokens, H), (n_tokens,)
     lm_head = model.get_output_embeddings()
     pieces = [
-        TokenLogprobs.apply(h, lm_head.weight, lm_head.bias, t, model.config, temperature, False)[0]
+        TokenLogprobs.apply(h, lm_head.weight, lm_head.bias, t, model.config, temperature)
         for h, t in zip(hidden.split(chunk_tokens), targets.split(chunk_tokens))
     ]
     logprobs = torch.zeros(mask.shape, device=input_ids.device)
@@ -1196,11 +1173,8 @@ def hf_generate(model, prompt_ids, args, eos_ids, pad_id, n=None, temperature=No
     model_config, model.generation_config = model.generation_config, config
     try:
         with torch.autocast(model.device.type, torch.bfloat16, enabled=args.bf16 and model.device.type == "cuda"):
-            out = model.generate(
-                input_ids=input_ids[:, :P],  # the prompts (collate adds one padding column for the completions)
-                attention_mask=attention_mask[:, :P],
-                generation_config=config,
-            )
+            # the prompts only: collate adds one padding column for the completions
+            out = model.generate(input_ids[:, :P], attention_mask=attention_mask[:, :P], generation_config=config)
     finally:
         model.generation_config = model_config
     cut = lambda row: row[: next((t + 1 for t, token in enumerate(row) if token in eos_ids), len(row))]
@@ -1273,15 +1247,16 @@ def eval_metrics(greedy, sampled, reward_weights, names):
     return metrics
 
 
-def log_completions(tokenizer, prompt_ids, completion_ids, rewards, count, step, track):
-    """--log-completions: print `count` (prompt, completion, reward) rows of the step, one short line each, and with
-    --track log them to wandb as a table (TRL's "completions" table)."""
+def log_completions(args, tokenizer, prompt_ids, completion_ids, rewards, step):
+    """Print the step's first --log-completions (prompt, completion, reward) rows, one short line each, and with --track
+    log them to wandb as a table (TRL's "completions" table)."""
     decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
+    count = args.log_completions
     rows = [[step, decode(p), decode(c), r] for p, c, r in zip(prompt_ids[:count], completion_ids, rewards.tolist())]
     for _, prompt, completion, reward in rows:
         short = lambda text: textwrap.shorten(text, 70, placeholder=" ...") or repr(text)
         tqdm.write(f"  reward {reward:.3g} | {short(prompt)} => {short(completion)}")
-    if track:
+    if args.track:
         import wandb
 
         table = wandb.Table(columns=["step", "prompt", "completion", "reward"], data=rows)
@@ -1676,16 +1651,11 @@ def claim_output_dir(args, script):
         if checkpoint == "latest":
             checkpoint = run_checkpoints(out, owner.get("run_id"))[-1:]
             if not checkpoint:
-                others = [f for f in files if f.startswith("checkpoint-")]
+                others = ", ".join(f for f in files if f.startswith("checkpoint-"))
+                tip = f" ({others} are another run's: pass one's path to --resume-from-checkpoint to continue that run)"
                 raise SystemExit(
-                    f"error: --resume-from-checkpoint latest: no checkpoint-N directory in {out} of the run "
-                    f"that owns it"
-                    + (
-                        f" ({', '.join(others)} are another run's: pass one's path to "
-                        f"--resume-from-checkpoint to continue that run)"
-                        if others
-                        else ""
-                    )
+                    f"error: --resume-from-checkpoint latest: no checkpoint-N directory in {out} of the run that "
+                    f"owns it{tip if others else ''}"
                 )
             checkpoint = checkpoint[0]
         resumed = (read_json(os.path.join(checkpoint, "run.json")) or {}) if checkpoint else {}
@@ -1697,17 +1667,15 @@ def claim_output_dir(args, script):
         if files and not (checkpoint and resumed.get("run_id") == owner.get("run_id")):
             if not args.overwrite_output_dir:
                 listed = ", ".join(files[:5]) + (f" and {len(files) - 5} more" if len(files) > 5 else "")
+                whose = f"files that are not this run's ({listed})"
+                if owner.get("script"):
+                    whose = f"another run's files ({listed}; a {owner['script']} run started {owner['started']})"
                 raise SystemExit(
-                    f"error: --output-dir {out} holds "
-                    + (
-                        f"another run's files ({listed}; a {owner['script']} run started {owner['started']}). "
-                        if owner.get("script")
-                        else f"files that are not this run's ({listed}). "
-                    )
-                    + "A new run there would replace its model and mix its metrics and checkpoints with this one's. To "
-                    "continue that run, pass --resume-from-checkpoint latest (or a checkpoint's path); to start a new "
-                    "run there anyway, pass --overwrite-output-dir (its metrics.jsonl and final model are replaced, "
-                    "its checkpoints are kept and never resumed or deleted by the new run); or pass another --output-dir."
+                    f"error: --output-dir {out} holds {whose}. A new run there would replace its model and mix its "
+                    "metrics and checkpoints with this one's. To continue that run, pass --resume-from-checkpoint "
+                    "latest (or a checkpoint's path); to start a new run there anyway, pass --overwrite-output-dir "
+                    "(its metrics.jsonl and final model are replaced, its checkpoints are kept and never resumed or "
+                    "deleted by the new run); or pass another --output-dir."
                 )
             for name in ("metrics.jsonl", "config.json"):  # a new metrics file; no complete model until this run's
                 if os.path.exists(os.path.join(out, name)):
@@ -1733,10 +1701,7 @@ def claim_output_dir(args, script):
             run = {"run_id": uuid.uuid4().hex[:12], "run_name": f"{args.exp_name}__{args.seed}__{int(time.time())}"}
             atexit.register(forget_unstarted_run, out, run["run_id"], created)
         if run["run_id"] != owner.get("run_id"):
-            write_json(
-                os.path.join(out, "run.json"),
-                {**run, "script": script, "started": time.strftime("%Y-%m-%d %H:%M:%S"), "args": asdict(args)},
-            )
+            write_json(os.path.join(out, "run.json"), {**run, "script": script, "started": since, "args": asdict(args)})
         return run, checkpoint, lock
     except BaseException:
         if locked and lock_created:  # refused before writing anything: leave the directory as it was
@@ -1751,10 +1716,8 @@ def forget_unstarted_run(output_dir, run_id, created):
     """At exit: if this run wrote nothing but run.json (it failed while starting), take that back, and the directory
     too if this run created it."""
     try:
-        if (
-            set(os.listdir(output_dir)) <= {".lock", "run.json"}
-            and read_json(os.path.join(output_dir, "run.json"))["run_id"] == run_id
-        ):
+        owner = read_json(os.path.join(output_dir, "run.json"))
+        if set(os.listdir(output_dir)) <= {".lock", "run.json"} and owner["run_id"] == run_id:
             os.remove(os.path.join(output_dir, "run.json"))
             os.remove(os.path.join(output_dir, ".lock"))
             if created:
