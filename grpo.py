@@ -564,9 +564,7 @@ def train(args):
         # 7. evaluate every --eval-steps steps and after the last one. Here the generator holds this step's weights and
         # no request is in flight (--async-generation: step 6 waited for the next round before the push, and the round
         # after it starts only at the top of the loop), so evaluation samples the current policy
-        evaluated = run.eval_prompt_ids is not None and (
-            global_step % args.eval_steps == 0 or global_step >= args.max_steps
-        )
+        evaluated = args.eval_steps > 0 and (global_step % args.eval_steps == 0 or global_step >= args.max_steps)
         eval_results = evaluate(run) if evaluated else {}
 
         # TRY NOT TO MODIFY: logging (TRL's metric names, over all ranks) and checkpoints
@@ -1271,14 +1269,14 @@ def hf_generate(model, prompt_ids, args, eos_ids, pad_id, num_generations=None, 
     return [cut_after_eos(row) for row in out[:, P:].tolist()], None
 
 
-def future_of(fn, *args, background=True):
-    """fn(*args) as a Future: run in a daemon thread (--async-generation: the trainer trains meanwhile; a daemon never
+def future_of(fn, background):
+    """fn() as a Future: run in a daemon thread (--async-generation: the trainer trains meanwhile; a daemon never
     holds up the exit after an error), or right now. future.result() returns the value or raises fn's error."""
     future = Future()
 
     def run():
         try:
-            future.set_result(fn(*args))
+            future.set_result(fn())
         except BaseException as error:  # noqa: BLE001 - re-raised by future.result() in the training loop
             future.set_exception(error)
 
@@ -1321,10 +1319,10 @@ def eval_metrics(greedy, sampled, reward_weights, names):
 def log_completions(tokenizer, prompt_ids, completion_ids, rewards, count, step, track):
     """--log-completions: print `count` (prompt, completion, reward) rows of the step, one short line each, and with
     --track log them to wandb as a table (TRL's "completions" table)."""
-    decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
+    decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
+    short = lambda text: textwrap.shorten(text, 70, placeholder=" ...") or repr(text)
     rows = [[step, decode(p), decode(c), r] for p, c, r in zip(prompt_ids[:count], completion_ids, rewards.tolist())]
     for _, prompt, completion, reward in rows:
-        short = lambda text: textwrap.shorten(text, 70, placeholder=" ...") or repr(text)  # noqa: E731
         tqdm.write(f"  reward {reward:.3g} | {short(prompt)} => {short(completion)}")
     if track:
         import wandb
@@ -1354,10 +1352,8 @@ def load_checkpoint(run, checkpoint_dir):
         torch.cuda.set_rng_state(state["cuda_rng"][rank])
     # optimizer tensors left on the CPU (AdamW's step counts; all of them on a CPU run) still point into the mapped
     # file: copy them, so that --save-total-limit can delete that checkpoint and its disk space is freed
-    for param_state in optimizer.state.values():
-        param_state.update(
-            {k: v.clone() for k, v in param_state.items() if torch.is_tensor(v) and v.device.type == "cpu"}
-        )
+    for per_param in optimizer.state.values():
+        per_param.update({k: v.clone() for k, v in per_param.items() if torch.is_tensor(v) and v.device.type == "cpu"})
     return state["global_step"], state["prompts_consumed"]
 
 
@@ -1480,27 +1476,18 @@ def parse_args(argv=None):
         elif name := re.match(r" {4}(\w+):", line):
             groups.setdefault(title, []).append(name[1])
     fields = {f.name: f for f in dataclasses.fields(Args)}
+
+    def option(n):  # the field n of Args, with its docstring as the --help text
+        f = fields[n]
+        default = field(default=f.default, default_factory=f.default_factory)
+        return n, Annotated[f.type, tyro.conf.arg(help=docs[n])], default
+
     parts = []
     for title, names in groups.items():
-        group = dataclasses.make_dataclass(
-            title,
-            [
-                (
-                    n,
-                    Annotated[fields[n].type, tyro.conf.arg(help=docs[n])],
-                    dataclasses.field(default=fields[n].default, default_factory=fields[n].default_factory),
-                )
-                for n in names
-            ],
-        )
+        group = dataclasses.make_dataclass(title, [option(n) for n in names])
         group.__doc__ = ""
-        parts.append(
-            (
-                re.sub(r"\W+", "_", title).lower(),
-                tyro.conf.OmitArgPrefixes[group],
-                dataclasses.field(default_factory=group),
-            )
-        )
+        attribute = re.sub(r"\W+", "_", title).lower()
+        parts.append((attribute, tyro.conf.OmitArgPrefixes[group], field(default_factory=group)))
     description = "\n\n".join(__doc__.split("\n\n")[:3])  # what it does, and the CPU example
     parsed = tyro.cli(dataclasses.make_dataclass("Args", parts), args=argv, description=description)
     return Args(**{k: v for part in dataclasses.fields(parsed) for k, v in vars(getattr(parsed, part.name)).items()})
