@@ -442,9 +442,8 @@ def train(args):
         rewards = torch.cat([group_rewards for _, _, group_rewards, _ in kept])  # (N,)
 
         # 3. advantages: group-relative (over all ranks' rewards for --scale-rewards batch; each rank keeps its rows)
-        advantages = group_advantages(
-            gather_rows(rewards.to(device), world_size).cpu(), num_generations, args.scale_rewards
-        )[rank * N : (rank + 1) * N]
+        all_rewards = gather_rows(rewards.to(device), world_size).cpu()  # (N * world_size,), in rank order
+        advantages = group_advantages(all_rewards, num_generations, args.scale_rewards)[rank * N : (rank + 1) * N]
 
         # 4. old and reference log-probs, before any update (no gradient). The old log-probs need a pass of their own
         # only when the weights change before the batch's last use; otherwise the training pass's own (detached) are
@@ -939,7 +938,7 @@ def load_prompts(args, dataset, tokenizer, max_context):
             if args.system_prompt:
                 messages = [{"role": "system", "content": args.system_prompt}] + messages
             ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-            ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+            ids = ids["input_ids"] if hasattr(ids, "keys") else ids  # a dict or a BatchEncoding
         else:
             text = f"{args.system_prompt}\n\n{prompt}" if args.system_prompt else prompt
             ids = tokenizer(text)["input_ids"]
@@ -1640,11 +1639,9 @@ def read_dataset(args, evaluation=False):
     """Read the dataset (with `evaluation`, the eval dataset of eval_source) once, before any model loads: {column: list
     of values}. Local .jsonl / .json files are parsed here, so that a malformed record is reported with its file and
     line; .parquet files and hub datasets through `datasets`."""
-    flag, (name, config, split) = (
-        ("--eval-dataset", eval_source(args))
-        if evaluation
-        else ("--dataset-name", (args.dataset_name, args.dataset_config, args.dataset_split))
-    )
+    flag = "--eval-dataset" if evaluation else "--dataset-name"
+    training = (args.dataset_name, args.dataset_config, args.dataset_split)
+    name, config, split = eval_source(args) if evaluation else training
     if name.endswith((".json", ".jsonl")):
         with open(name, encoding="utf-8") as f:
             text = f.read()
