@@ -310,9 +310,8 @@ def policy_loss(
     Returns the loss and the ratio (for clip metrics)."""
     log_ratio = logprobs - old_logprobs
     if importance_sampling_level == "sequence":
-        log_ratio = (log_ratio * completion_mask).sum(-1, keepdim=True) / completion_mask.sum(-1, keepdim=True).clamp(
-            min=1
-        )
+        lengths = completion_mask.sum(-1, keepdim=True).clamp(min=1)
+        log_ratio = (log_ratio * completion_mask).sum(-1, keepdim=True) / lengths
     ratio = torch.exp(log_ratio)  # (B, C) or (B, 1)
     A = advantages[:, None]
     unclipped = (torch.clamp(ratio, max=delta) if delta is not None else ratio) * A
@@ -443,9 +442,8 @@ def train(args):
         rewards = torch.cat([group_rewards for _, _, group_rewards, _ in kept])  # (N,)
 
         # 3. advantages: group-relative (over all ranks' rewards for --scale-rewards batch; each rank keeps its rows)
-        advantages = group_advantages(
-            gather_rows(rewards.to(device), world_size).cpu(), num_generations, args.scale_rewards
-        )[rank * N : (rank + 1) * N]
+        all_rewards = gather_rows(rewards.to(device), world_size).cpu()  # (N * world_size,), in rank order
+        advantages = group_advantages(all_rewards, num_generations, args.scale_rewards)[rank * N : (rank + 1) * N]
 
         # 4. old and reference log-probs, before any update (no gradient). The old log-probs need a pass of their own
         # only when the weights change before the batch's last use; otherwise the training pass's own (detached) are
@@ -565,9 +563,7 @@ def train(args):
         # 7. evaluate every --eval-steps steps and after the last one. Here the generator holds this step's weights and
         # no request is in flight (--async-generation: step 6 waited for the next round before the push, and the round
         # after it starts only at the top of the loop), so evaluation samples the current policy
-        evaluated = run.eval_prompt_ids is not None and (
-            global_step % args.eval_steps == 0 or global_step >= args.max_steps
-        )
+        evaluated = args.eval_steps > 0 and (global_step % args.eval_steps == 0 or global_step >= args.max_steps)
         eval_results = evaluate(run) if evaluated else {}
 
         # TRY NOT TO MODIFY: logging (TRL's metric names, over all ranks) and checkpoints
@@ -670,7 +666,8 @@ def set_up(args):
 
     model_path = checkpoint_dir or args.model_name_or_path
     run.tokenizer = tokenizer = AutoTokenizer.from_pretrained(model_path)
-    run.model = model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, args.param_dtype))
+    dtype = getattr(torch, args.param_dtype)
+    run.model = model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
     model.to(device)
     for module in model.modules():  # dropout would make two passes over the same tokens disagree (ratio != 1)
         if isinstance(module, torch.nn.Dropout):
@@ -679,9 +676,7 @@ def set_up(args):
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     run.ref_model = None
     if args.beta > 0:  # the policy's dtype and compute (mixed precision included): the KL at step 1 is exactly 0
-        run.ref_model = AutoModelForCausalLM.from_pretrained(
-            args.model_name_or_path, dtype=getattr(torch, args.param_dtype)
-        )
+        run.ref_model = AutoModelForCausalLM.from_pretrained(args.model_name_or_path, dtype=dtype)
         run.ref_model.to(device).eval().requires_grad_(False)
     if world_size > 1:  # FSDP2: every rank keeps 1/world_size of the weights, gradients and AdamW states
         for each in [model, run.ref_model] if run.ref_model is not None else [model]:
@@ -697,11 +692,8 @@ def set_up(args):
     # prompts: token ids, the columns the reward functions get, whether the dataset's prompts are chat messages
     max_context = getattr(model.config, "max_position_embeddings", None) or 10**9
     run.prompt_ids, run.columns, run.prompts_are_messages = load_prompts(args, dataset, tokenizer, max_context)
-    run.eval_prompt_ids, run.eval_columns, run.eval_prompts_are_messages = None, {}, False
-    if eval_dataset is not None:
-        run.eval_prompt_ids, run.eval_columns, run.eval_prompts_are_messages = load_prompts(
-            args, eval_dataset, tokenizer, max_context
-        )
+    evaluation = load_prompts(args, eval_dataset, tokenizer, max_context) if eval_dataset else (None, {}, False)
+    run.eval_prompt_ids, run.eval_columns, run.eval_prompts_are_messages = evaluation
 
     # optimizer and schedule
     # fused: one kernel for all parameters on CUDA, with no full-size temporaries (the foreach default allocates them)
@@ -726,9 +718,7 @@ def set_up(args):
     if args.use_vllm:
         longest = max(len(p) for p in run.prompt_ids + (run.eval_prompt_ids or []))
         run.engine = vllm_utils.start(args, model_path, longest)
-        if (
-            args.vllm_mode == "server"
-        ):  # the server may hold other weights (an earlier run, or this one before a resume)
+        if args.vllm_mode == "server":  # it may hold other weights (an earlier run, or this one before a resume)
             vllm_utils.sync_weights(run.engine, model)
 
     # logs: wandb, metrics.jsonl (rank 0), the progress bar
@@ -948,7 +938,7 @@ def load_prompts(args, dataset, tokenizer, max_context):
             if args.system_prompt:
                 messages = [{"role": "system", "content": args.system_prompt}] + messages
             ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-            ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+            ids = ids["input_ids"] if hasattr(ids, "keys") else ids  # a dict or a BatchEncoding
         else:
             text = f"{args.system_prompt}\n\n{prompt}" if args.system_prompt else prompt
             ids = tokenizer(text)["input_ids"]
@@ -976,15 +966,8 @@ def load_prompts(args, dataset, tokenizer, max_context):
 
 def prompt_stream(num_prompts, seed, start=0):
     """Yield prompt indices forever: a new seeded permutation each epoch. `start` skips that many (for resuming)."""
-    epoch = 0
-    while True:
-        order = torch.randperm(num_prompts, generator=torch.Generator().manual_seed(seed + epoch)).tolist()
-        for index in order:
-            if start > 0:
-                start -= 1
-                continue
-            yield index
-        epoch += 1
+    shuffled = lambda epoch: torch.randperm(num_prompts, generator=torch.Generator().manual_seed(seed + epoch)).tolist()
+    return itertools.islice(itertools.chain.from_iterable(map(shuffled, itertools.count())), start, None)
 
 
 def score_completions(reward_fns, completions, columns):
@@ -1109,14 +1092,8 @@ def per_token_logprobs(
     at a time too."""
     # the model's own forward (not its backbone alone), so that FSDP2 gathers every parameter; it computes the logits
     # of one position only, and its last hidden state is the final, normed one
-    hidden = model(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        position_ids=position_ids,
-        use_cache=False,
-        logits_to_keep=1,
-        output_hidden_states=True,
-    ).hidden_states[-1]
+    inputs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)
+    hidden = model(**inputs, use_cache=False, logits_to_keep=1, output_hidden_states=True).hidden_states[-1]
     hidden = hidden[:, prompt_length - 1 : -1]  # (B, C, H): position t predicts completion token t
     targets = input_ids[:, prompt_length:]
     mask = completion_mask.bool()
@@ -1186,11 +1163,8 @@ def shard_model(model, mixed_precision):
     mixed_precision, each layer computes in bf16 while the sharded fp32 weights and gradient reduction stay fp32."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    policy = (
-        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        if mixed_precision
-        else MixedPrecisionPolicy()
-    )
+    bf16 = dict(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed_precision else {}
+    policy = MixedPrecisionPolicy(**bf16)
     for layer in model.base_model.layers:
         fully_shard(layer, mp_policy=policy)
     fully_shard(model, mp_policy=policy)
@@ -1269,7 +1243,7 @@ def hf_generate(model, prompt_ids, args, eos_ids, pad_id, num_generations=None, 
     num_generations = num_generations or args.num_generations
     temperature = args.temperature if temperature is None else temperature
     repeated = [p for p in prompt_ids for _ in range(num_generations)]
-    input_ids, attention_mask, _, _, P = collate(repeated, [[]] * len(repeated), "cpu", pad_id)  # left-padded
+    input_ids, attention_mask, _, _, P = collate(repeated, [[]] * len(repeated), model.device, pad_id)  # left-padded
     input_ids, attention_mask = input_ids[:, :P], attention_mask[:, :P]
     sampling = dict(do_sample=True, temperature=temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p)
     config = GenerationConfig(
@@ -1287,28 +1261,21 @@ def hf_generate(model, prompt_ids, args, eos_ids, pad_id, num_generations=None, 
     model_config, model.generation_config = model.generation_config, config
     try:
         with torch.autocast(model.device.type, torch.bfloat16, enabled=args.bf16 and model.device.type == "cuda"):
-            out = model.generate(
-                input_ids=input_ids.to(model.device),
-                attention_mask=attention_mask.to(model.device),
-                generation_config=config,
-            )
+            out = model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=config)
     finally:
         model.generation_config = model_config
-    completions = []
-    for row in out[:, P:].tolist():
-        end = next((t + 1 for t, token in enumerate(row) if token in eos_ids), len(row))
-        completions.append(row[:end])
-    return completions, None
+    cut_after_eos = lambda row: row[: next((t + 1 for t, token in enumerate(row) if token in eos_ids), len(row))]
+    return [cut_after_eos(row) for row in out[:, P:].tolist()], None
 
 
-def future_of(fn, *args, background=True):
-    """fn(*args) as a Future: run in a daemon thread (--async-generation: the trainer trains meanwhile; a daemon never
+def future_of(fn, background):
+    """fn() as a Future: run in a daemon thread (--async-generation: the trainer trains meanwhile; a daemon never
     holds up the exit after an error), or right now. future.result() returns the value or raises fn's error."""
     future = Future()
 
     def run():
         try:
-            future.set_result(fn(*args))
+            future.set_result(fn())
         except BaseException as error:  # noqa: BLE001 - re-raised by future.result() in the training loop
             future.set_exception(error)
 
@@ -1351,10 +1318,10 @@ def eval_metrics(greedy, sampled, reward_weights, names):
 def log_completions(tokenizer, prompt_ids, completion_ids, rewards, count, step, track):
     """--log-completions: print `count` (prompt, completion, reward) rows of the step, one short line each, and with
     --track log them to wandb as a table (TRL's "completions" table)."""
-    decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
+    decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
+    short = lambda text: textwrap.shorten(text, 70, placeholder=" ...") or repr(text)
     rows = [[step, decode(p), decode(c), r] for p, c, r in zip(prompt_ids[:count], completion_ids, rewards.tolist())]
     for _, prompt, completion, reward in rows:
-        short = lambda text: textwrap.shorten(text, 70, placeholder=" ...") or repr(text)  # noqa: E731
         tqdm.write(f"  reward {reward:.3g} | {short(prompt)} => {short(completion)}")
     if track:
         import wandb
@@ -1384,10 +1351,8 @@ def load_checkpoint(run, checkpoint_dir):
         torch.cuda.set_rng_state(state["cuda_rng"][rank])
     # optimizer tensors left on the CPU (AdamW's step counts; all of them on a CPU run) still point into the mapped
     # file: copy them, so that --save-total-limit can delete that checkpoint and its disk space is freed
-    for param_state in optimizer.state.values():
-        param_state.update(
-            {k: v.clone() for k, v in param_state.items() if torch.is_tensor(v) and v.device.type == "cpu"}
-        )
+    for per_param in optimizer.state.values():
+        per_param.update({k: v.clone() for k, v in per_param.items() if torch.is_tensor(v) and v.device.type == "cpu"})
     return state["global_step"], state["prompts_consumed"]
 
 
@@ -1510,27 +1475,18 @@ def parse_args(argv=None):
         elif name := re.match(r" {4}(\w+):", line):
             groups.setdefault(title, []).append(name[1])
     fields = {f.name: f for f in dataclasses.fields(Args)}
+
+    def option(n):  # the field n of Args, with its docstring as the --help text
+        f = fields[n]
+        default = field(default=f.default, default_factory=f.default_factory)
+        return n, Annotated[f.type, tyro.conf.arg(help=docs[n])], default
+
     parts = []
     for title, names in groups.items():
-        group = dataclasses.make_dataclass(
-            title,
-            [
-                (
-                    n,
-                    Annotated[fields[n].type, tyro.conf.arg(help=docs[n])],
-                    dataclasses.field(default=fields[n].default, default_factory=fields[n].default_factory),
-                )
-                for n in names
-            ],
-        )
+        group = dataclasses.make_dataclass(title, [option(n) for n in names])
         group.__doc__ = ""
-        parts.append(
-            (
-                re.sub(r"\W+", "_", title).lower(),
-                tyro.conf.OmitArgPrefixes[group],
-                dataclasses.field(default_factory=group),
-            )
-        )
+        attribute = re.sub(r"\W+", "_", title).lower()
+        parts.append((attribute, tyro.conf.OmitArgPrefixes[group], field(default_factory=group)))
     description = "\n\n".join(__doc__.split("\n\n")[:3])  # what it does, and the CPU example
     parsed = tyro.cli(dataclasses.make_dataclass("Args", parts), args=argv, description=description)
     return Args(**{k: v for part in dataclasses.fields(parsed) for k, v in vars(getattr(parsed, part.name)).items()})
@@ -1655,11 +1611,7 @@ def check_args(args, world_size=1):
 
 def reward_functions(names):
     """The functions of rewards.py that --reward-funcs names."""
-    public = [
-        n
-        for n in dir(rewards)
-        if not n.startswith("_") and callable(getattr(rewards, n)) and getattr(rewards, n).__module__ == "rewards"
-    ]
+    public = sorted(n for n, f in vars(rewards).items() if n[0] != "_" and callable(f) and f.__module__ == "rewards")
     for name in names:
         if name not in public:
             raise SystemExit(
@@ -1687,11 +1639,9 @@ def read_dataset(args, evaluation=False):
     """Read the dataset (with `evaluation`, the eval dataset of eval_source) once, before any model loads: {column: list
     of values}. Local .jsonl / .json files are parsed here, so that a malformed record is reported with its file and
     line; .parquet files and hub datasets through `datasets`."""
-    flag, (name, config, split) = (
-        ("--eval-dataset", eval_source(args))
-        if evaluation
-        else ("--dataset-name", (args.dataset_name, args.dataset_config, args.dataset_split))
-    )
+    flag = "--eval-dataset" if evaluation else "--dataset-name"
+    training = (args.dataset_name, args.dataset_config, args.dataset_split)
+    name, config, split = eval_source(args) if evaluation else training
     if name.endswith((".json", ".jsonl")):
         with open(name, encoding="utf-8") as f:
             text = f.read()
@@ -1719,11 +1669,8 @@ def read_dataset(args, evaluation=False):
                     f"error: {flag} {name}, {where} {number}: a JSON object per record is expected, "
                     f"got {type(record).__name__}"
                 )
-        dataset = {}
-        for _, record in records:
-            for column in record:
-                dataset.setdefault(column, None)
-        dataset = {column: [record.get(column) for _, record in records] for column in dataset}
+        columns = dict.fromkeys(column for _, record in records for column in record)  # in first-seen order
+        dataset = {column: [record.get(column) for _, record in records] for column in columns}
     else:
         from datasets import load_dataset
 
@@ -1756,20 +1703,17 @@ def check_dataset(args, dataset, reward_fns, flag="--dataset-name", name=None):
         given = given - {args.answer_column} | {"answer"}
     given |= {"completions", "prompts", "completion_ids", "max_completion_length", *args.reward_kwargs}
     for fn in reward_fns:
-        parameters = inspect.signature(fn).parameters.values()
-        for missing in [
-            p.name
-            for p in parameters
-            if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name not in given
-        ]:
-            if missing == "answer":
+        for p in inspect.signature(fn).parameters.values():
+            if p.default is not p.empty or p.kind not in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) or p.name in given:
+                continue  # optional, *args / **kwargs, or given
+            if p.name == "answer":
                 raise SystemExit(
                     f"error: reward function '{fn.__name__}' needs the reference answer, and --answer-column "
                     f"'{args.answer_column}' gives none: pass --answer-column with the column of {name} that "
                     f"holds it (its columns: {columns})"
                 )
             raise SystemExit(
-                f"error: reward function '{fn.__name__}' (--reward-funcs) needs a column '{missing}', which "
+                f"error: reward function '{fn.__name__}' (--reward-funcs) needs a column '{p.name}', which "
                 f"{flag} {name} does not have (its columns: {columns})"
             )
 
@@ -1862,11 +1806,8 @@ def claim_output_dir(args, script):
         except OSError as error:  # a file system without flock (some network mounts): run, but say so
             print(f"warning: cannot lock {out}/.lock ({error}): nothing keeps a second run out of this directory")
         os.ftruncate(lock, 0)
-        os.pwrite(
-            lock,
-            f"{script}, pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}".encode(),
-            0,
-        )
+        holder = f"{script}, pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}"
+        os.pwrite(lock, holder.encode(), 0)
         remove_dead_temporaries(out)
         owner = read_json(os.path.join(out, "run.json")) or {}
         files = sorted(set(os.listdir(out)) - {".lock", "run.json"})
