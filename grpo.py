@@ -966,8 +966,10 @@ def load_prompts(args, dataset, tokenizer, max_context):
 
 def prompt_stream(num_prompts, seed, start=0):
     """Yield prompt indices forever: a new seeded permutation each epoch. `start` skips that many (for resuming)."""
-    shuffled = lambda epoch: torch.randperm(num_prompts, generator=torch.Generator().manual_seed(seed + epoch)).tolist()
-    return itertools.islice(itertools.chain.from_iterable(map(shuffled, itertools.count())), start, None)
+    for epoch in itertools.count():
+        order = torch.randperm(num_prompts, generator=torch.Generator().manual_seed(seed + epoch)).tolist()
+        yield from order[start:]
+        start = max(0, start - num_prompts)
 
 
 def score_completions(reward_fns, completions, columns):
