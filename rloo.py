@@ -882,7 +882,7 @@ def load_prompts(args, dataset, tokenizer, max_context):
             if args.system_prompt:
                 messages = [{"role": "system", "content": args.system_prompt}] + messages
             ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-            ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+            ids = ids["input_ids"] if hasattr(ids, "keys") else ids  # a dict or BatchEncoding
         else:
             text = f"{args.system_prompt}\n\n{prompt}" if args.system_prompt else prompt
             ids = tokenizer(text)["input_ids"]
@@ -1122,11 +1122,8 @@ def shard_model(model, mixed_precision):
     mixed_precision, each layer computes in bf16 while the sharded fp32 weights and gradient reduction stay fp32."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    policy = (
-        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        if mixed_precision
-        else MixedPrecisionPolicy()
-    )
+    bf16 = dict(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed_precision else {}
+    policy = MixedPrecisionPolicy(**bf16)
     for layer in model.base_model.layers:
         fully_shard(layer, mp_policy=policy)
     fully_shard(model, mp_policy=policy)
@@ -1224,14 +1221,14 @@ def hf_generate(model, prompt_ids, args, eos_ids, pad_id, num_generations=None, 
     return completions, None
 
 
-def future_of(fn, *args, background=True):
-    """fn(*args) as a Future: run in a daemon thread (--async-generation: the trainer trains meanwhile; a daemon never
+def future_of(fn, background=True):
+    """fn() as a Future: run in a daemon thread (--async-generation: the trainer trains meanwhile; a daemon never
     holds up the exit after an error), or right now. future.result() returns the value or raises fn's error."""
     future = Future()
 
     def run():
         try:
-            future.set_result(fn(*args))
+            future.set_result(fn())
         except BaseException as error:  # noqa: BLE001 - re-raised by future.result() in the training loop
             future.set_exception(error)
 
@@ -1647,12 +1644,10 @@ def check_dataset(args, dataset, reward_fns, flag="--dataset-name", name=None):
         given = given - {args.answer_column} | {"answer"}
     given |= {"completions", "prompts", "completion_ids", "max_completion_length", *args.reward_kwargs}
     for fn in reward_fns:
-        parameters = inspect.signature(fn).parameters.values()
-        for missing in [
-            p.name
-            for p in parameters
-            if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name not in given
-        ]:
+        for p in inspect.signature(fn).parameters.values():
+            missing = p.name  # a required argument that can be passed by name, and that no column gives
+            if p.default is not p.empty or p.kind not in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) or missing in given:
+                continue
             if missing == "answer":
                 raise SystemExit(
                     f"error: reward function '{fn.__name__}' needs the reference answer, and --answer-column "
@@ -1762,16 +1757,13 @@ def claim_output_dir(args, script):
         if checkpoint == "latest":
             checkpoint = run_checkpoints(out, owner.get("run_id"))[-1:]
             if not checkpoint:
-                others = [f for f in files if re.fullmatch(CHECKPOINT, f)]
+                others = ", ".join(f for f in files if re.fullmatch(CHECKPOINT, f))
+                hint = (
+                    f" ({others} are another run's: pass one's path to --resume-from-checkpoint to continue that run)"
+                )
                 raise SystemExit(
-                    f"error: --resume-from-checkpoint latest: no checkpoint-N directory in {out} of the run "
-                    f"that owns it"
-                    + (
-                        f" ({', '.join(others)} are another run's: pass one's path to "
-                        f"--resume-from-checkpoint to continue that run)"
-                        if others
-                        else ""
-                    )
+                    f"error: --resume-from-checkpoint latest: no checkpoint-N directory in {out} of the run that owns "
+                    f"it{hint if others else ''}"
                 )
             checkpoint = checkpoint[0]
         resumed = (read_json(os.path.join(checkpoint, "run.json")) or {}) if checkpoint else {}
@@ -1783,17 +1775,15 @@ def claim_output_dir(args, script):
         if files and not (checkpoint and resumed.get("run_id") == owner.get("run_id")):
             if not args.overwrite_output_dir:
                 listed = ", ".join(files[:5]) + (f" and {len(files) - 5} more" if len(files) > 5 else "")
+                whose = f"files that are not this run's ({listed})"
+                if owner.get("script"):
+                    whose = f"another run's files ({listed}; a {owner['script']} run started {owner['started']})"
                 raise SystemExit(
-                    f"error: --output-dir {out} holds "
-                    + (
-                        f"another run's files ({listed}; a {owner['script']} run started {owner['started']}). "
-                        if owner.get("script")
-                        else f"files that are not this run's ({listed}). "
-                    )
-                    + "A new run there would replace its model and mix its metrics and checkpoints with this one's. To "
-                    "continue that run, pass --resume-from-checkpoint latest (or a checkpoint's path); to start a new "
-                    "run there anyway, pass --overwrite-output-dir (its metrics.jsonl and final model are replaced, "
-                    "its checkpoints are kept and never resumed or deleted by the new run); or pass another --output-dir."
+                    f"error: --output-dir {out} holds {whose}. A new run there would replace its model and mix its "
+                    "metrics and checkpoints with this one's. To continue that run, pass --resume-from-checkpoint "
+                    "latest (or a checkpoint's path); to start a new run there anyway, pass --overwrite-output-dir "
+                    "(its metrics.jsonl and final model are replaced, its checkpoints are kept and never resumed or "
+                    "deleted by the new run); or pass another --output-dir."
                 )
             for name in ("metrics.jsonl", "config.json"):  # a new metrics file; no complete model until this run's
                 if os.path.exists(os.path.join(out, name)):
@@ -1881,19 +1871,14 @@ def parse_args(argv=None):
         elif name := re.match(r" {4}(\w+):", line):
             groups.setdefault(title, []).append(name[1])
     fields = {f.name: f for f in dataclasses.fields(Args)}
+
+    def option(f):  # an Args field as a field of its group, with its docstring as the --help text
+        default = dataclasses.field(default=f.default, default_factory=f.default_factory)
+        return f.name, Annotated[f.type, tyro.conf.arg(help=docs[f.name])], default
+
     parts = []
     for title, names in groups.items():
-        group = dataclasses.make_dataclass(
-            title,
-            [
-                (
-                    n,
-                    Annotated[fields[n].type, tyro.conf.arg(help=docs[n])],
-                    dataclasses.field(default=fields[n].default, default_factory=fields[n].default_factory),
-                )
-                for n in names
-            ],
-        )
+        group = dataclasses.make_dataclass(title, [option(fields[n]) for n in names])
         group.__doc__ = ""
         name = re.sub(r"\W+", "_", title).lower()
         parts.append((name, tyro.conf.OmitArgPrefixes[group], dataclasses.field(default_factory=group)))
