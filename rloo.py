@@ -1550,9 +1550,7 @@ def check_args(args, world_size=1):
 def reward_functions(names):
     """The functions of rewards.py that --reward-funcs names."""
     public = [
-        n
-        for n in dir(rewards)
-        if not n.startswith("_") and callable(getattr(rewards, n)) and getattr(rewards, n).__module__ == "rewards"
+        n for n, fn in inspect.getmembers(rewards, callable) if not n.startswith("_") and fn.__module__ == "rewards"
     ]
     for name in names:
         if name not in public:
@@ -1748,8 +1746,8 @@ def claim_output_dir(args, script):
         except OSError as error:  # a file system without flock (some network mounts): run, but say so
             print(f"warning: cannot lock {out}/.lock ({error}): nothing keeps a second run out of this directory")
         os.ftruncate(lock, 0)
-        holder = f"{script}, pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}"
-        os.pwrite(lock, holder.encode(), 0)
+        now = time.strftime("%Y-%m-%d %H:%M:%S")
+        os.pwrite(lock, f"{script}, pid {os.getpid()} on {socket.gethostname()}, since {now}".encode(), 0)
         remove_dead_temporaries(out)
         owner = read_json(os.path.join(out, "run.json")) or {}
         files = sorted(set(os.listdir(out)) - {".lock", "run.json"})
@@ -1809,10 +1807,7 @@ def claim_output_dir(args, script):
             run = {"run_id": uuid.uuid4().hex[:12], "run_name": f"{args.exp_name}__{args.seed}__{int(time.time())}"}
             atexit.register(forget_unstarted_run, out, run["run_id"], created)
         if run["run_id"] != owner.get("run_id"):
-            write_json(
-                os.path.join(out, "run.json"),
-                {**run, "script": script, "started": time.strftime("%Y-%m-%d %H:%M:%S"), "args": asdict(args)},
-            )
+            write_json(os.path.join(out, "run.json"), {**run, "script": script, "started": now, "args": asdict(args)})
         return run, checkpoint, lock
     except BaseException:
         if locked and lock_created:  # refused before writing anything: leave the directory as it was
