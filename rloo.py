@@ -1822,10 +1822,8 @@ def forget_unstarted_run(output_dir, run_id, created):
     """At exit: if this run wrote nothing but run.json (it failed while starting), take that back, and the directory
     too if this run created it."""
     try:
-        if (
-            set(os.listdir(output_dir)) <= {".lock", "run.json"}
-            and read_json(os.path.join(output_dir, "run.json"))["run_id"] == run_id
-        ):
+        only_run_json = set(os.listdir(output_dir)) <= {".lock", "run.json"}
+        if only_run_json and read_json(os.path.join(output_dir, "run.json"))["run_id"] == run_id:
             os.remove(os.path.join(output_dir, "run.json"))
             os.remove(os.path.join(output_dir, ".lock"))
             if created:
