@@ -467,58 +467,53 @@ def train(args):
         sequence_weights = torch.ones(N) / (rows_per_step * world_size)
         if args.mask_truncated_completions:
             sequence_weights = sequence_weights * (~truncated).float()
-        for _iteration in range(args.num_iterations):
-            for s in range(args.steps_per_generation):
-                if global_step >= args.max_steps:
-                    break
-                step_rows = range(s * rows_per_step, (s + 1) * rows_per_step)
-                t0 = clock(device)
-                optimizer.zero_grad(set_to_none=True)
-                step_loss = 0.0
-                micro_batches = token_budget_batches(
-                    step_rows, prompt_lengths, completion_lengths, args.micro_batch_tokens
+        for s in [*range(args.steps_per_generation)] * args.num_iterations:
+            if global_step >= args.max_steps:
+                break
+            step_rows = range(s * rows_per_step, (s + 1) * rows_per_step)
+            t0 = clock(device)
+            optimizer.zero_grad(set_to_none=True)
+            step_loss = 0.0
+            micro_batches = token_budget_batches(step_rows, prompt_lengths, completion_lengths, args.micro_batch_tokens)
+            for mb in same_count_on_all_ranks(micro_batches, world_size, device):
+                padding_pass = mb is None  # only to keep FSDP's collectives in step with the other ranks
+                mb = [step_rows[0]] if padding_pass else mb
+                ids, attn, pos, cmask, P = collate(
+                    [prompt_ids[i] for i in mb], [completion_ids[i] for i in mb], device, pad_id
                 )
-                for mb in same_count_on_all_ranks(micro_batches, world_size, device):
-                    padding_pass = mb is None  # only to keep FSDP's collectives in step with the other ranks
-                    mb = [step_rows[0]] if padding_pass else mb
-                    ids, attn, pos, cmask, P = collate(
-                        [prompt_ids[i] for i in mb], [completion_ids[i] for i in mb], device, pad_id
+                Cm = cmask.shape[1]
+                with torch.autocast(**autocast):
+                    logprobs, entropy = per_token_logprobs(
+                        model, ids, attn, pos, cmask, P, args.temperature, with_entropy=True
                     )
-                    Cm = cmask.shape[1]
-                    with torch.autocast(**autocast):
-                        logprobs, entropy = per_token_logprobs(
-                            model, ids, attn, pos, cmask, P, args.temperature, with_entropy=True
-                        )
-                    A = advantages[mb].to(device)
-                    old = old_logprobs[mb, :Cm].to(device) if need_old else logprobs.detach()
-                    ref = ref_logprobs[mb, :Cm].to(device) if ref_model is not None else None
-                    sampled = sampling_logprobs[mb, :Cm].to(device) if use_vllm_is else None
-                    sequence_loss, ratio, is_ratio, logp_difference = rloo_loss(
-                        args, logprobs, old, ref, sampled, A, cmask
-                    )
-                    loss = (sequence_loss * sequence_weights[mb].to(device)).sum() * (0 if padding_pass else world_size)
-                    loss.backward()
-                    step_loss += loss.detach()  # summed on the device: no host sync per micro-batch
-                    if padding_pass:
-                        continue
-                    if use_vllm_is:
-                        is_stats["logp_difference"].append(logp_difference[cmask.bool()])
-                        is_stats["ratio"].append(is_ratio)
-                    # metrics: clipped ratios per sequence (low with A < 0, high with A > 0), token-mean entropy
-                    low = ((ratio < 1 - args.epsilon) & (A < 0)).float()
-                    high = ((ratio > 1 + epsilon_high) & (A > 0)).float()
-                    train_stats["entropy"].append(((entropy * cmask).sum() / cmask.sum().clamp(min=1)).detach())
-                    train_stats["clip_ratio/low_mean"].append(low.mean())
-                    train_stats["clip_ratio/high_mean"].append(high.mean())
-                    train_stats["clip_ratio/region_mean"].append((low + high).clamp(max=1).mean())
-                t1 = clock(device)
-                grad_norm = clip_gradients(model, args.max_grad_norm)
-                optimizer.step()
-                scheduler.step()
-                global_step += 1
-                progress.update(1)
-                timing["timing/forward_backward"] += t1 - t0
-                timing["timing/optimizer"] += clock(device) - t1
+                A = advantages[mb].to(device)
+                old = old_logprobs[mb, :Cm].to(device) if need_old else logprobs.detach()
+                ref = ref_logprobs[mb, :Cm].to(device) if ref_model is not None else None
+                sampled = sampling_logprobs[mb, :Cm].to(device) if use_vllm_is else None
+                sequence_loss, ratio, is_ratio, logp_difference = rloo_loss(args, logprobs, old, ref, sampled, A, cmask)
+                loss = (sequence_loss * sequence_weights[mb].to(device)).sum() * (0 if padding_pass else world_size)
+                loss.backward()
+                step_loss += loss.detach()  # summed on the device: no host sync per micro-batch
+                if padding_pass:
+                    continue
+                if use_vllm_is:
+                    is_stats["logp_difference"].append(logp_difference[cmask.bool()])
+                    is_stats["ratio"].append(is_ratio)
+                # metrics: clipped ratios per sequence (low with A < 0, high with A > 0), token-mean entropy
+                low = ((ratio < 1 - args.epsilon) & (A < 0)).float()
+                high = ((ratio > 1 + epsilon_high) & (A > 0)).float()
+                train_stats["entropy"].append(((entropy * cmask).sum() / cmask.sum().clamp(min=1)).detach())
+                train_stats["clip_ratio/low_mean"].append(low.mean())
+                train_stats["clip_ratio/high_mean"].append(high.mean())
+                train_stats["clip_ratio/region_mean"].append((low + high).clamp(max=1).mean())
+            t1 = clock(device)
+            grad_norm = clip_gradients(model, args.max_grad_norm)
+            optimizer.step()
+            scheduler.step()
+            global_step += 1
+            progress.update(1)
+            timing["timing/forward_backward"] += t1 - t0
+            timing["timing/optimizer"] += clock(device) - t1
 
         # 6. sync: push the new weights to vLLM before the next generation round. --async-generation: once the round
         # in flight is complete (on every rank), so that vLLM never switches weights in the middle of a round
@@ -546,8 +541,7 @@ def train(args):
         metrics.update(
             round_metrics(args, batch, step_loss, train_stats, is_stats, reward_fns, reward_weights, world_size)
         )
-        metrics.update(timing)
-        metrics.update({"sampling/staleness": staleness, "step_time": time.perf_counter() - round_start})
+        metrics.update({**timing, "sampling/staleness": staleness, "step_time": time.perf_counter() - round_start})
         if device.type == "cuda":
             metrics["memory/peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
         metrics.update(eval_results)
@@ -638,8 +632,8 @@ def load_models(args, model_path, device, world_size):
     the tokenizer, the padding id and the EOS ids; FSDP2-sharded with several processes."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, args.param_dtype)).to(device)
+    tokenizer, dtype = AutoTokenizer.from_pretrained(model_path), getattr(torch, args.param_dtype)
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(device)
     for module in model.modules():  # dropout would make two passes over the same tokens disagree (ratio != 1)
         if isinstance(module, torch.nn.Dropout):
             module.p = 0.0
@@ -647,9 +641,7 @@ def load_models(args, model_path, device, world_size):
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     ref_model = None
     if args.beta > 0:  # the starting model, also when resuming, in the policy's dtype and compute: KL 0 at step 1
-        ref_model = AutoModelForCausalLM.from_pretrained(
-            args.model_name_or_path, dtype=getattr(torch, args.param_dtype)
-        )
+        ref_model = AutoModelForCausalLM.from_pretrained(args.model_name_or_path, dtype=dtype)
         ref_model = ref_model.to(device).eval().requires_grad_(False)
     if world_size > 1:  # FSDP2: every rank keeps 1/world_size of the weights, gradients and AdamW states
         for m in (model, ref_model) if ref_model is not None else (model,):
@@ -719,9 +711,7 @@ def make_generator(args, model, model_path, train_set, eval_set, pad_id, eos_ids
     engine = vllm_utils.start(args, model_path, longest)
     if args.vllm_mode == "server":  # the server may hold other weights (an earlier run, or this one before a resume)
         vllm_utils.sync_weights(engine, model)
-    return engine, lambda ids, num_generations=None, temperature=None: vllm_utils.generate(
-        engine, ids, num_generations, temperature
-    )
+    return engine, partial(vllm_utils.generate, engine)
 
 
 def open_metrics(args, run, checkpoint_dir, global_step):
@@ -784,10 +774,9 @@ def clock(device):
 
 def score(args, tokenizer, reward_fns, prompt_set, rows, completion_ids, num_generations):
     """The reward functions' scores (len(rows) * num_generations, num_funcs) of num_generations completions per prompt
-    row (prompt-major): each
-    function gets the decoded completions and, by name, the rows' dataset columns (training set, or eval set). The
-    completions are chat messages only when the dataset's prompts are (TRL's rule): a plain-text prompt that the chat
-    template wraps still gets plain-text completions."""
+    row (prompt-major): each function gets the decoded completions and, by name, the rows' dataset columns (training
+    set, or eval set). The completions are chat messages only when the dataset's prompts are (TRL's rule): a plain-text
+    prompt that the chat template wraps still gets plain-text completions."""
     texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
     completions = [[{"role": "assistant", "content": t}] for t in texts] if prompt_set.prompts_are_messages else texts
     repeated = lambda values: [values[i] for i in rows for _ in range(num_generations)]
@@ -805,11 +794,8 @@ def score(args, tokenizer, reward_fns, prompt_set, rows, completion_ids, num_gen
 def no_grad_logprobs(args, model, ref_model, prompt_ids, completion_ids, C, device, pad_id, autocast, world_size):
     """The old and (with a reference model, else None) reference log-probs of the round's completions, (N, C) on the
     CPU: forward passes without gradient over token-budget micro-batches."""
-    N, prompt_lengths, completion_lengths = (
-        len(prompt_ids),
-        [len(p) for p in prompt_ids],
-        [len(c) for c in completion_ids],
-    )
+    N = len(prompt_ids)
+    prompt_lengths, completion_lengths = [len(p) for p in prompt_ids], [len(c) for c in completion_ids]
     old_logprobs = torch.zeros(N, C)
     ref_logprobs = torch.zeros(N, C) if ref_model is not None else None
     model.eval()
@@ -896,7 +882,7 @@ def load_prompts(args, dataset, tokenizer, max_context):
             if args.system_prompt:
                 messages = [{"role": "system", "content": args.system_prompt}] + messages
             ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-            ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+            ids = ids["input_ids"] if hasattr(ids, "keys") else ids  # a dict or BatchEncoding
         else:
             text = f"{args.system_prompt}\n\n{prompt}" if args.system_prompt else prompt
             ids = tokenizer(text)["input_ids"]
@@ -1136,11 +1122,8 @@ def shard_model(model, mixed_precision):
     mixed_precision, each layer computes in bf16 while the sharded fp32 weights and gradient reduction stay fp32."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    policy = (
-        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        if mixed_precision
-        else MixedPrecisionPolicy()
-    )
+    bf16 = dict(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed_precision else {}
+    policy = MixedPrecisionPolicy(**bf16)
     for layer in model.base_model.layers:
         fully_shard(layer, mp_policy=policy)
     fully_shard(model, mp_policy=policy)
@@ -1238,14 +1221,14 @@ def hf_generate(model, prompt_ids, args, eos_ids, pad_id, num_generations=None, 
     return completions, None
 
 
-def future_of(fn, *args, background=True):
-    """fn(*args) as a Future: run in a daemon thread (--async-generation: the trainer trains meanwhile; a daemon never
+def future_of(fn, background=True):
+    """fn() as a Future: run in a daemon thread (--async-generation: the trainer trains meanwhile; a daemon never
     holds up the exit after an error), or right now. future.result() returns the value or raises fn's error."""
     future = Future()
 
     def run():
         try:
-            future.set_result(fn(*args))
+            future.set_result(fn())
         except BaseException as error:  # noqa: BLE001 - re-raised by future.result() in the training loop
             future.set_exception(error)
 
@@ -1567,9 +1550,7 @@ def check_args(args, world_size=1):
 def reward_functions(names):
     """The functions of rewards.py that --reward-funcs names."""
     public = [
-        n
-        for n in dir(rewards)
-        if not n.startswith("_") and callable(getattr(rewards, n)) and getattr(rewards, n).__module__ == "rewards"
+        n for n, fn in inspect.getmembers(rewards, callable) if not n.startswith("_") and fn.__module__ == "rewards"
     ]
     for name in names:
         if name not in public:
@@ -1598,11 +1579,8 @@ def read_dataset(args, evaluation=False):
     """Read the dataset (with `evaluation`, the eval dataset of eval_source) once, before any model loads: {column: list
     of values}. Local .jsonl / .json files are parsed here, so that a malformed record is reported with its file and
     line; .parquet files and hub datasets through `datasets`."""
-    flag, (name, config, split) = (
-        ("--eval-dataset", eval_source(args))
-        if evaluation
-        else ("--dataset-name", (args.dataset_name, args.dataset_config, args.dataset_split))
-    )
+    source = eval_source(args) if evaluation else (args.dataset_name, args.dataset_config, args.dataset_split)
+    flag, (name, config, split) = "--eval-dataset" if evaluation else "--dataset-name", source
     if name.endswith((".json", ".jsonl")):
         with open(name, encoding="utf-8") as f:
             text = f.read()
@@ -1630,11 +1608,8 @@ def read_dataset(args, evaluation=False):
                     f"error: {flag} {name}, {where} {number}: a JSON object per record is expected, "
                     f"got {type(record).__name__}"
                 )
-        dataset = {}
-        for _, record in records:
-            for column in record:
-                dataset.setdefault(column, None)
-        dataset = {column: [record.get(column) for _, record in records] for column in dataset}
+        columns = dict.fromkeys(column for _, record in records for column in record)  # in order of appearance
+        dataset = {column: [record.get(column) for _, record in records] for column in columns}
     else:
         from datasets import load_dataset
 
@@ -1661,19 +1636,16 @@ def check_dataset(args, dataset, reward_fns, flag="--dataset-name", name=None):
                 f"Pass {option} with one of those"
                 + (', or --answer-column "" if it has none.' if "answer" in option else ".")
             )
-    given = set(columns) - {
-        args.prompt_column
-    }  # what reward functions receive (load_prompts: answer column as `answer`)
+    # what reward functions receive (load_prompts: answer column as `answer`)
+    given = set(columns) - {args.prompt_column}
     if args.answer_column and args.answer_column != "answer":
         given = given - {args.answer_column} | {"answer"}
     given |= {"completions", "prompts", "completion_ids", "max_completion_length", *args.reward_kwargs}
     for fn in reward_fns:
-        parameters = inspect.signature(fn).parameters.values()
-        for missing in [
-            p.name
-            for p in parameters
-            if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name not in given
-        ]:
+        for p in inspect.signature(fn).parameters.values():
+            missing = p.name  # a required argument that can be passed by name, and that no column gives
+            if p.default is not p.empty or p.kind not in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) or missing in given:
+                continue
             if missing == "answer":
                 raise SystemExit(
                     f"error: reward function '{fn.__name__}' needs the reference answer, and --answer-column "
@@ -1774,11 +1746,8 @@ def claim_output_dir(args, script):
         except OSError as error:  # a file system without flock (some network mounts): run, but say so
             print(f"warning: cannot lock {out}/.lock ({error}): nothing keeps a second run out of this directory")
         os.ftruncate(lock, 0)
-        os.pwrite(
-            lock,
-            f"{script}, pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}".encode(),
-            0,
-        )
+        now = time.strftime("%Y-%m-%d %H:%M:%S")
+        os.pwrite(lock, f"{script}, pid {os.getpid()} on {socket.gethostname()}, since {now}".encode(), 0)
         remove_dead_temporaries(out)
         owner = read_json(os.path.join(out, "run.json")) or {}
         files = sorted(set(os.listdir(out)) - {".lock", "run.json"})
@@ -1786,16 +1755,13 @@ def claim_output_dir(args, script):
         if checkpoint == "latest":
             checkpoint = run_checkpoints(out, owner.get("run_id"))[-1:]
             if not checkpoint:
-                others = [f for f in files if re.fullmatch(CHECKPOINT, f)]
+                others = ", ".join(f for f in files if re.fullmatch(CHECKPOINT, f))
+                hint = (
+                    f" ({others} are another run's: pass one's path to --resume-from-checkpoint to continue that run)"
+                )
                 raise SystemExit(
-                    f"error: --resume-from-checkpoint latest: no checkpoint-N directory in {out} of the run "
-                    f"that owns it"
-                    + (
-                        f" ({', '.join(others)} are another run's: pass one's path to "
-                        f"--resume-from-checkpoint to continue that run)"
-                        if others
-                        else ""
-                    )
+                    f"error: --resume-from-checkpoint latest: no checkpoint-N directory in {out} of the run that owns "
+                    f"it{hint if others else ''}"
                 )
             checkpoint = checkpoint[0]
         resumed = (read_json(os.path.join(checkpoint, "run.json")) or {}) if checkpoint else {}
@@ -1807,17 +1773,15 @@ def claim_output_dir(args, script):
         if files and not (checkpoint and resumed.get("run_id") == owner.get("run_id")):
             if not args.overwrite_output_dir:
                 listed = ", ".join(files[:5]) + (f" and {len(files) - 5} more" if len(files) > 5 else "")
+                whose = f"files that are not this run's ({listed})"
+                if owner.get("script"):
+                    whose = f"another run's files ({listed}; a {owner['script']} run started {owner['started']})"
                 raise SystemExit(
-                    f"error: --output-dir {out} holds "
-                    + (
-                        f"another run's files ({listed}; a {owner['script']} run started {owner['started']}). "
-                        if owner.get("script")
-                        else f"files that are not this run's ({listed}). "
-                    )
-                    + "A new run there would replace its model and mix its metrics and checkpoints with this one's. To "
-                    "continue that run, pass --resume-from-checkpoint latest (or a checkpoint's path); to start a new "
-                    "run there anyway, pass --overwrite-output-dir (its metrics.jsonl and final model are replaced, "
-                    "its checkpoints are kept and never resumed or deleted by the new run); or pass another --output-dir."
+                    f"error: --output-dir {out} holds {whose}. A new run there would replace its model and mix its "
+                    "metrics and checkpoints with this one's. To continue that run, pass --resume-from-checkpoint "
+                    "latest (or a checkpoint's path); to start a new run there anyway, pass --overwrite-output-dir "
+                    "(its metrics.jsonl and final model are replaced, its checkpoints are kept and never resumed or "
+                    "deleted by the new run); or pass another --output-dir."
                 )
             for name in ("metrics.jsonl", "config.json"):  # a new metrics file; no complete model until this run's
                 if os.path.exists(os.path.join(out, name)):
@@ -1829,9 +1793,8 @@ def claim_output_dir(args, script):
         if checkpoint:
             step = resumed.get("global_step")
             if step is None:  # a checkpoint written before run.json existed
-                step = torch.load(os.path.join(checkpoint, "trainer_state.pt"), weights_only=False, mmap=True)[
-                    "global_step"
-                ]
+                state = torch.load(os.path.join(checkpoint, "trainer_state.pt"), weights_only=False, mmap=True)
+                step = state["global_step"]
             if step >= args.max_steps:
                 raise SystemExit(
                     f"error: --resume-from-checkpoint {checkpoint} is at step {step} and --max-steps is "
@@ -1844,10 +1807,7 @@ def claim_output_dir(args, script):
             run = {"run_id": uuid.uuid4().hex[:12], "run_name": f"{args.exp_name}__{args.seed}__{int(time.time())}"}
             atexit.register(forget_unstarted_run, out, run["run_id"], created)
         if run["run_id"] != owner.get("run_id"):
-            write_json(
-                os.path.join(out, "run.json"),
-                {**run, "script": script, "started": time.strftime("%Y-%m-%d %H:%M:%S"), "args": asdict(args)},
-            )
+            write_json(os.path.join(out, "run.json"), {**run, "script": script, "started": now, "args": asdict(args)})
         return run, checkpoint, lock
     except BaseException:
         if locked and lock_created:  # refused before writing anything: leave the directory as it was
@@ -1862,10 +1822,8 @@ def forget_unstarted_run(output_dir, run_id, created):
     """At exit: if this run wrote nothing but run.json (it failed while starting), take that back, and the directory
     too if this run created it."""
     try:
-        if (
-            set(os.listdir(output_dir)) <= {".lock", "run.json"}
-            and read_json(os.path.join(output_dir, "run.json"))["run_id"] == run_id
-        ):
+        only_run_json = set(os.listdir(output_dir)) <= {".lock", "run.json"}
+        if only_run_json and read_json(os.path.join(output_dir, "run.json"))["run_id"] == run_id:
             os.remove(os.path.join(output_dir, "run.json"))
             os.remove(os.path.join(output_dir, ".lock"))
             if created:
@@ -1906,27 +1864,17 @@ def parse_args(argv=None):
         elif name := re.match(r" {4}(\w+):", line):
             groups.setdefault(title, []).append(name[1])
     fields = {f.name: f for f in dataclasses.fields(Args)}
+
+    def option(f):  # an Args field as a field of its group, with its docstring as the --help text
+        default = dataclasses.field(default=f.default, default_factory=f.default_factory)
+        return f.name, Annotated[f.type, tyro.conf.arg(help=docs[f.name])], default
+
     parts = []
     for title, names in groups.items():
-        group = dataclasses.make_dataclass(
-            title,
-            [
-                (
-                    n,
-                    Annotated[fields[n].type, tyro.conf.arg(help=docs[n])],
-                    dataclasses.field(default=fields[n].default, default_factory=fields[n].default_factory),
-                )
-                for n in names
-            ],
-        )
+        group = dataclasses.make_dataclass(title, [option(fields[n]) for n in names])
         group.__doc__ = ""
-        parts.append(
-            (
-                re.sub(r"\W+", "_", title).lower(),
-                tyro.conf.OmitArgPrefixes[group],
-                dataclasses.field(default_factory=group),
-            )
-        )
+        name = re.sub(r"\W+", "_", title).lower()
+        parts.append((name, tyro.conf.OmitArgPrefixes[group], dataclasses.field(default_factory=group)))
     description = "\n\n".join(__doc__.split("\n\n")[:3])  # what it does, and the CPU example
     parsed = tyro.cli(dataclasses.make_dataclass("Args", parts), args=argv, description=description)
     return Args(**{k: v for part in dataclasses.fields(parsed) for k, v in vars(getattr(parsed, part.name)).items()})
