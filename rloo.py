@@ -467,7 +467,7 @@ def train(args):
         sequence_weights = torch.ones(N) / (rows_per_step * world_size)
         if args.mask_truncated_completions:
             sequence_weights = sequence_weights * (~truncated).float()
-        for s in [*range(args.steps_per_generation)] * args.num_iterations:
+        for _iteration, s in itertools.product(range(args.num_iterations), range(args.steps_per_generation)):
             if global_step >= args.max_steps:
                 break
             step_rows = range(s * rows_per_step, (s + 1) * rows_per_step)
