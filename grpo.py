@@ -395,8 +395,8 @@ def train(args):
         kept = []  # one (prompt row, its G completions, their rewards, their vLLM log-probs or None) per kept group
         all_scores, num_generation_rounds, staleness = [], 0, []
         max_rounds = args.dynamic_sampling_max_rounds if args.dynamic_sampling else 1
-        # every rank samples the same number of rounds (they share the prompt stream): until all ranks together kept
-        # a full step's groups
+        # 1. generate: every rank samples the same number of rounds (they share the prompt stream), until all ranks
+        # together kept a full step's groups (--dynamic-sampling) or once; --async-generation: the round in flight
         while global_sum(len(kept), world_size, device) < args.prompts_per_step and num_generation_rounds < max_rounds:
             rows, version, generation = next_round if next_round and not num_generation_rounds else start_round(run)
             if args.async_generation and not num_generation_rounds:
