@@ -677,8 +677,9 @@ def resume(checkpoint_dir, model, optimizer, scheduler, device, rank, world_size
     state = torch.load(os.path.join(checkpoint_dir, "trainer_state.pt"), weights_only=False, mmap=True)
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
-    # by parameter name (older checkpoints of one rank: by index); with several ranks sharded like the weights
-    full = StateDictOptions(full_state_dict=world_size > 1)
+    # by parameter name (older checkpoints of one rank: by index); with several ranks sharded like the weights; not
+    # strict: a parameter that never had a gradient (a multimodal model's unused tower) has no AdamW state
+    full = StateDictOptions(full_state_dict=world_size > 1, strict=False)
     set_optimizer_state_dict(model, optimizer, state["optimizer"], options=full)
     scheduler.load_state_dict(state["scheduler"])
     torch.set_rng_state(state["torch_rng"][rank])
@@ -697,7 +698,8 @@ def resume(checkpoint_dir, model, optimizer, scheduler, device, rank, world_size
 def make_generator(args, model, model_path, train_set, eval_set, pad_id, eos_ids, world_size):
     """(engine, generate): Hugging Face generate (engine None), or vLLM, a colocated engine or a `vllm serve` server.
     generate(prompt_ids, num_generations=None, temperature=None) returns (completion ids, vLLM's log-probs or None),
-    prompt-major; num_generations and temperature None: the training ones."""
+    prompt-major; num_generations and temperature None: the training ones (pass them by position: vLLM's calls the
+    count n)."""
     if not args.use_vllm:
 
         def generate(prompt_ids, num_generations=None, temperature=None):
@@ -1409,7 +1411,9 @@ def full_state(model, optimizer):
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    optimizer_state = get_optimizer_state_dict(model, optimizer, options=options) if optimizer is not None else None
+    optimizer_state = optimizer.state_dict() if optimizer is not None else None
+    if optimizer is not None and optimizer.state:  # torch would fill an empty state with an AdamW step at lr 0
+        optimizer_state = get_optimizer_state_dict(model, optimizer, options=options)
     return get_model_state_dict(model, options=options), optimizer_state
 
 

@@ -23,23 +23,28 @@ PACKED_NUM_BUFFERS = 2  # packed-broadcast chunks in flight on each side; both s
 SERVER_OPTIONS = dict(vllm_group_port=None, vllm_generation_chunk_size=8, vllm_generation_timeout=1800.0)
 SERVER_OPTIONS.update(vllm_weight_sync_timeout=300.0, vllm_weight_sync_buffer_mb=1024)
 _restart = lambda model: f"Restart it as:\n  {serve_command(model)}"  # noqa: E731
+_strip = lambda name: name.replace("_checkpoint_wrapped_module.", "").replace("_fsdp_wrapped_module.", "")
 
 
 # ------------------------------------------------------------------------------------------------------------------
 # Weights (what is sent, in which order, in which message format) and colocate: vllm.LLM in this process
 
 
-def _checkpoint_tensors(name, tensor):
-    """(name, tensor) as vLLM's loaders know them: the checkpoint's. Wrappers' infixes go, and transformers 5's fused
-    MoE experts (mlp.experts.gate_up_proj [E, 2I, H], mlp.experts.down_proj [E, H, I]) split into the per-expert
-    mlp.experts.{e}.gate_proj / up_proj / down_proj.weight that save_pretrained writes (vLLM 0.26's DeepseekV2 loader
-    knows only those). Views, no copies; a meta tensor gives the shapes."""
-    name = name.replace("_checkpoint_wrapped_module.", "").replace("_fsdp_wrapped_module.", "")
-    prefix, _, leaf = name.rpartition(".")
-    if not (prefix.endswith("mlp.experts") and leaf in ("gate_up_proj", "down_proj") and tensor.ndim == 3):
+def _checkpoint_tensors(model, name, tensor):
+    """(name, tensor) pairs as save_pretrained writes this parameter, the names vLLM's loaders know: wrappers' infixes
+    go, and transformers' own reverse undoes its load-time conversions (a MoE layer's fused experts.gate_up_proj
+    [E, 2I, H] becomes DeepSeek-V2's / Qwen3-MoE's per-expert gate_proj and up_proj, which vLLM 0.26's DeepseekV2
+    loader needs; GPT-OSS's stays fused, Mixtral's becomes w1 / w3). Meta tensors give the shapes."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    if "_converted_names" not in vars(model):  # once per model, on the meta device: which parameters change at all
+        meta = {_strip(n): torch.empty(p.shape, device="meta") for n, p in model.named_parameters()}
+        saved = revert_weight_conversion(model, dict(meta))
+        model._converted_names = {n for n, t in meta.items() if n not in saved or saved[n].shape != t.shape}
+    name = _strip(name)  # the reverse costs ~0.3 ms a tensor: only for those that change
+    if name not in model._converted_names:
         return [(name, tensor)]
-    parts = dict(zip(("gate_proj", "up_proj"), tensor.chunk(2, dim=1))) if leaf == "gate_up_proj" else {leaf: tensor}
-    return [(f"{prefix}.{e}.{part}.weight", value[e]) for e in range(len(tensor)) for part, value in parts.items()]
+    return list(revert_weight_conversion(model, {name: tensor}).items())
 
 
 def named_weights(model, dtype=torch.bfloat16):
@@ -47,13 +52,14 @@ def named_weights(model, dtype=torch.bfloat16):
     generator: with FSDP2 each is gathered (a collective: all ranks iterate alike) only when reached, then dropped."""
     for name, param in model.named_parameters():
         tensor = param.detach().full_tensor() if hasattr(param, "full_tensor") else param.detach()  # FSDP2: gather
-        yield from _checkpoint_tensors(name, tensor.to(dtype))
+        yield from _checkpoint_tensors(model, name, tensor.to(dtype))
 
 
 def weight_metadata(model, dtype=torch.bfloat16):
     """The lists vLLM allocates its receive buffers from: exactly the tensors `named_weights` streams, in its order.
     Read from the parameters without gathering anything (an FSDP2 DTensor's shape is the full one)."""
-    meta = [x for n, p in model.named_parameters() for x in _checkpoint_tensors(n, torch.empty(p.shape, device="meta"))]
+    meta = [(n, torch.empty(p.shape, device="meta")) for n, p in model.named_parameters()]
+    meta = [pair for n, t in meta for pair in _checkpoint_tensors(model, n, t)]
     dtype_names = [str(dtype).removeprefix("torch.")] * len(meta)
     return {"names": [n for n, _ in meta], "dtype_names": dtype_names, "shapes": [list(t.shape) for _, t in meta]}
 
@@ -119,19 +125,17 @@ def colocate_generate(llm, prompt_ids, n, fields):
     """n completions per prompt from an in-process engine: (completion ids, sampled-token log-probs), prompt-major."""
     from vllm import SamplingParams
 
-    # no text (detokenizing stalls decoding in this process: 3.4 vs 2.2 s a bench round) and flat log-probs (fewer objects)
+    # no text (detokenizing stalls decoding here: 3.4 vs 2.2 s a bench round); logprobs=0, flat: one float per token
     params = SamplingParams(n=n, logprobs=0, detokenize=False, flat_logprobs=True, **fields)
     outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], params, use_tqdm=False)
     samples = [sample for output in outputs for sample in output.outputs]
-    logprobs = [list(s.logprobs.logprobs) for s in samples]  # logprobs=0: the sampled token's only, one per position
-    return [list(sample.token_ids) for sample in samples], logprobs
+    return [list(s.token_ids) for s in samples], [list(s.logprobs.logprobs) for s in samples]
 
 
 def tensor_parallel_group(tensor_parallel_size):
     """The process group of this rank's tensor-parallel engine (consecutive ranks, same prompts), None without TP."""
-    if tensor_parallel_size == 1 or not torch.distributed.is_initialized():
-        return None
-    return torch.distributed.new_subgroups(tensor_parallel_size)[0]  # every rank creates every group, in order
+    if tensor_parallel_size > 1 and torch.distributed.is_initialized():
+        return torch.distributed.new_subgroups(tensor_parallel_size)[0]  # every rank creates every group, in order
 
 
 def colocate_load_weights(llm, weights):
@@ -215,11 +219,10 @@ def check_same_model(server, model, model_path):
         config = transformers.AutoConfig.from_pretrained(name, revision=served.get("revision"), **remote)
         config.update(served.get("hf_overrides") or {})
         with torch.device("meta"):
-            params = transformers.AutoModelForCausalLM.from_config(config, **remote).named_parameters()
-            shapes = {n: list(t.shape) for key, param in params for n, t in _checkpoint_tensors(key, param)}
+            served_model = transformers.AutoModelForCausalLM.from_config(config, **remote)
     except (OSError, ValueError, TypeError, KeyError):
         return print(f"vllm_utils: cannot build the served {name} here to compare it with the trainer's {model_path}")
-    sent = dict(zip(*(weight_metadata(model)[key] for key in ("names", "shapes"))))
+    sent, shapes = (dict(zip(*(weight_metadata(m)[key] for key in ("names", "shapes")))) for m in (model, served_model))
     first = next((key for key in [*sent, *shapes] if sent.get(key) != shapes.get(key)), None)
     if first is not None:
         got = f"{first} is {sent.get(first, 'not sent')} in the trainer, {shapes.get(first, 'absent')} on the server"
@@ -325,10 +328,7 @@ def server_sync_weights(base_url, group, model, version=None, buffer_bytes=1 << 
 
     update_info = weight_sync_messages(version, {}, weight_metadata(model), buffer_bytes)[1]
     update = lambda: _post(base_url, "/update_weights", timeout, json={"update_info": update_info})  # noqa: E731
-
-    def broadcast():  # the trainer's side of /update_weights
-        send(named_weights(model), group, 0, lambda item: item[1], buffer_bytes, PACKED_NUM_BUFFERS)
-
+    broadcast = lambda: send(named_weights(model), group, 0, lambda item: item[1], buffer_bytes, PACKED_NUM_BUFFERS)
     probe_server(base_url, name)  # a wedged engine is reported now, not after `timeout` s
     _post(base_url, "/pause", timeout, params={"mode": "wait"})
     try:

@@ -3,10 +3,10 @@
     python benchmarks/speed_probe.py gen MODEL OUT.json     # colocated vLLM: 32 prompts x 8 x 256 tokens, per variant
     python benchmarks/speed_probe.py train MODEL OUT.json   # one GRPO optimizer step on a synthetic round, per variant
 
-gen: the scripts' colocate_generate settings (logprobs=0, detokenize=False) against flat log-probs, no log-probs,
-detokenizing, and the garbage collector off. train: grpo.py's own functions (as benchmarks/profile_train.py) with fp32
-weights under bf16 autocast (the scripts), bf16 weights, and each decoder layer torch.compile'd. Three timed
-repetitions after two warm-ups; prints and writes the medians."""
+gen: colocate_generate's settings before fa34d52 (logprobs=0 as dicts, detokenize=False) against flat log-probs (the
+scripts' since), no log-probs, detokenizing, and the garbage collector off. train: grpo.py's own functions (as
+benchmarks/profile_train.py) with fp32 weights under bf16 autocast (the scripts), bf16 weights, and each decoder layer
+torch.compile'd. Three timed repetitions after two warm-ups; prints and writes the medians."""
 
 import gc
 import json
@@ -71,12 +71,12 @@ if mode == "gen":
         if logprobs is not None:
             assert all(len(lp) == len(s.token_ids) for lp, s in zip(lps, samples))
 
-    timed("scripts (logprobs=0, detokenize=False)", run)
-    timed("flat_logprobs", lambda: run(flat=True))
+    timed("dict log-probs (the scripts before fa34d52)", run)
+    timed("flat_logprobs (the scripts since)", lambda: run(flat=True))
     timed("flat_logprobs, gc off", lambda: run(flat=True, no_gc=True))
     timed("no logprobs", lambda: run(logprobs=None))
     timed("detokenize=True", lambda: run(detokenize=True))
-    timed("scripts again", run)
+    timed("dict log-probs again", run)
 else:
     from transformers import AutoModelForCausalLM
 

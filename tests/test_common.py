@@ -44,3 +44,41 @@ def test_clip_gradients(script):
     torch.testing.assert_close(script.clip_gradients(model, norm.item() / 4), norm)
     for p, g in zip(model.parameters(), grads):
         torch.testing.assert_close(p.grad, g / 4, rtol=1e-4, atol=1e-6)
+
+
+def _load(script, checkpoint_dir, model, optimizer, scheduler):
+    """Each script's resume of the optimizer, schedule and RNG state from checkpoint_dir/trainer_state.pt."""
+    cpu = torch.device("cpu")
+    if script is grpo:
+        run = dict(model=model, optimizer=optimizer, scheduler=scheduler, device=cpu, rank=0, world_size=1)
+        return grpo.load_checkpoint(type("Run", (), run), checkpoint_dir)
+    load = rloo.resume if script is rloo else online_dpo.load_checkpoint
+    return load(checkpoint_dir, model, optimizer, scheduler, cpu, 0, 1)
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda m: m.__name__)
+def test_checkpointed_optimizer_state_round_trips_and_saving_never_steps(script, tmp_path):
+    """full_state before any optimizer step leaves the optimizer as it was (torch's state-dict API would fill the
+    empty AdamW state with a step at lr 0, and the first real update would then be bias-corrected as the second);
+    after a step in which one parameter got no gradient (a multimodal model's unused tower), the saved state resumes
+    into a fresh optimizer (by parameter name, not strict: that parameter has no AdamW state)."""
+    torch.manual_seed(0)
+    model = torch.nn.ModuleDict({"used": torch.nn.Linear(4, 3), "unused": torch.nn.Linear(4, 3)})
+    make = lambda: torch.optim.AdamW(model.parameters(), lr=1e-2)  # noqa: E731
+    optimizer = make()
+    _, saved = script.full_state(model, optimizer)
+    assert not optimizer.state and saved["state"] == {}
+    model["used"](torch.randn(5, 4)).square().sum().backward()
+    optimizer.step()
+    _, saved = script.full_state(model, optimizer)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    state = {"optimizer": saved, "scheduler": scheduler.state_dict(), "torch_rng": [torch.get_rng_state()]}
+    state |= {"cuda_rng": None, "global_step": 1, "prompts_consumed": 4, "skipped_steps": 0}
+    torch.save(state, tmp_path / "trainer_state.pt")
+    resumed = make()
+    counters = _load(script, tmp_path, model, resumed, torch.optim.lr_scheduler.LambdaLR(resumed, lambda step: 1.0))
+    assert counters[:2] == (1, 4)
+    for param in model["used"].parameters():
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(resumed.state[param][key], optimizer.state[param][key]), key
+    assert all(param not in resumed.state for param in model["unused"].parameters())

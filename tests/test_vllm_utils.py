@@ -874,30 +874,34 @@ def test_colocate_generation_asks_for_token_ids_and_logprobs_without_text():
     assert ids == [[1, 7], [8], [3, 7], [8]] and logprobs == [[-0.5, -3.5], [-4.0], [-1.5, -3.5], [-4.0]]
 
 
-@pytest.mark.parametrize("arch", ["deepseek_v2", "qwen3_moe"])
+@pytest.mark.parametrize("arch", ["deepseek_v2", "qwen3_moe", "gpt_oss", "mixtral"])
 def test_moe_experts_are_sent_under_the_names_and_values_save_pretrained_writes(arch, tmp_path):
     """transformers 5 fuses each MoE layer's experts into mlp.experts.gate_up_proj [E, 2I, H] / down_proj [E, H, I];
     vLLM 0.26's DeepseekV2 loader knows only the checkpoint's per-expert tensors (on the GPU the fused names failed
-    with KeyError 'layers.1.mlp.experts.gate_up_proj'). What the trainer sends must be what save_pretrained writes:
-    the same names, shapes and values, and weight_metadata must announce exactly that."""
+    with KeyError 'layers.1.mlp.experts.gate_up_proj'). What the trainer sends must be what save_pretrained writes,
+    for every layout (GPT-OSS's checkpoint keeps a fused [E, H, 2I] tensor, Mixtral's has w1 / w2 / w3): the same
+    names, shapes and values, and weight_metadata must announce exactly that."""
     from safetensors.torch import load_file
-    from transformers import AutoModelForCausalLM, DeepseekV2Config, Qwen3MoeConfig
+    from transformers import AutoModelForCausalLM, DeepseekV2Config, GptOssConfig, MixtralConfig, Qwen3MoeConfig
 
     common = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2)
     common.update(intermediate_size=48, moe_intermediate_size=8, num_experts_per_tok=2, tie_word_embeddings=False)
     if arch == "deepseek_v2":
         config = DeepseekV2Config(**common, n_routed_experts=4, n_shared_experts=1, first_k_dense_replace=1)
         config.update(dict(q_lora_rank=None, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8))
-    else:
+    elif arch == "qwen3_moe":
         config = Qwen3MoeConfig(**common, head_dim=16, num_experts=4, decoder_sparse_step=1, mlp_only_layers=[])
+    else:
+        config = (GptOssConfig if arch == "gpt_oss" else MixtralConfig)(**common, num_local_experts=4, head_dim=16)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config).to(torch.bfloat16)
-    assert any(name.endswith("mlp.experts.gate_up_proj") for name, _ in model.named_parameters())  # fused here
+    assert any(name.endswith("experts.gate_up_proj") for name, _ in model.named_parameters())  # fused here
     model.save_pretrained(tmp_path)
     saved = load_file(tmp_path / "model.safetensors")
     sent = dict(vllm_utils.named_weights(model))
     assert sorted(sent) == sorted(saved)
-    assert any(".mlp.experts.3.up_proj.weight" in name for name in sent)
+    per_expert = {"gpt_oss": ".mlp.experts.gate_up_proj", "mixtral": ".experts.3.w3.weight"}
+    assert any(per_expert.get(arch, ".mlp.experts.3.up_proj.weight") in name for name in sent)
     for name, tensor in saved.items():
         assert torch.equal(sent[name], tensor), name
     meta = vllm_utils.weight_metadata(model)
