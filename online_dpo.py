@@ -347,7 +347,7 @@ def train(args):
     weights_version = global_step  # the optimizer step whose weights the generator holds
     next_round = None  # --async-generation: the round generating in the background while this one trains
     if eval_set is not None and (global_step == 0 or args.max_steps == 0):  # the model before training
-        write_metrics({"step": global_step, **evaluate()}, True, metrics_file, args.track)
+        log_metrics({"step": global_step, **evaluate()}, True, metrics_file, args.track)
     while global_step < args.max_steps:
         round_start = time.perf_counter()
         timing = defaultdict(float, {"timing/weight_sync": 0.0})
@@ -510,7 +510,7 @@ def train(args):
             progress.set_postfix(score=f"{metrics['objective/scores']:.3f}", kl=f"{kl:.3f}", pairs=all_pairs)
             if args.log_completions and global_step % args.logging_steps == 0:  # rank 0's rows
                 log_completions(args, tokenizer, batch_prompt_ids, completion_ids, rewards, global_step)
-        write_metrics(metrics, global_step % args.logging_steps == 0 or evaluated, metrics_file, args.track)
+        log_metrics(metrics, global_step % args.logging_steps == 0 or evaluated, metrics_file, args.track)
         preempted = global_sum(preemption.is_set(), world_size, device) > 0 and global_step < args.max_steps  # SIGTERM
         if preempted or (args.save_steps and global_step % args.save_steps == 0 and global_step < args.max_steps):
             # a round generated in the background is not trained yet: a resume generates it again
@@ -791,7 +791,7 @@ def gather_from_ranks(world_size, *tensors):
     return [torch.cat([g[i] for g in gathered]) for i in range(len(tensors))]
 
 
-def write_metrics(metrics, show, metrics_file, track):
+def log_metrics(metrics, show, metrics_file, track):
     """Rank 0 (the one with a metrics_file): print the metrics line if `show`, append it to metrics.jsonl, send it to
     wandb."""
     if metrics_file is None:

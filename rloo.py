@@ -379,7 +379,9 @@ def train(args):
     global_step, prompts_consumed = 0, 0
     torch.manual_seed(args.seed + rank)  # from here on each rank samples its own completions
     if checkpoint_dir:
-        global_step, prompts_consumed = resume(checkpoint_dir, model, optimizer, scheduler, device, rank, world_size)
+        global_step, prompts_consumed = load_checkpoint(
+            checkpoint_dir, model, optimizer, scheduler, device, rank, world_size
+        )
     prompts = prompt_stream(len(train_set.prompt_ids), args.seed, start=prompts_consumed)
     engine, generate = make_generator(args, model, model_path, train_set, eval_set, pad_id, eos_ids, world_size)
     if args.use_vllm:
@@ -670,7 +672,7 @@ def make_optimizer(args, model, device):
     return optimizer, get_scheduler(args.lr_scheduler_type, optimizer, args.warmup_steps, args.max_steps)
 
 
-def resume(checkpoint_dir, model, optimizer, scheduler, device, rank, world_size):
+def load_checkpoint(checkpoint_dir, model, optimizer, scheduler, device, rank, world_size):
     """Load a checkpoint's optimizer, schedule and random states (its weights are loaded as the model); returns
     (global_step, prompts_consumed)."""
     # mmap: pages of the full optimizer state are read as used, not all into every rank's memory (copy-on-write)

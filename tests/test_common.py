@@ -52,8 +52,7 @@ def _load(script, checkpoint_dir, model, optimizer, scheduler):
     if script is grpo:
         run = dict(model=model, optimizer=optimizer, scheduler=scheduler, device=cpu, rank=0, world_size=1)
         return grpo.load_checkpoint(type("Run", (), run), checkpoint_dir)
-    load = rloo.resume if script is rloo else online_dpo.load_checkpoint
-    return load(checkpoint_dir, model, optimizer, scheduler, cpu, 0, 1)
+    return script.load_checkpoint(checkpoint_dir, model, optimizer, scheduler, cpu, 0, 1)
 
 
 @pytest.mark.parametrize("script", SCRIPTS, ids=lambda m: m.__name__)
