@@ -700,8 +700,7 @@ def load_checkpoint(checkpoint_dir, model, optimizer, scheduler, device, rank, w
 def make_generator(args, model, model_path, train_set, eval_set, pad_id, eos_ids, world_size):
     """(engine, generate): Hugging Face generate (engine None), or vLLM, a colocated engine or a `vllm serve` server.
     generate(prompt_ids, num_generations=None, temperature=None) returns (completion ids, vLLM's log-probs or None),
-    prompt-major; num_generations and temperature None: the training ones (pass them by position: vLLM's calls the
-    count n)."""
+    prompt-major; num_generations and temperature None: the training ones."""
     if not args.use_vllm:
 
         def generate(prompt_ids, num_generations=None, temperature=None):
@@ -715,7 +714,9 @@ def make_generator(args, model, model_path, train_set, eval_set, pad_id, eos_ids
     engine = vllm_utils.start(args, model_path, longest)
     if args.vllm_mode == "server":  # the server may hold other weights (an earlier run, or this one before a resume)
         vllm_utils.sync_weights(engine, model)
-    return engine, partial(vllm_utils.generate, engine)
+    return engine, lambda ids, num_generations=None, temperature=None: vllm_utils.generate(
+        engine, ids, num_generations, temperature
+    )
 
 
 def open_metrics(args, run, checkpoint_dir, global_step):
