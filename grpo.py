@@ -692,7 +692,8 @@ def set_up(args):
     # prompts: token ids, the columns the reward functions get, whether the dataset's prompts are chat messages
     max_context = getattr(model.config, "max_position_embeddings", None) or 10**9
     run.prompt_ids, run.columns, run.prompts_are_messages = load_prompts(args, dataset, tokenizer, max_context)
-    evaluation = load_prompts(args, eval_dataset, tokenizer, max_context) if eval_dataset else (None, {}, False)
+    no_evaluation = None, {}, False
+    evaluation = no_evaluation if eval_dataset is None else load_prompts(args, eval_dataset, tokenizer, max_context)
     run.eval_prompt_ids, run.eval_columns, run.eval_prompts_are_messages = evaluation
 
     # optimizer and schedule
