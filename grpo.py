@@ -1436,11 +1436,12 @@ def replace_atomically(tmp, path):
 
 
 def full_state(model, optimizer):
-    """Unsharded weights and optimizer state (parameter names as keys) on the CPU, one way for one rank and for FSDP2
-    shards, which are gathered onto rank 0 (every rank must call this: a collective; the others get empty dicts)."""
+    """Unsharded weights and optimizer state (parameter names as keys), one way for one rank and for FSDP2 shards,
+    which are gathered onto rank 0's CPU (every rank must call this: a collective; the others get empty dicts)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    # several ranks: gathered onto rank 0's CPU; one: the tensors themselves (torch.save copies them one at a time)
+    options = StateDictOptions(full_state_dict=True, cpu_offload=dist.is_initialized())
     optimizer_state = optimizer.state_dict() if optimizer is not None else None
     if optimizer is not None and optimizer.state:  # torch would fill an empty state with an AdamW step at lr 0
         optimizer_state = get_optimizer_state_dict(model, optimizer, options=options)

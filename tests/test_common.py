@@ -81,3 +81,23 @@ def test_checkpointed_optimizer_state_round_trips_and_saving_never_steps(script,
         for key in ("exp_avg", "exp_avg_sq", "step"):
             assert torch.equal(resumed.state[param][key], optimizer.state[param][key]), key
     assert all(param not in resumed.state for param in model["unused"].parameters())
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda m: m.__name__)
+def test_one_rank_checkpoints_hand_over_the_tensors_without_a_host_copy(script, monkeypatch):
+    """On one rank full_state returns the model's own tensors (torch.save then copies GPU tensors one at a time); a
+    CPU copy of the whole state first (cpu_offload, which several ranks need to gather onto rank 0) would hold about
+    3x the model's size in host memory at each checkpoint."""
+    import torch.distributed.checkpoint.state_dict as dcp
+
+    seen, real = [], dcp.get_model_state_dict
+
+    def recording(model, options=None):
+        seen.append(options)
+        return real(model, options=options)
+
+    monkeypatch.setattr(dcp, "get_model_state_dict", recording)
+    model = torch.nn.Linear(3, 2)
+    state, _ = script.full_state(model, None)
+    assert seen and not seen[0].cpu_offload and seen[0].full_state_dict
+    assert state["weight"].data_ptr() == model.weight.data_ptr()
