@@ -677,12 +677,15 @@ def load_checkpoint(checkpoint_dir, model, optimizer, scheduler, device, rank, w
     (global_step, prompts_consumed)."""
     # mmap: pages of the full optimizer state are read as used, not all into every rank's memory (copy-on-write)
     state = torch.load(os.path.join(checkpoint_dir, "trainer_state.pt"), weights_only=False, mmap=True)
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+    if world_size == 1 and all(isinstance(key, int) for key in state["optimizer"]["state"]):  # written by one rank
+        # directly: torch's set_optimizer_state_dict first builds a throw-away AdamW state, 2x the weights' memory
+        optimizer.load_state_dict(state["optimizer"])
+    else:  # written by several ranks (by parameter name), or resumed on several (sharded like the weights). Not strict:
+        # a parameter that never had a gradient (a multimodal model's unused tower) has no AdamW state
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
-    # by parameter name (older checkpoints of one rank: by index); with several ranks sharded like the weights; not
-    # strict: a parameter that never had a gradient (a multimodal model's unused tower) has no AdamW state
-    full = StateDictOptions(full_state_dict=world_size > 1, strict=False)
-    set_optimizer_state_dict(model, optimizer, state["optimizer"], options=full)
+        full = StateDictOptions(full_state_dict=world_size > 1, strict=False)
+        set_optimizer_state_dict(model, optimizer, state["optimizer"], options=full)
     scheduler.load_state_dict(state["scheduler"])
     torch.set_rng_state(state["torch_rng"][rank])
     if device.type == "cuda" and state.get("cuda_rng") is not None:  # GPU sampling; older checkpoints have none
@@ -1409,12 +1412,14 @@ def finish(args, model, tokenizer, metrics_file, output_lock, world_size):
 
 
 def full_state(model, optimizer):
-    """Unsharded weights and optimizer state (parameter names as keys), one way for one rank and for FSDP2 shards,
-    which are gathered onto rank 0's CPU (every rank must call this: a collective; the others get empty dicts)."""
+    """Unsharded weights and optimizer state: on one rank the model's and optimizer's own tensors (torch.save copies GPU
+    tensors one at a time); with FSDP2 gathered onto rank 0's CPU, by parameter name (every rank must call this: a
+    collective; the others get empty dicts)."""
+    if not dist.is_initialized():
+        return model.state_dict(), optimizer.state_dict() if optimizer is not None else None
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 
-    # several ranks: gathered onto rank 0's CPU; one: the tensors themselves (torch.save copies them one at a time)
-    options = StateDictOptions(full_state_dict=True, cpu_offload=dist.is_initialized())
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     optimizer_state = optimizer.state_dict() if optimizer is not None else None
     if optimizer is not None and optimizer.state:  # torch would fill an empty state with an AdamW step at lr 0
         optimizer_state = get_optimizer_state_dict(model, optimizer, options=options)

@@ -56,48 +56,57 @@ def _load(script, checkpoint_dir, model, optimizer, scheduler):
 
 
 @pytest.mark.parametrize("script", SCRIPTS, ids=lambda m: m.__name__)
-def test_checkpointed_optimizer_state_round_trips_and_saving_never_steps(script, tmp_path):
+def test_checkpointed_optimizer_state_round_trips_and_saving_never_steps(script, tmp_path, monkeypatch):
     """full_state before any optimizer step leaves the optimizer as it was (torch's state-dict API would fill the
-    empty AdamW state with a step at lr 0, and the first real update would then be bias-corrected as the second);
-    after a step in which one parameter got no gradient (a multimodal model's unused tower), the saved state resumes
-    into a fresh optimizer (by parameter name, not strict: that parameter has no AdamW state)."""
+    empty AdamW state with a step at lr 0, and the first real update would then be bias-corrected as the second).
+    After a step in which one parameter got no gradient (a multimodal model's unused tower), the state resumes into a
+    fresh optimizer: as one rank writes it (by index, loaded directly: no throw-away AdamW state, which would cost 2x
+    the weights' memory) and as several ranks write it (by parameter name, not strict: that parameter has no state)."""
+    import torch.distributed.checkpoint.state_dict as dcp
+
+    throwaway_states, init = [], dcp._init_optim_state
+    monkeypatch.setattr(dcp, "_init_optim_state", lambda optim: throwaway_states.append(optim) or init(optim))
     torch.manual_seed(0)
     model = torch.nn.ModuleDict({"used": torch.nn.Linear(4, 3), "unused": torch.nn.Linear(4, 3)})
     make = lambda: torch.optim.AdamW(model.parameters(), lr=1e-2)  # noqa: E731
+
+    def on_several_ranks(*args):  # full_state's path for several ranks (by parameter name), in a process group of 1
+        store = tmp_path / f"store{len(list(tmp_path.iterdir()))}"
+        torch.distributed.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+        try:
+            return script.full_state(*args)
+        finally:
+            torch.distributed.destroy_process_group()
+
     optimizer = make()
-    _, saved = script.full_state(model, optimizer)
-    assert not optimizer.state and saved["state"] == {}
+    for saved in (script.full_state(model, optimizer)[1], on_several_ranks(model, optimizer)[1]):
+        assert not optimizer.state and saved["state"] == {}
     model["used"](torch.randn(5, 4)).square().sum().backward()
     optimizer.step()
-    _, saved = script.full_state(model, optimizer)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
-    state = {"optimizer": saved, "scheduler": scheduler.state_dict(), "torch_rng": [torch.get_rng_state()]}
-    state |= {"cuda_rng": None, "global_step": 1, "prompts_consumed": 4, "skipped_steps": 0}
-    torch.save(state, tmp_path / "trainer_state.pt")
-    resumed = make()
-    counters = _load(script, tmp_path, model, resumed, torch.optim.lr_scheduler.LambdaLR(resumed, lambda step: 1.0))
-    assert counters[:2] == (1, 4)
-    for param in model["used"].parameters():
-        for key in ("exp_avg", "exp_avg_sq", "step"):
-            assert torch.equal(resumed.state[param][key], optimizer.state[param][key]), key
-    assert all(param not in resumed.state for param in model["unused"].parameters())
+    by_index, by_name = script.full_state(model, optimizer)[1], on_several_ranks(model, optimizer)[1]
+    for saved, throwaway in ((by_index, 0), (by_name, 1)):
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+        state = {"optimizer": saved, "scheduler": scheduler.state_dict(), "torch_rng": [torch.get_rng_state()]}
+        state |= {"cuda_rng": None, "global_step": 1, "prompts_consumed": 4, "skipped_steps": 0}
+        torch.save(state, tmp_path / "trainer_state.pt")
+        resumed, throwaway_states[:] = make(), []
+        counters = _load(script, tmp_path, model, resumed, torch.optim.lr_scheduler.LambdaLR(resumed, lambda s: 1.0))
+        assert counters[:2] == (1, 4) and len(throwaway_states) == throwaway
+        for param in model["used"].parameters():
+            for key in ("exp_avg", "exp_avg_sq", "step"):
+                assert torch.equal(resumed.state[param][key], optimizer.state[param][key]), key
+        assert all(param not in resumed.state for param in model["unused"].parameters())
 
 
 @pytest.mark.parametrize("script", SCRIPTS, ids=lambda m: m.__name__)
-def test_one_rank_checkpoints_hand_over_the_tensors_without_a_host_copy(script, monkeypatch):
-    """On one rank full_state returns the model's own tensors (torch.save then copies GPU tensors one at a time); a
-    CPU copy of the whole state first (cpu_offload, which several ranks need to gather onto rank 0) would hold about
-    3x the model's size in host memory at each checkpoint."""
-    import torch.distributed.checkpoint.state_dict as dcp
-
-    seen, real = [], dcp.get_model_state_dict
-
-    def recording(model, options=None):
-        seen.append(options)
-        return real(model, options=options)
-
-    monkeypatch.setattr(dcp, "get_model_state_dict", recording)
+def test_one_rank_checkpoints_hand_over_the_tensors_without_a_host_copy(script):
+    """On one rank full_state returns the model's and the optimizer's own tensors (torch.save then copies GPU tensors
+    one at a time); a CPU copy of the whole state first (cpu_offload, which several ranks need to gather onto rank 0)
+    would hold about 3x the model's size in host memory at each checkpoint."""
     model = torch.nn.Linear(3, 2)
-    state, _ = script.full_state(model, None)
-    assert seen and not seen[0].cpu_offload and seen[0].full_state_dict
-    assert state["weight"].data_ptr() == model.weight.data_ptr()
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 3)).sum().backward()
+    optimizer.step()
+    model_state, optimizer_state = script.full_state(model, optimizer)
+    assert model_state["weight"].data_ptr() == model.weight.data_ptr()
+    assert optimizer_state["state"][0]["exp_avg"].data_ptr() == optimizer.state[model.weight]["exp_avg"].data_ptr()
