@@ -1028,30 +1028,31 @@ def final_logits(logits, config):
 
 
 class TokenLogprobs(torch.autograd.Function):
-    """log pi(target) and the entropy (None unless asked) of one chunk of final hidden states, (n,) each, keeping no
-    vocabulary-wide tensor for the backward: the forward saves the hidden states and the log-sum-exp; the backward
-    recomputes the logits once and writes their gradient in one pass, d log pi(t) / dz = onehot(t) - softmax(z), where z
-    are the logits after the model's own transform and the temperature. (Log-softmax + gather under activation
-    checkpointing computes the same numbers with more vocabulary-wide passes: benchmarks/logprob_variants.py.)"""
+    """log pi(target) and the entropy (None unless asked) of each final hidden state, (n,) each, computed `chunk`
+    tokens at a time so that no (n, vocabulary) tensor exists: the forward saves the hidden states and the log-sum-exp;
+    the backward recomputes each chunk's logits once and writes their gradient in one pass, d log pi(t) / dz =
+    onehot(t) - softmax(z), where z are the logits after the model's own transform and the temperature. The LM head's
+    weight is cast once per pass, and its gradient is summed over the chunks in one float32 buffer (not one per chunk:
+    0.8 GiB less at a bench step's peak, benchmarks/results/README.md). logprob_variants.py has log-softmax + gather."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, config, temperature, with_entropy):
+    def forward(ctx, hidden, weight, bias, targets, config, temperature, with_entropy, chunk):
         # the LM head computes in autocast's dtype when autocast is on, as the model's own forward would
         device = hidden.device.type
         ctx.dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else weight.dtype
-        ctx.config, ctx.temperature = config, temperature
-        z = TokenLogprobs.logits(TokenLogprobs.head(hidden, weight, bias, ctx.dtype), ctx)
-        lse = z.logsumexp(-1)
-        logprobs = z.gather(-1, targets[:, None]).squeeze(-1) - lse
+        ctx.config, ctx.temperature, ctx.chunk = config, temperature, chunk
+        w, b = (None if x is None else x.to(ctx.dtype) for x in (weight, bias))
+        lse = hidden.new_empty(len(hidden), dtype=torch.float32)
+        logprobs, entropy = torch.empty_like(lse), torch.empty_like(lse) if with_entropy else None
+        for rows in (slice(start, start + chunk) for start in range(0, len(hidden), chunk)):
+            z = TokenLogprobs.logits(torch.nn.functional.linear(hidden[rows].to(ctx.dtype), w, b), ctx)
+            lse[rows] = z.logsumexp(-1)
+            logprobs[rows] = z.gather(-1, targets[rows, None]).squeeze(-1) - lse[rows]
+            if with_entropy:  # log softmax(z), in place: the entropy is -sum_v p_v log p_v
+                z = z.sub_(lse[rows, None])
+                entropy[rows] = -z.exp().mul_(z).sum(-1)
         ctx.save_for_backward(hidden, weight, bias, targets, lse)
-        if not with_entropy:
-            return logprobs, None
-        z = z.sub_(lse[:, None])  # log softmax(z), in place: the entropy is -sum_v p_v log p_v
-        return logprobs, -z.exp().mul_(z).sum(-1)
-
-    @staticmethod
-    def head(hidden, weight, bias, dtype):
-        return torch.nn.functional.linear(hidden.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype))
+        return logprobs, entropy
 
     @staticmethod
     def logits(raw, ctx):
@@ -1063,18 +1064,40 @@ class TokenLogprobs(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_logprobs, _grad_entropy):  # the entropy is a metric: no gradient flows from it
         hidden, weight, bias, targets, lse = ctx.saved_tensors
-        h, w = hidden.to(ctx.dtype), weight.to(ctx.dtype)
-        raw = TokenLogprobs.head(h, w, bias, ctx.dtype)
-        probe = raw[:0]  # no rows: whether the model transforms its logits, without a pass over them
+        w, b = (None if x is None else x.to(ctx.dtype) for x in (weight, bias))
+        probe = weight.new_empty(0, weight.shape[0], dtype=ctx.dtype)  # no rows: whether the model transforms logits
         plain = final_logits(probe, ctx.config) is probe and ctx.temperature == 1  # z = raw.float(): dz/draw: the cast
-        with torch.enable_grad():  # otherwise autograd differentiates the elementwise transform (no parameters in it)
-            z = TokenLogprobs.logits(raw.requires_grad_(not plain), ctx)
-        grad = (z.sub_(lse[:, None]) if plain else z.detach() - lse[:, None]).exp_()  # softmax(z), in place if we may
-        grad.mul_(-grad_logprobs[:, None])  # -g softmax(z) ...
-        grad[torch.arange(len(targets), device=grad.device), targets] += grad_logprobs  # ... + g onehot(t)
-        grad = grad.to(ctx.dtype) if plain else torch.autograd.grad(z, raw, grad)[0]
-        grad_bias = grad.sum(0).to(bias.dtype) if bias is not None else None
-        return (grad @ w).to(hidden.dtype), (grad.T @ h).to(weight.dtype), grad_bias, None, None, None, None
+        grad_hidden = torch.empty_like(hidden)
+        grad_weight = torch.zeros_like(weight, dtype=torch.float32)
+        grad_bias = None if bias is None else torch.zeros_like(bias, dtype=torch.float32)
+        for rows in (slice(start, start + ctx.chunk) for start in range(0, len(hidden), ctx.chunk)):
+            h, g, t = hidden[rows].to(ctx.dtype), grad_logprobs[rows], targets[rows]
+            raw = torch.nn.functional.linear(h, w, b)
+            with torch.enable_grad():  # otherwise autograd differentiates the elementwise transform (no parameters)
+                z = TokenLogprobs.logits(raw.requires_grad_(not plain), ctx)
+            if plain:
+                del raw  # z is its float copy: one vocabulary-wide tensor less at the peak
+            grad = (z.sub_(lse[rows, None]) if plain else z.detach() - lse[rows, None]).exp_()  # softmax(z)
+            grad.mul_(-g[:, None])  # -g softmax(z) ...
+            grad[torch.arange(len(t), device=grad.device), t] += g  # ... + g onehot(t)
+            grad = grad.to(ctx.dtype) if plain else torch.autograd.grad(z, raw, grad)[0]
+            del z
+            grad_hidden[rows] = grad @ w
+            add_matmul(grad_weight, grad.T, h)
+            if grad_bias is not None:
+                grad_bias += grad.sum(0)
+        grad_bias = None if bias is None else grad_bias.to(bias.dtype)
+        return grad_hidden, grad_weight.to(weight.dtype), grad_bias, None, None, None, None, None
+
+
+def add_matmul(out, a, b):
+    """out += a @ b, with the product summed in out's dtype (float32) rather than rounded to a's (bf16) first."""
+    if a.dtype == out.dtype:
+        out.addmm_(a, b)
+    elif out.is_cuda:
+        torch.addmm(out, a, b, out_dtype=out.dtype, out=out)
+    else:  # the CPU has no mixed-dtype addmm
+        out += (a @ b).to(out.dtype)
 
 
 def per_token_logprobs(
@@ -1102,16 +1125,11 @@ def per_token_logprobs(
     mask = completion_mask.bool()
     hidden, targets = hidden[mask], targets[mask]  # (n_tokens, H), (n_tokens,)
     lm_head = model.get_output_embeddings()
-    pieces = [
-        TokenLogprobs.apply(h, lm_head.weight, lm_head.bias, t, model.config, temperature, with_entropy)
-        for h, t in zip(hidden.split(chunk_tokens), targets.split(chunk_tokens))
-    ]
-    logprobs = torch.zeros(mask.shape, device=input_ids.device)
-    logprobs = logprobs.masked_scatter(mask, torch.cat([p[0] for p in pieces])) if pieces else logprobs
-    if not with_entropy:
-        return logprobs
-    entropy = torch.zeros(mask.shape, device=input_ids.device)
-    return logprobs, entropy.masked_scatter(mask, torch.cat([p[1] for p in pieces])) if pieces else entropy
+    args = lm_head.weight, lm_head.bias, targets, model.config, temperature, with_entropy, chunk_tokens
+    logprobs, entropy = TokenLogprobs.apply(hidden, *args)
+    # masked_scatter keeps the output connected to the model even when no token is masked in
+    logprobs = torch.zeros(mask.shape, device=input_ids.device).masked_scatter(mask, logprobs)
+    return (logprobs, torch.zeros_like(logprobs).masked_scatter(mask, entropy)) if with_entropy else logprobs
 
 
 def check_logprobs(model, input_ids, device, world_size):

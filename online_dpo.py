@@ -970,27 +970,28 @@ def final_logits(logits, config):
 
 
 class TokenLogprobs(torch.autograd.Function):
-    """log pi(target) of one chunk of final hidden states, (n,), keeping no vocabulary-wide tensor for the backward:
-    the forward saves the hidden states and the log-sum-exp; the backward recomputes the logits once and writes their
-    gradient in one pass, d log pi(t) / dz = onehot(t) - softmax(z), where z are the logits after the model's own
-    transform and the temperature. (Log-softmax + gather under activation checkpointing computes the same numbers with
-    more vocabulary-wide passes: benchmarks/logprob_variants.py.)"""
+    """log pi(target) of each final hidden state, (n,), computed `chunk` tokens at a time so that no (n, vocabulary)
+    tensor exists: the forward saves the hidden states and the log-sum-exp; the backward recomputes each chunk's logits
+    once and writes their gradient in one pass, d log pi(t) / dz = onehot(t) - softmax(z), where z are the logits after
+    the model's own transform and the temperature. The LM head's weight is cast once per pass, and its gradient is
+    summed over the chunks in one float32 buffer (not one per chunk: 0.8 GiB less at a bench step's peak,
+    benchmarks/results/README.md). logprob_variants.py has log-softmax + gather."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, config, temperature):
+    def forward(ctx, hidden, weight, bias, targets, config, temperature, chunk):
         # the LM head computes in autocast's dtype when autocast is on, as the model's own forward would
         device = hidden.device.type
         ctx.dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else weight.dtype
-        ctx.config, ctx.temperature = config, temperature
-        z = TokenLogprobs.logits(TokenLogprobs.head(hidden, weight, bias, ctx.dtype), ctx)
-        lse = z.logsumexp(-1)
-        logprobs = z.gather(-1, targets[:, None]).squeeze(-1) - lse
+        ctx.config, ctx.temperature, ctx.chunk = config, temperature, chunk
+        w, b = (None if x is None else x.to(ctx.dtype) for x in (weight, bias))
+        lse = hidden.new_empty(len(hidden), dtype=torch.float32)
+        logprobs = torch.empty_like(lse)
+        for rows in (slice(start, start + chunk) for start in range(0, len(hidden), chunk)):
+            z = TokenLogprobs.logits(torch.nn.functional.linear(hidden[rows].to(ctx.dtype), w, b), ctx)
+            lse[rows] = z.logsumexp(-1)
+            logprobs[rows] = z.gather(-1, targets[rows, None]).squeeze(-1) - lse[rows]
         ctx.save_for_backward(hidden, weight, bias, targets, lse)
         return logprobs
-
-    @staticmethod
-    def head(hidden, weight, bias, dtype):
-        return torch.nn.functional.linear(hidden.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype))
 
     @staticmethod
     def logits(raw, ctx):
@@ -1002,18 +1003,40 @@ class TokenLogprobs(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_logprobs):
         hidden, weight, bias, targets, lse = ctx.saved_tensors
-        h, w = hidden.to(ctx.dtype), weight.to(ctx.dtype)
-        raw = TokenLogprobs.head(h, w, bias, ctx.dtype)
-        probe = raw[:0]  # no rows: whether the model transforms its logits, without a pass over them
+        w, b = (None if x is None else x.to(ctx.dtype) for x in (weight, bias))
+        probe = weight.new_empty(0, weight.shape[0], dtype=ctx.dtype)  # no rows: whether the model transforms logits
         plain = final_logits(probe, ctx.config) is probe and ctx.temperature == 1  # z = raw.float(): dz/draw: the cast
-        with torch.enable_grad():  # otherwise autograd differentiates the elementwise transform (no parameters in it)
-            z = TokenLogprobs.logits(raw.requires_grad_(not plain), ctx)
-        grad = (z.sub_(lse[:, None]) if plain else z.detach() - lse[:, None]).exp_()  # softmax(z), in place if we may
-        grad.mul_(-grad_logprobs[:, None])  # -g softmax(z) ...
-        grad[torch.arange(len(targets), device=grad.device), targets] += grad_logprobs  # ... + g onehot(t)
-        grad = grad.to(ctx.dtype) if plain else torch.autograd.grad(z, raw, grad)[0]
-        grad_bias = grad.sum(0).to(bias.dtype) if bias is not None else None
-        return (grad @ w).to(hidden.dtype), (grad.T @ h).to(weight.dtype), grad_bias, None, None, None
+        grad_hidden = torch.empty_like(hidden)
+        grad_weight = torch.zeros_like(weight, dtype=torch.float32)
+        grad_bias = None if bias is None else torch.zeros_like(bias, dtype=torch.float32)
+        for rows in (slice(start, start + ctx.chunk) for start in range(0, len(hidden), ctx.chunk)):
+            h, g, t = hidden[rows].to(ctx.dtype), grad_logprobs[rows], targets[rows]
+            raw = torch.nn.functional.linear(h, w, b)
+            with torch.enable_grad():  # otherwise autograd differentiates the elementwise transform (no parameters)
+                z = TokenLogprobs.logits(raw.requires_grad_(not plain), ctx)
+            if plain:
+                del raw  # z is its float copy: one vocabulary-wide tensor less at the peak
+            grad = (z.sub_(lse[rows, None]) if plain else z.detach() - lse[rows, None]).exp_()  # softmax(z)
+            grad.mul_(-g[:, None])  # -g softmax(z) ...
+            grad[torch.arange(len(t), device=grad.device), t] += g  # ... + g onehot(t)
+            grad = grad.to(ctx.dtype) if plain else torch.autograd.grad(z, raw, grad)[0]
+            del z
+            grad_hidden[rows] = grad @ w
+            add_matmul(grad_weight, grad.T, h)
+            if grad_bias is not None:
+                grad_bias += grad.sum(0)
+        grad_bias = None if bias is None else grad_bias.to(bias.dtype)
+        return grad_hidden, grad_weight.to(weight.dtype), grad_bias, None, None, None, None
+
+
+def add_matmul(out, a, b):
+    """out += a @ b, with the product summed in out's dtype (float32) rather than rounded to a's (bf16) first."""
+    if a.dtype == out.dtype:
+        out.addmm_(a, b)
+    elif out.is_cuda:
+        torch.addmm(out, a, b, out_dtype=out.dtype, out=out)
+    else:  # the CPU has no mixed-dtype addmm
+        out += (a @ b).to(out.dtype)
 
 
 def per_token_logprobs(
@@ -1039,12 +1062,11 @@ def per_token_logprobs(
     mask = completion_mask.bool()
     hidden, targets = hidden[mask], targets[mask]  # (n_tokens, H), (n_tokens,)
     lm_head = model.get_output_embeddings()
-    pieces = [
-        TokenLogprobs.apply(h, lm_head.weight, lm_head.bias, t, model.config, temperature)
-        for h, t in zip(hidden.split(chunk_tokens), targets.split(chunk_tokens))
-    ]
-    logprobs = torch.zeros(mask.shape, device=input_ids.device)
-    return logprobs.masked_scatter(mask, torch.cat(pieces)) if pieces else logprobs
+    logprobs = TokenLogprobs.apply(
+        hidden, lm_head.weight, lm_head.bias, targets, model.config, temperature, chunk_tokens
+    )
+    # masked_scatter keeps the output connected to the model even when no token is masked in
+    return torch.zeros(mask.shape, device=input_ids.device).masked_scatter(mask, logprobs)
 
 
 def check_logprobs(model, input_ids, device, world_size):

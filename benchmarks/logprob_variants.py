@@ -30,12 +30,8 @@ class _Config:  # no final-logit transform (Qwen2, Llama): grpo.final_logits is 
 
 
 def scripts_version(hidden, targets, weight, chunk):
-    """grpo.py's TokenLogprobs, chunk by chunk, as per_token_logprobs runs it."""
-    outs = [
-        grpo.TokenLogprobs.apply(h, weight, None, t, _Config(), 1.0, True)
-        for h, t in zip(hidden.split(chunk), targets.split(chunk))
-    ]
-    return torch.cat([o[0] for o in outs]), torch.cat([o[1] for o in outs])
+    """grpo.py's TokenLogprobs, which runs the chunks itself, as per_token_logprobs calls it."""
+    return grpo.TokenLogprobs.apply(hidden, weight, None, targets, _Config(), 1.0, True, chunk)
 
 
 def _log_softmax_chunk(hidden, targets, weight):

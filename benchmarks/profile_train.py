@@ -1,6 +1,8 @@
 """The trainer's share of a bench-0.5b step, without generation: one GRPO optimizer step on a synthetic round (256
 completions of 256 tokens after ~70-token prompts, like the bench) through grpo.py's own functions, timed per variant,
-plus a torch.profiler table of the default one. Usage (GPU host): python benchmarks/profile_train.py MODEL OUT.txt"""
+plus a torch.profiler table of the default one. Usage (GPU host): python benchmarks/profile_train.py MODEL OUT.txt
+[memory [SCRIPT_DIR]]: `memory` times only the rows that set the trainer's peak memory (with and without gradient
+checkpointing), with grpo.py from SCRIPT_DIR (default: this checkout), e.g. an older commit's for a before/after."""
 
 import os
 import sys
@@ -10,7 +12,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 from transformers import AutoModelForCausalLM
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+variants = sys.argv[3] if len(sys.argv) > 3 else "all"
+sys.path.insert(0, sys.argv[4] if len(sys.argv) > 4 else os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import grpo  # noqa: E402
 
 model_path, out = sys.argv[1], sys.argv[2]
@@ -57,6 +60,16 @@ def timed(name, **kwargs):
     return line
 
 
+if variants == "memory":
+    lines = [
+        f"# grpo.py from {os.path.dirname(grpo.__file__)}",
+        timed("budget 16384 (the scripts' default)", budget=16384),
+    ]
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    for budget in (16384, 8192, 4096):
+        lines.append(timed(f"gradient checkpointing, budget {budget}", budget=budget))
+    open(out, "w").write("\n".join(lines) + "\n")
+    sys.exit()
 lines = [
     timed("budget 11520, chunk 1024, entropy"),
     timed("budget 16384 (the scripts' default)", budget=16384),

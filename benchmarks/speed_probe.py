@@ -1,6 +1,7 @@
 """Where a colocated bench-0.5b step could get faster: variants of its two halves, timed alone on the GPU host.
 
     python benchmarks/speed_probe.py gen MODEL OUT.json     # colocated vLLM: 32 prompts x 8 x 256 tokens, per variant
+    python benchmarks/speed_probe.py gen MODEL OUT.json gc  # the garbage collector on / off in turn, 3 times each
     python benchmarks/speed_probe.py train MODEL OUT.json   # one GRPO optimizer step on a synthetic round, per variant
 
 gen: colocate_generate's settings before fa34d52 (logprobs=0 as dicts, detokenize=False) against flat log-probs (the
@@ -71,6 +72,14 @@ if mode == "gen":
         if logprobs is not None:
             assert all(len(lp) == len(s.token_ids) for lp, s in zip(lps, samples))
 
+    if len(sys.argv) > 4 and sys.argv[4] == "gc":  # the collector on / off in turn, with a trainer's model loaded too
+        from transformers import AutoModelForCausalLM
+
+        trainer_model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).cuda()
+        for i in (1, 2, 3):
+            timed(f"flat_logprobs, gc on ({i})", lambda: run(flat=True), reps=5)
+            timed(f"flat_logprobs, gc off ({i})", lambda: run(flat=True, no_gc=True), reps=5)
+        sys.exit()
     timed("dict log-probs (the scripts before fa34d52)", run)
     timed("flat_logprobs (the scripts since)", lambda: run(flat=True))
     timed("flat_logprobs, gc off", lambda: run(flat=True, no_gc=True))
