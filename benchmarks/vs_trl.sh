@@ -10,7 +10,8 @@
 #   learn_async: the addition task with SmolLM2-135M-Instruct, --async-generation, grpo.py / rloo.py / online_dpo.py
 #                (SCRIPTS="online_dpo" runs a subset; SERVE_GPU / TRAIN_GPU pick the GPUs, default 1 / 0).
 #   stop:        stop the `vllm serve` processes these phases started (colocate and learn_async expect a free GPU 1).
-# Extra flags for our bench runs (e.g. --gradient-checkpointing) go in $OURS_EXTRA.
+# Extra flags for our bench runs (e.g. --gradient-checkpointing) go in $OURS_EXTRA. server and colocate end by writing
+# OUT_DIR/vs_trl.json (benchmarks/ratios.py, commit $COMMIT): a device call returns at most 8 files, so copy that one.
 set -u
 PHASE=$1; OUT=$2; mkdir -p "$OUT"
 python3 benchmarks/make_tasks.py /tmp/tasks > /dev/null
@@ -70,6 +71,7 @@ if [ "$PHASE" = colocate ]; then
   ours ours_colocate_2 180 grpo.py $BENCH --vllm-mode colocate
   trl trl_colocate_2 200 colocate
 fi
+[ "$PHASE" = server ] || [ "$PHASE" = colocate ] && python3 benchmarks/ratios.py "$OUT" --commit "${COMMIT:-unknown}"
 if [ "$PHASE" = learn_async ]; then
   serve /tmp/smol 8000 --gpu-memory-utilization "${SERVER_MEM:-0.5}"; wait_server 8000
   export CUDA_VISIBLE_DEVICES=${TRAIN_GPU:-0}
