@@ -471,14 +471,13 @@ def train(args):
         # 5. optimise: num_iterations passes; each pass is steps_per_generation optimizer steps over whole groups
         model.train()
         stats, is_stats = defaultdict(list), defaultdict(list)  # token means per micro-batch; IS values per token
-        groups_per_step = keep // args.steps_per_generation
+        step_size = keep // args.steps_per_generation * num_generations  # rows per optimizer step, whole groups
         # DAPO: tokens of the generated batch per optimizer step, over all ranks
         total_tokens = global_sum(loss_mask.sum(), world_size, device) / args.steps_per_generation
         for _iteration in range(args.num_iterations):
             for s in range(args.steps_per_generation):
                 if global_step >= args.max_steps:
                     break
-                step_size = groups_per_step * num_generations
                 step_rows = list(range(s * step_size, (s + 1) * step_size))
                 # normalisers count every rank's rows; FSDP averages gradients over ranks, hence the x world_size below
                 loss_weights = policy_loss_weights(
@@ -667,8 +666,7 @@ def set_up(args):
     model_path = checkpoint_dir or args.model_name_or_path
     run.tokenizer = tokenizer = AutoTokenizer.from_pretrained(model_path)
     dtype = getattr(torch, args.param_dtype)
-    run.model = model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
-    model.to(device)
+    run.model = model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(device)
     for module in model.modules():  # dropout would make two passes over the same tokens disagree (ratio != 1)
         if isinstance(module, torch.nn.Dropout):
             module.p = 0.0
@@ -686,8 +684,7 @@ def set_up(args):
     check_logprobs(model, tokenizer(sentence)["input_ids"], device, world_size)
     run.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     eos_ids = model.generation_config.eos_token_id
-    eos_ids = set(eos_ids if isinstance(eos_ids, list) else [eos_ids])
-    run.eos_ids = sorted((eos_ids | {tokenizer.eos_token_id}) - {None})
+    run.eos_ids = sorted((set(eos_ids if isinstance(eos_ids, list) else [eos_ids]) | {tokenizer.eos_token_id}) - {None})
 
     # prompts: token ids, the columns the reward functions get, whether the dataset's prompts are chat messages
     max_context = getattr(model.config, "max_position_embeddings", None) or 10**9
@@ -698,13 +695,8 @@ def set_up(args):
 
     # optimizer and schedule
     # fused: one kernel for all parameters on CUDA, with no full-size temporaries (the foreach default allocates them)
-    run.optimizer = torch.optim.AdamW(
-        model.parameters(),
-        lr=args.learning_rate,
-        betas=(args.adam_beta1, args.adam_beta2),
-        weight_decay=args.weight_decay,
-        fused=device.type == "cuda",
-    )
+    adamw = dict(lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2), weight_decay=args.weight_decay)
+    run.optimizer = torch.optim.AdamW(model.parameters(), **adamw, fused=device.type == "cuda")
     run.scheduler = get_scheduler(args.lr_scheduler_type, run.optimizer, args.warmup_steps, args.max_steps)
     run.global_step, run.prompts_consumed = 0, 0
     torch.manual_seed(args.seed + rank)  # from here on each rank samples its own completions
@@ -776,22 +768,16 @@ def score(run, rows, completion_ids, num_generations, evaluation=False):
     """The reward functions' scores (len(rows) * num_generations, num_funcs) of the completions of each prompt row
     (prompt-major): each function gets the decoded completions (chat messages when the dataset's prompts are, else
     strings, as in TRL) and, by name, the rows' dataset columns (training set, or with `evaluation` the eval set)."""
-    prompt_ids, columns, prompts_are_messages = (
-        (run.eval_prompt_ids, run.eval_columns, run.eval_prompts_are_messages)
-        if evaluation
-        else (run.prompt_ids, run.columns, run.prompts_are_messages)
-    )
+    prompt_ids, columns, prompts_are_messages = run.prompt_ids, run.columns, run.prompts_are_messages
+    if evaluation:
+        prompt_ids, columns, prompts_are_messages = run.eval_prompt_ids, run.eval_columns, run.eval_prompts_are_messages
     texts = run.tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
     completions = [[{"role": "assistant", "content": t}] for t in texts] if prompts_are_messages else texts
     repeated = lambda values: [values[i] for i in rows for _ in range(num_generations)]
     reward_columns = {c: repeated(v) for c, v in columns.items()}
-    prompt_texts = {i: run.tokenizer.decode(prompt_ids[i]) for i in rows}
-    reward_columns.update(
-        prompts=repeated(prompt_texts),
-        completion_ids=completion_ids,
-        max_completion_length=run.args.max_completion_length,
-        **run.args.reward_kwargs,
-    )
+    prompts = repeated({i: run.tokenizer.decode(prompt_ids[i]) for i in rows})
+    passed = dict(prompts=prompts, completion_ids=completion_ids, max_completion_length=run.args.max_completion_length)
+    reward_columns.update(**passed, **run.args.reward_kwargs)  # a --reward-kwargs key that repeats one: a TypeError
     return score_completions(run.reward_fns, completions, reward_columns)
 
 
@@ -814,11 +800,9 @@ def old_and_ref_logprobs(run, prompt_ids, completion_ids, need_old):
     ):
         for mb in token_budget_batches(range(shape[0]), prompt_lengths, completion_lengths, args.micro_batch_tokens):
             batch = collate([prompt_ids[i] for i in mb], [completion_ids[i] for i in mb], run.device, run.pad_id)
-            C = batch[3].shape[1]
-            if need_old:
-                old_logprobs[mb, :C] = per_token_logprobs(model, *batch, args.temperature).cpu()
-            if ref_model is not None:
-                ref_logprobs[mb, :C] = per_token_logprobs(ref_model, *batch, args.temperature).cpu()
+            for net, logprobs in ((model, old_logprobs), (ref_model, ref_logprobs)):
+                if logprobs is not None:  # (None: not asked for)
+                    logprobs[mb, : batch[3].shape[1]] = per_token_logprobs(net, *batch, args.temperature).cpu()
     return old_logprobs, ref_logprobs
 
 
@@ -1067,8 +1051,7 @@ class TokenLogprobs(torch.autograd.Function):
         w, b = (None if x is None else x.to(ctx.dtype) for x in (weight, bias))
         probe = weight.new_empty(0, weight.shape[0], dtype=ctx.dtype)  # no rows: whether the model transforms logits
         plain = final_logits(probe, ctx.config) is probe and ctx.temperature == 1  # z = raw.float(): dz/draw: the cast
-        grad_hidden = torch.empty_like(hidden)
-        grad_weight = torch.zeros_like(weight, dtype=torch.float32)
+        grad_hidden, grad_weight = torch.empty_like(hidden), torch.zeros_like(weight, dtype=torch.float32)
         grad_bias = None if bias is None else torch.zeros_like(bias, dtype=torch.float32)
         for rows in (slice(start, start + ctx.chunk) for start in range(0, len(hidden), ctx.chunk)):
             h, g, t = hidden[rows].to(ctx.dtype), grad_logprobs[rows], targets[rows]
@@ -1410,11 +1393,8 @@ def save_checkpoint(run, global_step, prompts_consumed):
 def stop_preempted(run, global_step):
     """After SIGTERM's checkpoint: say how to continue, and exit with 143 (128 + SIGTERM: stopped, not finished)."""
     if run.is_main:
-        print(
-            f"SIGTERM: wrote checkpoint-{global_step} and stopped; the same command with "
-            f"--resume-from-checkpoint latest continues the run",
-            flush=True,
-        )
+        tip = "the same command with --resume-from-checkpoint latest continues the run"
+        print(f"SIGTERM: wrote checkpoint-{global_step} and stopped; {tip}", flush=True)
         if run.args.track:
             import wandb
 
@@ -1845,16 +1825,11 @@ def claim_output_dir(args, script):
         if checkpoint == "latest":
             checkpoint = run_checkpoints(out, owner.get("run_id"))[-1:]
             if not checkpoint:
-                others = [f for f in files if f.startswith("checkpoint-")]
+                others = ", ".join(f for f in files if f.startswith("checkpoint-"))
+                tip = f" ({others} are another run's: pass one's path to --resume-from-checkpoint to continue that run)"
                 raise SystemExit(
-                    f"error: --resume-from-checkpoint latest: no checkpoint-N directory in {out} of the run "
-                    f"that owns it"
-                    + (
-                        f" ({', '.join(others)} are another run's: pass one's path to "
-                        f"--resume-from-checkpoint to continue that run)"
-                        if others
-                        else ""
-                    )
+                    f"error: --resume-from-checkpoint latest: no checkpoint-N directory in {out} of the run that "
+                    f"owns it{tip if others else ''}"
                 )
             checkpoint = checkpoint[0]
         resumed = (read_json(os.path.join(checkpoint, "run.json")) or {}) if checkpoint else {}
@@ -1866,17 +1841,15 @@ def claim_output_dir(args, script):
         if files and not (checkpoint and resumed.get("run_id") == owner.get("run_id")):
             if not args.overwrite_output_dir:
                 listed = ", ".join(files[:5]) + (f" and {len(files) - 5} more" if len(files) > 5 else "")
+                whose = f"files that are not this run's ({listed})"
+                if owner.get("script"):
+                    whose = f"another run's files ({listed}; a {owner['script']} run started {owner['started']})"
                 raise SystemExit(
-                    f"error: --output-dir {out} holds "
-                    + (
-                        f"another run's files ({listed}; a {owner['script']} run started {owner['started']}). "
-                        if owner.get("script")
-                        else f"files that are not this run's ({listed}). "
-                    )
-                    + "A new run there would replace its model and mix its metrics and checkpoints with this one's. To "
-                    "continue that run, pass --resume-from-checkpoint latest (or a checkpoint's path); to start a new "
-                    "run there anyway, pass --overwrite-output-dir (its metrics.jsonl and final model are replaced, "
-                    "its checkpoints are kept and never resumed or deleted by the new run); or pass another --output-dir."
+                    f"error: --output-dir {out} holds {whose}. A new run there would replace its model and mix its "
+                    "metrics and checkpoints with this one's. To continue that run, pass --resume-from-checkpoint "
+                    "latest (or a checkpoint's path); to start a new run there anyway, pass --overwrite-output-dir "
+                    "(its metrics.jsonl and final model are replaced, its checkpoints are kept and never resumed or "
+                    "deleted by the new run); or pass another --output-dir."
                 )
             for name in ("metrics.jsonl", "config.json"):  # a new metrics file; no complete model until this run's
                 if os.path.exists(os.path.join(out, name)):
@@ -1920,10 +1893,8 @@ def forget_unstarted_run(output_dir, run_id, created):
     """At exit: if this run wrote nothing but run.json (it failed while starting), take that back, and the directory
     too if this run created it."""
     try:
-        if (
-            set(os.listdir(output_dir)) <= {".lock", "run.json"}
-            and read_json(os.path.join(output_dir, "run.json"))["run_id"] == run_id
-        ):
+        only_run_json = set(os.listdir(output_dir)) <= {".lock", "run.json"}
+        if only_run_json and read_json(os.path.join(output_dir, "run.json"))["run_id"] == run_id:
             os.remove(os.path.join(output_dir, "run.json"))
             os.remove(os.path.join(output_dir, ".lock"))
             if created:

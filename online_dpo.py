@@ -266,9 +266,8 @@ def select_pairs(rewards, num_generations):
 
 def sequence_logprobs(model, prompt_ids, completion_ids, temperature, device, pad_id):
     """log pi(completion | prompt) = sum_t log pi(c_t | prompt, c_<t) at the sampling temperature, (B,)."""
-    ids, attn, pos, completion_mask, P = collate(prompt_ids, completion_ids, device, pad_id)
-    # (B, C) -> (B,): padding is 0
-    return per_token_logprobs(model, ids, attn, pos, completion_mask, P, temperature).sum(-1)
+    batch = collate(prompt_ids, completion_ids, device, pad_id)  # ids, masks, positions and P
+    return per_token_logprobs(model, *batch, temperature).sum(-1)  # (B, C) -> (B,): padding is 0
 
 
 def dpo_loss(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, beta, loss_type="sigmoid"):
@@ -485,8 +484,7 @@ def train(args):
         }
         if device.type == "cuda":
             metrics["memory/peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
-        for k, fn in enumerate(reward_fns):
-            metrics[f"scores/{fn.__name__}/mean"] = scores[:, k].nanmean().item()
+        metrics |= {f"scores/{fn.__name__}/mean": scores[:, k].nanmean().item() for k, fn in enumerate(reward_fns)}
         if all_pairs:
             logprobs, ref_logprobs = pair_logprobs[..., 0], pair_logprobs[..., 1]  # (all_pairs, 2): chosen, rejected
             implicit = beta * (logprobs - ref_logprobs)  # DPO's implicit rewards of chosen, rejected
@@ -593,13 +591,8 @@ def make_optimizer(args, model, device):
     from transformers import get_scheduler
 
     # fused: one kernel for all parameters on CUDA, with no full-size temporaries (the foreach default allocates them)
-    optimizer = torch.optim.AdamW(
-        model.parameters(),
-        lr=args.learning_rate,
-        betas=(args.adam_beta1, args.adam_beta2),
-        weight_decay=args.weight_decay,
-        fused=device.type == "cuda",
-    )
+    adamw = dict(lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2), weight_decay=args.weight_decay)
+    optimizer = torch.optim.AdamW(model.parameters(), **adamw, fused=device.type == "cuda")
     return optimizer, get_scheduler(args.lr_scheduler_type, optimizer, args.warmup_steps, args.max_steps)
 
 
@@ -623,9 +616,8 @@ def load_checkpoint(checkpoint_dir, model, optimizer, scheduler, device, rank, w
         torch.cuda.set_rng_state(state["cuda_rng"][rank])
     # optimizer tensors left on the CPU (AdamW's step counts; all of them on a CPU run) still point into the mapped
     # file: copy them, so that --save-total-limit can delete that checkpoint and its disk space is freed
-    for param_state in optimizer.state.values():
-        on_cpu = {k: v for k, v in param_state.items() if torch.is_tensor(v) and v.device.type == "cpu"}
-        param_state.update({k: v.clone() for k, v in on_cpu.items()})
+    for per_param in optimizer.state.values():
+        per_param.update({k: v.clone() for k, v in per_param.items() if torch.is_tensor(v) and v.device.type == "cpu"})
     print(f"resumed from {checkpoint_dir} at step {state['global_step']}")
     return state["global_step"], state["prompts_consumed"], state["skipped_steps"]
 
@@ -654,10 +646,8 @@ def open_metrics(args, run, checkpoint_dir, global_step):
     if args.track:
         import wandb
 
-        project, entity = args.wandb_project_name, args.wandb_entity
-        wandb.init(
-            project=project, entity=entity, config=asdict(args), name=run["run_name"], id=run["run_id"], resume="allow"
-        )
+        identity = dict(name=run["run_name"], id=run["run_id"], resume="allow")  # resumed: continued
+        wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, config=asdict(args), **identity)
     path = os.path.join(args.output_dir, "metrics.jsonl")
     if checkpoint_dir and os.path.exists(path):
         kept = [line for line in open(path) if json.loads(line)["step"] <= global_step]
@@ -823,16 +813,11 @@ def save_checkpoint(args, run, model, optimizer, scheduler, tokenizer, counters,
     with atomic_directory(os.path.join(args.output_dir, f"checkpoint-{step}")) as tmp:
         model.save_pretrained(tmp, state_dict=model_state)
         tokenizer.save_pretrained(tmp)
-        torch.save(
-            {
-                "optimizer": optimizer_state,
-                "scheduler": scheduler.state_dict(),
-                **counters,  # global_step, prompts_consumed, skipped_steps
-                "torch_rng": [r[0] for r in rng_states],
-                "cuda_rng": [r[1] for r in rng_states] if device.type == "cuda" else None,
-            },
-            os.path.join(tmp, "trainer_state.pt"),
-        )
+        # counters: global_step, prompts_consumed, skipped_steps
+        state = {"optimizer": optimizer_state, "scheduler": scheduler.state_dict(), **counters}
+        state["torch_rng"] = [r[0] for r in rng_states]
+        state["cuda_rng"] = [r[1] for r in rng_states] if device.type == "cuda" else None
+        torch.save(state, os.path.join(tmp, "trainer_state.pt"))
         write_json(os.path.join(tmp, "run.json"), {**run, "script": "online_dpo.py", "global_step": step})
     old = run_checkpoints(args.output_dir, run["run_id"])[: -args.save_total_limit] if args.save_total_limit else []
     for path in old:
@@ -1006,8 +991,7 @@ class TokenLogprobs(torch.autograd.Function):
         w, b = (None if x is None else x.to(ctx.dtype) for x in (weight, bias))
         probe = weight.new_empty(0, weight.shape[0], dtype=ctx.dtype)  # no rows: whether the model transforms logits
         plain = final_logits(probe, ctx.config) is probe and ctx.temperature == 1  # z = raw.float(): dz/draw: the cast
-        grad_hidden = torch.empty_like(hidden)
-        grad_weight = torch.zeros_like(weight, dtype=torch.float32)
+        grad_hidden, grad_weight = torch.empty_like(hidden), torch.zeros_like(weight, dtype=torch.float32)
         grad_bias = None if bias is None else torch.zeros_like(bias, dtype=torch.float32)
         for rows in (slice(start, start + ctx.chunk) for start in range(0, len(hidden), ctx.chunk)):
             h, g, t = hidden[rows].to(ctx.dtype), grad_logprobs[rows], targets[rows]
@@ -1049,22 +1033,15 @@ def per_token_logprobs(
     at a time too."""
     # the model's own forward (not its backbone alone), so that FSDP2 gathers every parameter; it computes the logits
     # of one position only, and its last hidden state is the final, normed one
-    hidden = model(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        position_ids=position_ids,
-        use_cache=False,
-        logits_to_keep=1,
-        output_hidden_states=True,
-    ).hidden_states[-1]
+    inputs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)
+    hidden = model(**inputs, use_cache=False, logits_to_keep=1, output_hidden_states=True).hidden_states[-1]
     hidden = hidden[:, prompt_length - 1 : -1]  # (B, C, H): position t predicts completion token t
     targets = input_ids[:, prompt_length:]
     mask = completion_mask.bool()
     hidden, targets = hidden[mask], targets[mask]  # (n_tokens, H), (n_tokens,)
     lm_head = model.get_output_embeddings()
-    logprobs = TokenLogprobs.apply(
-        hidden, lm_head.weight, lm_head.bias, targets, model.config, temperature, chunk_tokens
-    )
+    args = lm_head.weight, lm_head.bias, targets, model.config, temperature, chunk_tokens
+    logprobs = TokenLogprobs.apply(hidden, *args)
     # masked_scatter keeps the output connected to the model even when no token is masked in
     return torch.zeros(mask.shape, device=input_ids.device).masked_scatter(mask, logprobs)
 
@@ -1508,9 +1485,8 @@ def read_dataset(args, evaluation=False):
     of values}. Local .jsonl / .json files are parsed here, so that a malformed record is reported with its file and
     line; .parquet files and hub datasets through `datasets`."""
     flag = "--eval-dataset" if evaluation else "--dataset-name"
-    name, config, split = (
-        eval_source(args) if evaluation else (args.dataset_name, args.dataset_config, args.dataset_split)
-    )
+    training = (args.dataset_name, args.dataset_config, args.dataset_split)
+    name, config, split = eval_source(args) if evaluation else training
     if name.endswith((".json", ".jsonl")):
         with open(name, encoding="utf-8") as f:
             text = f.read()
@@ -1618,8 +1594,7 @@ def run_checkpoints(output_dir, run_id):
     Checkpoints written before runs had ids have no run.json: they match run_id None (a directory without run.json)."""
     found = []
     for name in os.listdir(output_dir) if os.path.isdir(output_dir) else []:
-        path = os.path.join(output_dir, name)
-        match = re.fullmatch(r"checkpoint-(\d+)", name)
+        path, match = os.path.join(output_dir, name), re.fullmatch(r"checkpoint-(\d+)", name)
         if match and (read_json(os.path.join(path, "run.json")) or {}).get("run_id") == run_id:
             found.append((int(match[1]), path))
     return [path for _, path in sorted(found)]

@@ -331,14 +331,8 @@ def rloo_loss(args, logprobs, old_logprobs, ref_logprobs, sampling_logprobs, adv
     loss, ratio = sequence_policy_loss(logprobs, old_logprobs, advantages, completion_mask, args.epsilon, epsilon_high)
     is_ratio = logp_difference = None
     if sampling_logprobs is not None:
-        is_ratio, logp_difference = vllm_importance_ratio(
-            old_logprobs,
-            sampling_logprobs,
-            completion_mask,
-            args.vllm_importance_sampling_mode,
-            args.vllm_importance_sampling_clip_min,
-            args.vllm_importance_sampling_clip_max,
-        )
+        options = {k: getattr(args, f"vllm_importance_sampling_{k}") for k in ("mode", "clip_min", "clip_max")}
+        is_ratio, logp_difference = vllm_importance_ratio(old_logprobs, sampling_logprobs, completion_mask, **options)
         is_ratio = is_ratio[:, 0]  # (B,): one ratio per sequence
         loss = loss * is_ratio
     if ref_logprobs is not None and not args.kl_in_reward:
@@ -540,18 +534,14 @@ def train(args):
         # TRY NOT TO MODIFY: logging (TRL's metric names, over all ranks) and checkpoints
         metrics.update(step=global_step, grad_norm=grad_norm.item(), learning_rate=scheduler.get_last_lr()[0])
         batch = (scores, prompt_lengths, completion_lengths, truncated, advantages)
-        metrics.update(
-            round_metrics(args, batch, step_loss, train_stats, is_stats, reward_fns, reward_weights, world_size)
-        )
+        metrics |= round_metrics(args, batch, step_loss, train_stats, is_stats, reward_fns, reward_weights, world_size)
         metrics.update({**timing, "sampling/staleness": staleness, "step_time": time.perf_counter() - round_start})
         if device.type == "cuda":
             metrics["memory/peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
         metrics.update(eval_results)
         if is_main:
-            kl = metrics.get("kl/k1_token_mean", 0)
-            progress.set_postfix(
-                reward=f"{metrics['reward']:.3f}", kl=f"{kl:.4f}", len=f"{metrics['completions/mean_length']:.0f}"
-            )
+            kl, length = metrics.get("kl/k1_token_mean", 0), metrics["completions/mean_length"]
+            progress.set_postfix(reward=f"{metrics['reward']:.3f}", kl=f"{kl:.4f}", len=f"{length:.0f}")
             if args.log_completions and global_step % args.logging_steps == 0:  # rank 0's rows
                 total = (scores * reward_weights).nansum(-1)
                 log_completions(
@@ -662,13 +652,8 @@ def make_optimizer(args, model, device):
     from transformers import get_scheduler
 
     # fused: one kernel for all parameters on CUDA, with no full-size temporaries (the foreach default allocates them)
-    optimizer = torch.optim.AdamW(
-        model.parameters(),
-        lr=args.learning_rate,
-        betas=(args.adam_beta1, args.adam_beta2),
-        weight_decay=args.weight_decay,
-        fused=device.type == "cuda",
-    )
+    adamw = dict(lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2), weight_decay=args.weight_decay)
+    optimizer = torch.optim.AdamW(model.parameters(), **adamw, fused=device.type == "cuda")
     return optimizer, get_scheduler(args.lr_scheduler_type, optimizer, args.warmup_steps, args.max_steps)
 
 
@@ -692,10 +677,8 @@ def load_checkpoint(checkpoint_dir, model, optimizer, scheduler, device, rank, w
         torch.cuda.set_rng_state(state["cuda_rng"][rank])
     # optimizer tensors left on the CPU (AdamW's step counts; all of them on a CPU run) still point into the mapped
     # file: copy them, so that --save-total-limit can delete that checkpoint and its disk space is freed
-    for param_state in optimizer.state.values():
-        param_state.update(
-            {k: v.clone() for k, v in param_state.items() if torch.is_tensor(v) and v.device.type == "cpu"}
-        )
+    for per_param in optimizer.state.values():
+        per_param.update({k: v.clone() for k, v in per_param.items() if torch.is_tensor(v) and v.device.type == "cpu"})
     print(f"resumed from {checkpoint_dir} at step {state['global_step']}")
     return state["global_step"], state["prompts_consumed"]
 
@@ -728,14 +711,8 @@ def open_metrics(args, run, checkpoint_dir, global_step):
     if args.track:
         import wandb
 
-        wandb.init(
-            project=args.wandb_project_name,
-            entity=args.wandb_entity,
-            config=asdict(args),
-            name=run["run_name"],
-            id=run["run_id"],
-            resume="allow",
-        )
+        identity = dict(name=run["run_name"], id=run["run_id"], resume="allow")  # resumed: continued
+        wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, config=asdict(args), **identity)
     path = os.path.join(args.output_dir, "metrics.jsonl")
     if checkpoint_dir and os.path.exists(path):
         kept = [line for line in open(path) if json.loads(line)["step"] <= global_step]
@@ -789,13 +766,9 @@ def score(args, tokenizer, reward_fns, prompt_set, rows, completion_ids, num_gen
     completions = [[{"role": "assistant", "content": t}] for t in texts] if prompt_set.prompts_are_messages else texts
     repeated = lambda values: [values[i] for i in rows for _ in range(num_generations)]
     reward_columns = {c: repeated(v) for c, v in prompt_set.columns.items()}
-    prompt_texts = {i: tokenizer.decode(prompt_set.prompt_ids[i]) for i in rows}
-    reward_columns.update(
-        prompts=repeated(prompt_texts),
-        completion_ids=completion_ids,
-        max_completion_length=args.max_completion_length,
-        **args.reward_kwargs,
-    )
+    prompts = repeated({i: tokenizer.decode(prompt_set.prompt_ids[i]) for i in rows})
+    passed = dict(prompts=prompts, completion_ids=completion_ids, max_completion_length=args.max_completion_length)
+    reward_columns.update(**passed, **args.reward_kwargs)  # a --reward-kwargs key that repeats one: a TypeError
     return score_completions(reward_fns, completions, reward_columns)
 
 
@@ -814,14 +787,10 @@ def no_grad_logprobs(args, model, ref_model, prompt_ids, completion_ids, C, devi
         unsharded(ref_model, world_size) if ref_model is not None else nullcontext(),
     ):
         for mb in token_budget_batches(range(N), prompt_lengths, completion_lengths, args.micro_batch_tokens):
-            ids, attn, pos, cmask, P = collate(
-                [prompt_ids[i] for i in mb], [completion_ids[i] for i in mb], device, pad_id
-            )
+            batch = collate([prompt_ids[i] for i in mb], [completion_ids[i] for i in mb], device, pad_id)
             for net, logprobs in ((model, old_logprobs), (ref_model, ref_logprobs)):
                 if net is not None:
-                    logprobs[mb, : cmask.shape[1]] = per_token_logprobs(
-                        net, ids, attn, pos, cmask, P, args.temperature
-                    ).cpu()
+                    logprobs[mb, : batch[3].shape[1]] = per_token_logprobs(net, *batch, args.temperature).cpu()
     return old_logprobs, ref_logprobs
 
 
@@ -920,15 +889,10 @@ def load_prompts(args, dataset, tokenizer, max_context):
 
 def prompt_stream(num_prompts, seed, start=0):
     """Yield prompt indices forever: a new seeded permutation each epoch. `start` skips that many (for resuming)."""
-    epoch = 0
-    while True:
+    for epoch in itertools.count():
         order = torch.randperm(num_prompts, generator=torch.Generator().manual_seed(seed + epoch)).tolist()
-        for index in order:
-            if start > 0:
-                start -= 1
-                continue
-            yield index
-        epoch += 1
+        yield from order[start:]
+        start = max(0, start - num_prompts)
 
 
 def score_completions(reward_fns, completions, columns):
@@ -1025,8 +989,7 @@ class TokenLogprobs(torch.autograd.Function):
         w, b = (None if x is None else x.to(ctx.dtype) for x in (weight, bias))
         probe = weight.new_empty(0, weight.shape[0], dtype=ctx.dtype)  # no rows: whether the model transforms logits
         plain = final_logits(probe, ctx.config) is probe and ctx.temperature == 1  # z = raw.float(): dz/draw: the cast
-        grad_hidden = torch.empty_like(hidden)
-        grad_weight = torch.zeros_like(weight, dtype=torch.float32)
+        grad_hidden, grad_weight = torch.empty_like(hidden), torch.zeros_like(weight, dtype=torch.float32)
         grad_bias = None if bias is None else torch.zeros_like(bias, dtype=torch.float32)
         for rows in (slice(start, start + ctx.chunk) for start in range(0, len(hidden), ctx.chunk)):
             h, g, t = hidden[rows].to(ctx.dtype), grad_logprobs[rows], targets[rows]
@@ -1076,14 +1039,8 @@ def per_token_logprobs(
     at a time too."""
     # the model's own forward (not its backbone alone), so that FSDP2 gathers every parameter; it computes the logits
     # of one position only, and its last hidden state is the final, normed one
-    hidden = model(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        position_ids=position_ids,
-        use_cache=False,
-        logits_to_keep=1,
-        output_hidden_states=True,
-    ).hidden_states[-1]
+    inputs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)
+    hidden = model(**inputs, use_cache=False, logits_to_keep=1, output_hidden_states=True).hidden_states[-1]
     hidden = hidden[:, prompt_length - 1 : -1]  # (B, C, H): position t predicts completion token t
     targets = input_ids[:, prompt_length:]
     mask = completion_mask.bool()
@@ -1240,11 +1197,8 @@ def hf_generate(model, prompt_ids, args, eos_ids, pad_id, num_generations=None, 
             out = model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=config)
     finally:
         model.generation_config = model_config
-    completions = []
-    for row in out[:, P:].tolist():
-        end = next((t + 1 for t, token in enumerate(row) if token in eos_ids), len(row))
-        completions.append(row[:end])
-    return completions, None
+    cut_after_eos = lambda row: row[: next((t + 1 for t, token in enumerate(row) if token in eos_ids), len(row))]
+    return [cut_after_eos(row) for row in out[:, P:].tolist()], None
 
 
 def future_of(fn, background=True):
@@ -1396,11 +1350,8 @@ def save_checkpoint(
 def stop_preempted(args, global_step, world_size):
     """After the SIGTERM checkpoint: say how to continue, and exit with 143 (128 + SIGTERM: stopped, not finished)."""
     if not dist.is_initialized() or dist.get_rank() == 0:
-        print(
-            f"SIGTERM: wrote checkpoint-{global_step} and stopped; the same command with "
-            f"--resume-from-checkpoint latest continues the run",
-            flush=True,
-        )
+        tip = "the same command with --resume-from-checkpoint latest continues the run"
+        print(f"SIGTERM: wrote checkpoint-{global_step} and stopped; {tip}", flush=True)
         if args.track:
             import wandb
 
@@ -1787,12 +1738,10 @@ def claim_output_dir(args, script):
             checkpoint = run_checkpoints(out, owner.get("run_id"))[-1:]
             if not checkpoint:
                 others = ", ".join(f for f in files if re.fullmatch(CHECKPOINT, f))
-                hint = (
-                    f" ({others} are another run's: pass one's path to --resume-from-checkpoint to continue that run)"
-                )
+                tip = f" ({others} are another run's: pass one's path to --resume-from-checkpoint to continue that run)"
                 raise SystemExit(
                     f"error: --resume-from-checkpoint latest: no checkpoint-N directory in {out} of the run that owns "
-                    f"it{hint if others else ''}"
+                    f"it{tip if others else ''}"
                 )
             checkpoint = checkpoint[0]
         resumed = (read_json(os.path.join(checkpoint, "run.json")) or {}) if checkpoint else {}
