@@ -1560,7 +1560,7 @@ def check_args(args, world_size=1):
         value = getattr(args, name)
         if value is not None and not valid(value):
             problems.append(f"--{name.replace('_', '-')} must be {must}, got {value}")
-    if args.prompts_per_step % (args.steps_per_generation * world_size):
+    if args.steps_per_generation >= 1 and args.prompts_per_step % (args.steps_per_generation * world_size):
         problems.append(
             f"--prompts-per-step {args.prompts_per_step} must be divisible by --steps-per-generation x the "
             f"number of processes ({args.steps_per_generation} x {world_size}): whole groups per rank and step"

@@ -89,6 +89,8 @@ BAD_INPUTS = [  # (script, extra arguments (a function of tmp_path), what the me
     ),
     ("grpo.py", lambda t: ["--max-completion-length", 0], ["--max-completion-length must be at least 1"]),
     ("grpo.py", lambda t: ["--learning-rate", -1], ["--learning-rate must be >= 0"]),
+    ("grpo.py", lambda t: ["--steps-per-generation", 0], ["--steps-per-generation must be at least 1"]),
+    ("rloo.py", lambda t: ["--steps-per-generation", 0], ["--steps-per-generation must be at least 1"]),
     ("grpo.py", lambda t: ["--num-generations", 1], ["--num-generations must be at least 2"]),
     ("grpo.py", lambda t: ["--temperature", 0], ["--temperature must be > 0"]),
     ("grpo.py", lambda t: ["--epsilon", -0.2, "--delta", 0.5], ["--epsilon must be >= 0", "--delta must be > 1"]),
