@@ -854,6 +854,7 @@ def finish(args, model, tokenizer, metrics_file, output_lock, is_main, world_siz
     if output_lock is not None:
         os.close(output_lock)  # the run is over: the directory is free for the next one
     if world_size > 1:
+        dist.barrier()  # no rank tears down gloo while another is still saving (a rank aborted at exit under load)
         dist.destroy_process_group()
 
 
@@ -959,8 +960,8 @@ class TokenLogprobs(torch.autograd.Function):
     tensor exists: the forward saves the hidden states and the log-sum-exp; the backward recomputes each chunk's logits
     once and writes their gradient in one pass, d log pi(t) / dz = onehot(t) - softmax(z), where z are the logits after
     the model's own transform and the temperature. The LM head's weight is cast once per pass, and its gradient is
-    summed over the chunks in one float32 buffer (not one per chunk: 0.8 GiB less at a bench step's peak,
-    benchmarks/results/README.md). logprob_variants.py has log-softmax + gather."""
+    summed over the chunks in one buffer (with fp32 weights under autocast: 0.8 GiB less at a bench step's peak than
+    one per chunk, benchmarks/results/README.md)."""
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, config, temperature, chunk):
@@ -991,8 +992,9 @@ class TokenLogprobs(torch.autograd.Function):
         w, b = (None if x is None else x.to(ctx.dtype) for x in (weight, bias))
         probe = weight.new_empty(0, weight.shape[0], dtype=ctx.dtype)  # no rows: whether the model transforms logits
         plain = final_logits(probe, ctx.config) is probe and ctx.temperature == 1  # z = raw.float(): dz/draw: the cast
-        grad_hidden, grad_weight = torch.empty_like(hidden), torch.zeros_like(weight, dtype=torch.float32)
-        grad_bias = None if bias is None else torch.zeros_like(bias, dtype=torch.float32)
+        # the weight's gradient in its own dtype: fp32 weights (autocast) sum the bf16 chunks' products in fp32
+        grad_hidden, grad_weight = torch.empty_like(hidden), torch.zeros_like(weight)
+        grad_bias = None if bias is None else torch.zeros_like(bias)
         for rows in (slice(start, start + ctx.chunk) for start in range(0, len(hidden), ctx.chunk)):
             h, g, t = hidden[rows].to(ctx.dtype), grad_logprobs[rows], targets[rows]
             raw = torch.nn.functional.linear(h, w, b)
@@ -1008,9 +1010,8 @@ class TokenLogprobs(torch.autograd.Function):
             grad_hidden[rows] = grad @ w
             add_matmul(grad_weight, grad.T, h)
             if grad_bias is not None:
-                grad_bias += grad.sum(0)
-        grad_bias = None if bias is None else grad_bias.to(bias.dtype)
-        return grad_hidden, grad_weight.to(weight.dtype), grad_bias, None, None, None, None
+                grad_bias += grad.sum(0, dtype=torch.float32)
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None
 
 
 def add_matmul(out, a, b):

@@ -147,3 +147,29 @@ def test_per_token_logprobs_under_bfloat16_autocast(script):
     difference = (logprobs - reference).abs()[cmask.bool()]  # bf16 rounding of logits that reach 100 here
     assert 0 < difference.mean() < 0.25 and reference.abs()[cmask.bool()].mean() > 10 * difference.mean()
     assert all(p.grad is not None and p.grad.isfinite().all() for p in model.parameters() if p.requires_grad)
+
+
+class ShapeDtypes(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records the dtype of every tensor of one shape that an operation returns."""
+
+    def __init__(self, shape):
+        super().__init__()
+        self.shape, self.dtypes = shape, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if isinstance(out, torch.Tensor) and tuple(out.shape) == self.shape:
+            self.dtypes.append(out.dtype)
+        return out
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda m: m.__name__)
+def test_bfloat16_weights_get_no_float32_copy_of_the_lm_head(script):
+    """With bf16 weights (--param-dtype bfloat16, FSDP2 mixed precision) the LM head's gradient is summed in bf16, as
+    the weight is: a float32 vocabulary x hidden buffer would add 6 bytes per LM-head weight at the backward's start."""
+    model, (ids, attn, pos, cmask, P) = tiny("llama").to(torch.bfloat16), batch()
+    logprobs = script.per_token_logprobs(model, ids, attn, pos, cmask, P, TEMPERATURE, chunk_tokens=5)
+    with ShapeDtypes(tuple(model.lm_head.weight.shape)) as created:
+        logprobs.sum().backward()
+    assert created.dtypes and torch.float32 not in created.dtypes, created.dtypes
+    assert model.lm_head.weight.grad.dtype == torch.bfloat16

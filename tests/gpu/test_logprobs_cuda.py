@@ -2,6 +2,8 @@
 summed over the token chunks in float32 (torch.addmm with out_dtype, CUDA only), so splitting the tokens into chunks
 changes it only by float32 rounding; a bf16-rounded product per chunk would change it ~1000 x more."""
 
+import copy
+
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -15,20 +17,25 @@ import rloo
 def test_chunked_weight_gradient_is_summed_in_float32(script):
     torch.manual_seed(0)
     sizes = dict(vocab_size=4096, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4)
-    model = LlamaForCausalLM(LlamaConfig(**sizes, num_key_value_heads=2, tie_word_embeddings=False)).cuda()
+    model = LlamaForCausalLM(LlamaConfig(**sizes, num_key_value_heads=2, tie_word_embeddings=False))
+    model.lm_head.bias = torch.nn.Parameter(torch.randn(4096) * 0.1)  # an LM head with a bias (GPT-J, Phi-2)
+    reference_model, model = copy.deepcopy(model).double(), model.cuda()
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(1, 4096, (8,), generator=gen).tolist() for _ in range(8)]
     completions = [torch.randint(1, 4096, (200,), generator=gen).tolist() for _ in range(8)]
-    batch = grpo.collate(prompts, completions, "cuda", 0)
 
-    def weight_gradient(chunk_tokens):
+    def gradients(model, device, chunk_tokens, autocast):
         model.zero_grad(set_to_none=True)
-        with torch.autocast("cuda", torch.bfloat16):
-            logprobs = script.per_token_logprobs(model, *batch, 1.0, chunk_tokens)
-        (logprobs * torch.linspace(-1, 1, logprobs.shape[1], device="cuda")).sum().backward()
-        assert model.lm_head.weight.grad.dtype == torch.float32
-        return model.lm_head.weight.grad.clone()
+        batch = grpo.collate(prompts, completions, device, 0)
+        with torch.autocast("cuda", torch.bfloat16, enabled=autocast):
+            logprobs = script.per_token_logprobs(model, *batch, 0.7, chunk_tokens)
+        (logprobs * torch.linspace(-1, 1, logprobs.shape[1], device=device)).sum().backward()
+        return [p.grad.clone().double().cpu() for p in (model.lm_head.weight, model.lm_head.bias)]
 
-    whole, chunked = weight_gradient(4096), weight_gradient(16)  # 1600 tokens: one chunk, or 100
-    error = ((chunked - whole).abs().max() / whole.abs().max()).item()
+    whole, chunked = gradients(model, "cuda", 4096, True), gradients(model, "cuda", 16, True)  # 1600 tokens: 1 or 100
+    assert model.lm_head.weight.grad.dtype == torch.float32
+    error = ((chunked[0] - whole[0]).abs().max() / whole[0].abs().max()).item()
     assert error < 1e-5, f"chunked LM-head weight gradient differs by {error:.2g} (relative): rounded per chunk?"
+    reference = gradients(reference_model, "cpu", 64, False)  # float64 on the CPU
+    for ours, exact in zip(chunked, reference):  # bf16 logits: ~1e-2; a wrong formula: ~1
+        assert (ours - exact).abs().max() < 3e-2 * exact.abs().max()
