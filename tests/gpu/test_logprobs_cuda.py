@@ -31,9 +31,11 @@ def test_chunked_weight_gradient_is_summed_in_float32(script):
         with torch.autocast("cuda", torch.bfloat16, enabled=autocast):
             logprobs = script.per_token_logprobs(model, *batch, 0.7, chunk_tokens)
         (logprobs * torch.linspace(-1, 1, logprobs.shape[1], device=device)).sum().backward()
-        return [p.grad.clone().double().cpu() for p in (model.lm_head.weight, model.lm_head.bias)]
+        params = model.lm_head.weight, model.lm_head.bias, model.model.embed_tokens.weight  # the last via grad_hidden
+        return [p.grad.clone().double().cpu() for p in params]
 
-    whole, chunked = gradients(model, "cuda", 4096, True), gradients(model, "cuda", 16, True)  # 1600 tokens: 1 or 100
+    # 1600 tokens: one chunk, or 123 of 13 tokens and a 1-token remainder
+    whole, chunked = gradients(model, "cuda", 4096, True), gradients(model, "cuda", 13, True)
     assert model.lm_head.weight.grad.dtype == torch.float32
     error = ((chunked[0] - whole[0]).abs().max() / whole[0].abs().max()).item()
     assert error < 1e-5, f"chunked LM-head weight gradient differs by {error:.2g} (relative): rounded per chunk?"
