@@ -27,6 +27,7 @@ import ast
 import atexit
 import dataclasses
 import fcntl
+import functools
 import inspect
 import itertools
 import json
@@ -964,51 +965,60 @@ class TokenLogprobs(torch.autograd.Function):
         ctx.dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else weight.dtype
         ctx.config, ctx.temperature, ctx.chunk = config, temperature, chunk
         w, b = (None if x is None else x.to(ctx.dtype) for x in (weight, bias))
-        lse = hidden.new_empty(len(hidden), dtype=torch.float32)
-        logprobs, entropy = torch.empty_like(lse), torch.empty_like(lse) if with_entropy else None
+        lse, logprobs, entropy = (torch.empty(len(hidden), device=hidden.device) for _ in range(3))
         for rows in (slice(start, start + chunk) for start in range(0, len(hidden), chunk)):
-            z = TokenLogprobs.logits(torch.nn.functional.linear(hidden[rows].to(ctx.dtype), w, b), ctx)
-            lse[rows] = z.logsumexp(-1)
-            logprobs[rows] = z.gather(-1, targets[rows, None]).squeeze(-1) - lse[rows]
-            if with_entropy:  # log softmax(z), in place: the entropy is -sum_v p_v log p_v
-                z = z.sub_(lse[rows, None])
-                entropy[rows] = -z.exp().mul_(z).sum(-1)
+            logits = final_logits(torch.nn.functional.linear(hidden[rows].to(ctx.dtype), w, b), config)
+            lse[rows], logprobs[rows], entropy[rows] = fused(softmax_stats, hidden)(logits, targets[rows], temperature)
         ctx.save_for_backward(hidden, weight, bias, targets, lse)
-        return logprobs, entropy
-
-    @staticmethod
-    def logits(raw, ctx):
-        """z in float32 from the LM head's output: the model's transform in the head's dtype (as its forward applies
-        it), then 1 / T."""
-        z = final_logits(raw, ctx.config).float()
-        return z / ctx.temperature if ctx.temperature != 1 else z  # dividing by 1 would be two more passes
+        return logprobs, entropy if with_entropy else None
 
     @staticmethod
     def backward(ctx, grad_logprobs, _grad_entropy):  # the entropy is a metric: no gradient flows from it
         hidden, weight, bias, targets, lse = ctx.saved_tensors
         w, b = (None if x is None else x.to(ctx.dtype) for x in (weight, bias))
         probe = weight.new_empty(0, weight.shape[0], dtype=ctx.dtype)  # no rows: whether the model transforms logits
-        plain = final_logits(probe, ctx.config) is probe and ctx.temperature == 1  # z = raw.float(): dz/draw: the cast
+        plain = final_logits(probe, ctx.config) is probe
         # the weight's gradient in its own dtype: fp32 weights (autocast) sum the bf16 chunks' products in fp32
         grad_hidden, grad_weight = torch.empty_like(hidden), torch.zeros_like(weight)
         grad_bias = None if bias is None else torch.zeros_like(bias)
         for rows in (slice(start, start + ctx.chunk) for start in range(0, len(hidden), ctx.chunk)):
-            h, g, t = hidden[rows].to(ctx.dtype), grad_logprobs[rows], targets[rows]
+            h, t = hidden[rows].to(ctx.dtype), targets[rows]
             raw = torch.nn.functional.linear(h, w, b)
             with torch.enable_grad():  # otherwise autograd differentiates the elementwise transform (no parameters)
-                z = TokenLogprobs.logits(raw.requires_grad_(not plain), ctx)
-            if plain:
-                del raw  # z is its float copy: one vocabulary-wide tensor less at the peak
-            grad = (z.sub_(lse[rows, None]) if plain else z.detach() - lse[rows, None]).exp_()  # softmax(z)
-            grad.mul_(-g[:, None])  # -g softmax(z) ...
-            grad[torch.arange(len(t), device=grad.device), t] += g  # ... + g onehot(t)
-            grad = grad.to(ctx.dtype) if plain else torch.autograd.grad(z, raw, grad)[0]
-            del z
+                logits = final_logits(raw.requires_grad_(not plain), ctx.config)
+            grad = fused(softmax_grad, h)(logits.detach(), lse[rows], grad_logprobs[rows], t, ctx.temperature)
+            grad = grad if plain else torch.autograd.grad(logits, raw, grad)[0]  # through the model's transform
             grad_hidden[rows] = grad @ w
             add_matmul(grad_weight, grad.T, h)
             if grad_bias is not None:
                 grad_bias += grad.sum(0, dtype=torch.float32)
         return grad_hidden, grad_weight, grad_bias, None, None, None, None, None
+
+
+def softmax_stats(logits, targets, temperature):
+    """One chunk's log-sum-exp, log pi(target) and entropy -sum_v p_v log p_v of z = logits / T, in float32."""
+    z = logits.float() / temperature
+    lse = z.logsumexp(-1)
+    log_softmax = z - lse[:, None]
+    return lse, z.gather(-1, targets[:, None]).squeeze(-1) - lse, -(log_softmax.exp() * log_softmax).sum(-1)
+
+
+def softmax_grad(logits, lse, grad_logprobs, targets, temperature):
+    """One chunk's g d log pi(t) / d logits = g (onehot(t) - softmax(z)) / T, in the logits' dtype."""
+    onehot = torch.arange(logits.shape[-1], device=logits.device) == targets[:, None]
+    softmax = (logits.float() / temperature - lse[:, None]).exp()
+    return (grad_logprobs[:, None] / temperature * (onehot.float() - softmax)).to(logits.dtype)
+
+
+def fused(fn, like):
+    """fn, torch.compile'd on CUDA: one kernel instead of ~8 passes over a chunk's logits (the LM head's forward and
+    backward of a bench step: 408 -> 180 ms, benchmarks/logprob_variants.py). TORCHDYNAMO_DISABLE=1 runs it eagerly."""
+    return compiled(fn) if like.is_cuda else fn
+
+
+@functools.cache
+def compiled(fn):
+    return torch.compile(fn, dynamic=True)
 
 
 def add_matmul(out, a, b):
