@@ -1,8 +1,9 @@
 """The trainer's share of a bench-0.5b step, without generation: one GRPO optimizer step on a synthetic round (256
 completions of 256 tokens after ~70-token prompts, like the bench) through grpo.py's own functions, timed per variant,
 plus a torch.profiler table of the default one. Usage (GPU host): python benchmarks/profile_train.py MODEL OUT.txt
-[memory [SCRIPT_DIR]]: `memory` times only the rows that set the trainer's peak memory (with and without gradient
-checkpointing), with grpo.py from SCRIPT_DIR (default: this checkout), e.g. an older commit's for a before/after."""
+[memory [SCRIPT_DIR] | probe]: `memory` times only the rows that set the trainer's peak memory (with and without
+gradient checkpointing), with grpo.py from SCRIPT_DIR (default: this checkout), e.g. an older commit's for a
+before/after; `probe` profiles the default step, then times smaller LM-head chunks and torch.compile'd decoder layers."""
 
 import os
 import sys
@@ -60,6 +61,25 @@ def timed(name, **kwargs):
     return line
 
 
+if variants == "probe":  # candidates for a cheaper trainer step: smaller LM-head chunks, compiled decoder layers
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        step(budget=16384)
+        torch.cuda.synchronize()
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=60)
+    lines = [timed("budget 16384 (the scripts' default)", budget=16384)]
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    for budget, chunk in ((11520, 1024), (11520, 512), (11520, 256), (8192, 512)):
+        lines.append(
+            timed(f"gradient checkpointing, budget {budget}, chunk {chunk}", budget=budget, chunk_tokens=chunk)
+        )
+    model.gradient_checkpointing_disable()
+    for layer in model.model.layers:
+        layer.compile(dynamic=True)
+    lines.append(timed("compiled decoder layers, budget 16384", budget=16384))
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    lines.append(timed("compiled decoder layers, gradient checkpointing, budget 11520", budget=11520))
+    open(out, "w").write("\n".join(lines) + "\n\n" + table)
+    sys.exit()
 if variants == "memory":
     lines = [
         f"# grpo.py from {os.path.dirname(grpo.__file__)}",
