@@ -622,8 +622,7 @@ def set_up(args):
     check_dataset(args, dataset, run.reward_fns)
     eval_dataset = None  # --eval-steps / --max-steps 0: the eval prompts, read and checked like the training ones
     if args.eval_steps or args.max_steps == 0:
-        eval_dataset = read_dataset(args, evaluation=True)
-        eval_dataset = {column: values[: args.eval_max_samples] for column, values in eval_dataset.items()}
+        eval_dataset = {c: v[: args.eval_max_samples] for c, v in read_dataset(args, evaluation=True).items()}
         check_dataset(args, eval_dataset, run.reward_fns, "--eval-dataset", eval_source(args)[0])
     if args.importance_sampling_level == "sequence" and args.loss_type != "grpo":
         print(
@@ -690,8 +689,7 @@ def set_up(args):
     # prompts: token ids, the columns the reward functions get, whether the dataset's prompts are chat messages
     max_context = getattr(model.config, "max_position_embeddings", None) or 10**9
     run.prompt_ids, run.columns, run.prompts_are_messages = load_prompts(args, dataset, tokenizer, max_context)
-    no_evaluation = None, {}, False
-    evaluation = no_evaluation if eval_dataset is None else load_prompts(args, eval_dataset, tokenizer, max_context)
+    evaluation = (None, {}, False) if eval_dataset is None else load_prompts(args, eval_dataset, tokenizer, max_context)
     run.eval_prompt_ids, run.eval_columns, run.eval_prompts_are_messages = evaluation
 
     # optimizer and schedule
@@ -897,8 +895,7 @@ def log_metrics(run, metrics, show):
         run.progress.set_postfix(reward=f"{metrics['reward']:.3f}", kl=f"{kl:.4f}", len=f"{length:.0f}")
     if show:
         tqdm.write(" | ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in metrics.items()))
-    run.metrics_file.write(json.dumps(metrics) + "\n")
-    run.metrics_file.flush()
+    print(json.dumps(metrics), file=run.metrics_file, flush=True)
     if run.args.track:
         import wandb
 
@@ -952,10 +949,8 @@ def load_prompts(args, dataset, tokenizer, max_context):
 
 def prompt_stream(num_prompts, seed, start=0):
     """Yield prompt indices forever: a new seeded permutation each epoch. `start` skips that many (for resuming)."""
-    for epoch in itertools.count():
-        order = torch.randperm(num_prompts, generator=torch.Generator().manual_seed(seed + epoch)).tolist()
-        yield from order[start:]
-        start = max(0, start - num_prompts)
+    order = lambda epoch: torch.randperm(num_prompts, generator=torch.Generator().manual_seed(seed + epoch)).tolist()
+    yield from itertools.islice(itertools.chain.from_iterable(map(order, itertools.count())), start, None)
 
 
 def score_completions(reward_fns, completions, columns):
@@ -1179,9 +1174,8 @@ def shard_model(model, mixed_precision):
 
     bf16 = dict(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed_precision else {}
     policy = MixedPrecisionPolicy(**bf16)
-    for layer in model.base_model.layers:
-        fully_shard(layer, mp_policy=policy)
-    fully_shard(model, mp_policy=policy)
+    for module in [*model.base_model.layers, model]:  # every decoder layer, then the root
+        fully_shard(module, mp_policy=policy)
     return model
 
 
@@ -1260,14 +1254,9 @@ def hf_generate(model, prompt_ids, args, eos_ids, pad_id, num_generations=None, 
     input_ids, attention_mask, _, _, P = collate(repeated, [[]] * len(repeated), model.device, pad_id)  # left-padded
     input_ids, attention_mask = input_ids[:, :P], attention_mask[:, :P]
     sampling = dict(do_sample=True, temperature=temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p)
-    config = GenerationConfig(
-        **(sampling if temperature > 0 else dict(do_sample=False)),
-        repetition_penalty=args.repetition_penalty,
-        max_new_tokens=args.max_completion_length,
-        eos_token_id=eos_ids,
-        pad_token_id=pad_id,
-        use_cache=True,
-    )
+    decoding = sampling if temperature > 0 else dict(do_sample=False)  # temperature 0: greedy
+    stopping = dict(max_new_tokens=args.max_completion_length, eos_token_id=eos_ids, pad_token_id=pad_id)
+    config = GenerationConfig(**decoding, **stopping, repetition_penalty=args.repetition_penalty, use_cache=True)
     model.eval()
     # generate fills every field left None here from model.generation_config (the checkpoint's generation_config.json:
     # no_repeat_ngram_size, suppress_tokens, ...), which neither the trainer's log-probs nor vLLM model; as the model's
@@ -1380,8 +1369,7 @@ def save_checkpoint(run, global_step, prompts_consumed):
     Every rank calls this (gathering the weights is a collective); rank 0 writes."""
     args, world_size, cuda = run.args, run.world_size, run.device.type == "cuda"
     model_state, optimizer_state = full_state(run.model, run.optimizer)
-    rng = (torch.get_rng_state(), torch.cuda.get_rng_state() if cuda else None)
-    rng_states = gather_objects(rng, world_size)
+    rng_states = gather_objects((torch.get_rng_state(), torch.cuda.get_rng_state() if cuda else None), world_size)
     if not run.is_main:
         return
     path = os.path.join(args.output_dir, f"checkpoint-{global_step}")
@@ -1484,11 +1472,8 @@ def parse_args(argv=None):
     flags keep their names (OmitArgPrefixes); the parsed groups are merged back into one flat Args."""
     source = inspect.getsource(Args)
     body = ast.parse(textwrap.dedent(source)).body[0].body
-    docs = {
-        a.target.id: " ".join(b.value.value.split())
-        for a, b in itertools.pairwise(body)
-        if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr)
-    }
+    pairs = [(a, b) for a, b in itertools.pairwise(body) if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr)]
+    docs = {a.target.id: " ".join(b.value.value.split()) for a, b in pairs}  # each field's docstring, on one line
     groups, title = {}, None
     for line in source.splitlines():
         if header := re.match(r" {4}# (.+?)(?: \(.*)?$", line):
@@ -1523,6 +1508,7 @@ def check_args(args, world_size=1):
     that local paths exist (a missing local model would otherwise surface later, as a hub error). Exits with one line
     per problem, each naming its flag."""
     problems = []
+    floor = args.vllm_importance_sampling_clip_min or 0  # --vllm-importance-sampling-clip-max must exceed it
     rules = [  # (field, true for a valid value, what it must be); None (an option left unset) is always valid
         ("num_generations", lambda v: v >= 2, "at least 2: advantages compare completions of the same prompt"),
         ("prompts_per_step", lambda v: v >= 1, "at least 1"),
@@ -1540,11 +1526,7 @@ def check_args(args, world_size=1):
         ("vllm_server_timeout", lambda v: v > 0, "> 0 seconds"),
         ("vllm_group_port", lambda v: 0 < v < 65536, "a TCP port (1-65535)"),
         ("vllm_importance_sampling_clip_min", lambda v: v >= 0, ">= 0"),
-        (
-            "vllm_importance_sampling_clip_max",
-            lambda v: v > (args.vllm_importance_sampling_clip_min or 0),
-            "> --vllm-importance-sampling-clip-min (and > 0)",
-        ),
+        ("vllm_importance_sampling_clip_max", lambda v: v > floor, "> --vllm-importance-sampling-clip-min (and > 0)"),
         ("dynamic_sampling_max_rounds", lambda v: v >= 1, "at least 1"),
         ("epsilon", lambda v: v >= 0, ">= 0"),
         ("epsilon_high", lambda v: v >= 0, ">= 0"),
@@ -1660,9 +1642,8 @@ def read_dataset(args, evaluation=False):
     """Read the dataset (with `evaluation`, the eval dataset of eval_source) once, before any model loads: {column: list
     of values}. Local .jsonl / .json files are parsed here, so that a malformed record is reported with its file and
     line; .parquet files and hub datasets through `datasets`."""
-    flag = "--eval-dataset" if evaluation else "--dataset-name"
-    training = (args.dataset_name, args.dataset_config, args.dataset_split)
-    name, config, split = eval_source(args) if evaluation else training
+    source = eval_source(args) if evaluation else (args.dataset_name, args.dataset_config, args.dataset_split)
+    flag, (name, config, split) = "--eval-dataset" if evaluation else "--dataset-name", source
     if name.endswith((".json", ".jsonl")):
         with open(name, encoding="utf-8") as f:
             text = f.read()

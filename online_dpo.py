@@ -535,8 +535,7 @@ def check_inputs(args, world_size):
     check_dataset(args, dataset, reward_fns)
     eval_dataset = None  # --eval-steps / --max-steps 0: the eval prompts, read and checked like the training ones
     if args.eval_steps or args.max_steps == 0:
-        eval_dataset = read_dataset(args, evaluation=True)
-        eval_dataset = {column: values[: args.eval_max_samples] for column, values in eval_dataset.items()}
+        eval_dataset = {c: v[: args.eval_max_samples] for c, v in read_dataset(args, evaluation=True).items()}
         check_dataset(args, eval_dataset, reward_fns, "--eval-dataset", eval_source(args)[0])
     return reward_fns, dataset, eval_dataset
 
@@ -552,11 +551,10 @@ def init_distributed(args, rank, world_size):
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timedelta(hours=1))
     # the output directory is this run's alone (a lock); another run's files are refused; only this run's checkpoints
     run, checkpoint_dir, lock = claim_output_dir(args, "online_dpo.py") if rank == 0 else (None, None, None)
+    shared = [checkpoint_dir]
     if world_size > 1:  # rank 0 decided which checkpoint to resume
-        shared = [checkpoint_dir]
         dist.broadcast_object_list(shared, src=0)
-        checkpoint_dir = shared[0]
-    return device, run, checkpoint_dir, lock
+    return device, run, shared[0], lock
 
 
 def load_models(args, model_path, device, world_size):
@@ -565,8 +563,7 @@ def load_models(args, model_path, device, world_size):
     id. With several ranks both models are FSDP2-sharded."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    dtype = getattr(torch, args.param_dtype)
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    tokenizer, dtype = AutoTokenizer.from_pretrained(model_path), getattr(torch, args.param_dtype)
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(device)
     ref_model = AutoModelForCausalLM.from_pretrained(args.model_name_or_path, dtype=dtype).to(device).eval()
     ref_model.requires_grad_(False)
@@ -771,8 +768,7 @@ def reward_model_scores(reward_model, input_ids, micro_batch_tokens, device):
     for mb in token_budget_batches(range(len(input_ids)), [0] * len(input_ids), lengths, micro_batch_tokens):
         # (B, L): each row as a "completion" of an empty prompt, so collate right-pads it
         ids, attention_mask, _, _, _ = collate([[]] * len(mb), [input_ids[i] for i in mb], device, pad_id)
-        logits = reward_model(input_ids=ids, attention_mask=attention_mask).logits  # (B, 1)
-        scores[mb] = logits[:, 0].float().cpu()
+        scores[mb] = reward_model(input_ids=ids, attention_mask=attention_mask).logits[:, 0].float().cpu()
     return scores
 
 
@@ -792,8 +788,7 @@ def log_metrics(metrics, show, metrics_file, track):
         return
     if show:
         tqdm.write(" | ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in metrics.items()))
-    metrics_file.write(json.dumps(metrics) + "\n")
-    metrics_file.flush()
+    print(json.dumps(metrics), file=metrics_file, flush=True)
     if track:
         import wandb
 
@@ -1113,9 +1108,8 @@ def shard_model(model, mixed_precision):
 
     bf16 = dict(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed_precision else {}
     policy = MixedPrecisionPolicy(**bf16)
-    for layer in model.base_model.layers:
-        fully_shard(layer, mp_policy=policy)
-    fully_shard(model, mp_policy=policy)
+    for module in [*model.base_model.layers, model]:  # every decoder layer, then the root
+        fully_shard(module, mp_policy=policy)
     return model
 
 
@@ -1174,14 +1168,9 @@ def hf_generate(model, prompt_ids, args, eos_ids, pad_id, n=None, temperature=No
     repeated = [p for p in prompt_ids for _ in range(n)]
     input_ids, attention_mask, _, _, P = collate(repeated, [[]] * len(repeated), model.device, pad_id)  # left-padded
     sampling = dict(do_sample=True, temperature=temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p)
-    config = GenerationConfig(
-        **(sampling if temperature > 0 else dict(do_sample=False)),
-        repetition_penalty=args.repetition_penalty,
-        max_new_tokens=args.max_completion_length,
-        eos_token_id=eos_ids,
-        pad_token_id=pad_id,
-        use_cache=True,
-    )
+    decoding = sampling if temperature > 0 else dict(do_sample=False)  # temperature 0: greedy
+    stopping = dict(max_new_tokens=args.max_completion_length, eos_token_id=eos_ids, pad_token_id=pad_id)
+    config = GenerationConfig(**decoding, **stopping, repetition_penalty=args.repetition_penalty, use_cache=True)
     model.eval()
     # generate fills every field left None here from model.generation_config (the checkpoint's generation_config.json:
     # no_repeat_ngram_size, suppress_tokens, ...), which neither the trainer's log-probs nor vLLM model; as the model's
@@ -1336,11 +1325,8 @@ def parse_args(argv=None):
     flags keep their names (OmitArgPrefixes); the parsed groups are merged back into one flat Args."""
     source = inspect.getsource(Args)
     body = ast.parse(textwrap.dedent(source)).body[0].body
-    docs = {
-        a.target.id: " ".join(b.value.value.split())
-        for a, b in itertools.pairwise(body)
-        if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr)
-    }
+    pairs = [(a, b) for a, b in itertools.pairwise(body) if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr)]
+    docs = {a.target.id: " ".join(b.value.value.split()) for a, b in pairs}  # each field's docstring, on one line
     groups, title = {}, None
     for line in source.splitlines():
         if header := re.match(r" {4}# (.+?)(?: \(.*)?$", line):
@@ -1497,9 +1483,8 @@ def read_dataset(args, evaluation=False):
     """Read the dataset (with `evaluation`, the eval dataset of eval_source) once, before any model loads: {column: list
     of values}. Local .jsonl / .json files are parsed here, so that a malformed record is reported with its file and
     line; .parquet files and hub datasets through `datasets`."""
-    flag = "--eval-dataset" if evaluation else "--dataset-name"
-    training = (args.dataset_name, args.dataset_config, args.dataset_split)
-    name, config, split = eval_source(args) if evaluation else training
+    source = eval_source(args) if evaluation else (args.dataset_name, args.dataset_config, args.dataset_split)
+    flag, (name, config, split) = "--eval-dataset" if evaluation else "--dataset-name", source
     if name.endswith((".json", ".jsonl")):
         with open(name, encoding="utf-8") as f:
             text = f.read()
