@@ -94,6 +94,9 @@ class Args:
     """run forward/backward under bfloat16 autocast on CUDA (ignored on the CPU)"""
     gradient_checkpointing: bool = False
     """recompute activations in the backward pass to save memory"""
+    torch_compile: bool = True
+    """torch.compile each decoder layer's forward (CUDA, with --use-vllm, one process): the trainer's step on bench-0.5b
+    1.14 -> 0.80 s on an H200; the first steps compile"""
     use_chat_template: bool = True
     """wrap plain-text prompts as a user message and apply the tokenizer's chat template (if it has one)"""
     system_prompt: str | None = None
@@ -677,6 +680,9 @@ def set_up(args):
     if args.beta > 0:  # the policy's dtype and compute (mixed precision included): the KL at step 1 is exactly 0
         run.ref_model = AutoModelForCausalLM.from_pretrained(args.model_name_or_path, dtype=dtype)
         run.ref_model.to(device).eval().requires_grad_(False)
+    if args.torch_compile and device.type == "cuda" and args.use_vllm and world_size == 1:  # one graph per layer type
+        for layer in (layer for each in (model, run.ref_model) if each is not None for layer in each.base_model.layers):
+            layer.forward = torch.compile(layer.forward, dynamic=True)
     if world_size > 1:  # FSDP2: every rank keeps 1/world_size of the weights, gradients and AdamW states
         for each in [model, run.ref_model] if run.ref_model is not None else [model]:
             shard_model(each, mixed_precision=args.bf16 and device.type == "cuda")

@@ -86,6 +86,9 @@ class Args:
     """run forward/backward under bfloat16 autocast on CUDA (ignored on the CPU)"""
     gradient_checkpointing: bool = False
     """recompute activations in the backward pass to save memory"""
+    torch_compile: bool = True
+    """torch.compile each decoder layer's forward (CUDA, with --use-vllm, one process): the trainer's step on bench-0.5b
+    1.14 -> 0.80 s on an H200; the first steps compile"""
     use_chat_template: bool = True
     """wrap plain-text prompts as a user message and apply the tokenizer's chat template (if it has one)"""
     system_prompt: str | None = None
@@ -575,6 +578,9 @@ def load_models(args, model_path, device, world_size):
             module.p = 0.0
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if args.torch_compile and device.type == "cuda" and args.use_vllm and world_size == 1:  # one graph per layer type
+        for layer in (layer for each in (model, ref_model) for layer in each.base_model.layers):
+            layer.forward = torch.compile(layer.forward, dynamic=True)
     if world_size > 1:  # FSDP2: every rank keeps 1/world_size of the weights, gradients and AdamW states
         shard_model(model, mixed_precision=args.bf16 and device.type == "cuda")
         shard_model(ref_model, mixed_precision=args.bf16 and device.type == "cuda")
