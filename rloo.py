@@ -640,7 +640,7 @@ def load_models(args, model_path, device, world_size):
         ref_model = AutoModelForCausalLM.from_pretrained(args.model_name_or_path, dtype=dtype)
         ref_model = ref_model.to(device).eval().requires_grad_(False)
     if args.torch_compile and device.type == "cuda" and args.use_vllm and world_size == 1:  # one graph per layer type
-        for layer in (layer for each in (model, ref_model) if each is not None for layer in each.base_model.layers):
+        for layer in (layer for each in (model, ref_model) if each is not None for layer in decoder_layers(each)):
             layer.forward = torch.compile(layer.forward, dynamic=True)
     if world_size > 1:  # FSDP2: every rank keeps 1/world_size of the weights, gradients and AdamW states
         for m in (model, ref_model) if ref_model is not None else (model,):
@@ -1116,6 +1116,12 @@ def token_budget_batches(rows, prompt_lengths, completion_lengths, budget):
 # Several GPUs (torchrun): FSDP2 shards the weights, each rank generates and scores whole groups of its own prompts
 
 
+def decoder_layers(model):
+    """The model's repeated blocks (LlamaDecoderLayer, GPT2Block, ...: transformers' _no_split_modules), the units FSDP2
+    shards and --torch-compile compiles."""
+    return [module for module in model.modules() if type(module).__name__ in (model._no_split_modules or ())]
+
+
 def shard_model(model, mixed_precision):
     """FSDP2: shard every decoder layer, then the rest (embeddings, final norm, LM head) as the root. With
     mixed_precision, each layer computes in bf16 while the sharded fp32 weights and gradient reduction stay fp32."""
@@ -1123,7 +1129,7 @@ def shard_model(model, mixed_precision):
 
     bf16 = dict(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed_precision else {}
     policy = MixedPrecisionPolicy(**bf16)
-    for layer in model.base_model.layers:
+    for layer in decoder_layers(model):
         fully_shard(layer, mp_policy=policy)
     fully_shard(model, mp_policy=policy)
     return model
@@ -1136,7 +1142,7 @@ def unsharded(model, world_size):
     if world_size == 1:
         yield
         return
-    layers = list(model.base_model.layers)
+    layers = decoder_layers(model)
     for module in [*layers, model]:
         module.unshard()
     for layer in layers:
