@@ -86,6 +86,9 @@ class Args:
     """run forward/backward under bfloat16 autocast on CUDA (ignored on the CPU)"""
     gradient_checkpointing: bool = False
     """recompute activations in the backward pass to save memory"""
+    torch_compile: bool = True
+    """torch.compile each decoder layer's forward (CUDA, with --use-vllm, one process): forward + backward of a
+    bench-0.5b step 1.15 -> 0.87 s on an H200; step 1 compiles (~30 s)"""
     use_chat_template: bool = True
     """wrap plain-text prompts as a user message and apply the tokenizer's chat template (if it has one)"""
     system_prompt: str | None = None
@@ -572,6 +575,9 @@ def load_models(args, model_path, device, world_size):
             module.p = 0.0
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if args.torch_compile and device.type == "cuda" and args.use_vllm and world_size == 1:  # one graph per layer type
+        for layer in (layer for each in (model, ref_model) for layer in decoder_layers(each)):
+            layer.forward = torch.compile(layer.forward, dynamic=True)
     if world_size > 1:  # FSDP2: every rank keeps 1/world_size of the weights, gradients and AdamW states
         shard_model(model, mixed_precision=args.bf16 and device.type == "cuda")
         shard_model(ref_model, mixed_precision=args.bf16 and device.type == "cuda")
@@ -1101,6 +1107,12 @@ def token_budget_batches(rows, prompt_lengths, completion_lengths, budget):
 # Several GPUs (torchrun): FSDP2 shards the weights, each rank generates, scores and pairs its own prompts
 
 
+def decoder_layers(model):
+    """The model's repeated blocks (LlamaDecoderLayer, GPT2Block, ...: transformers' _no_split_modules), the units FSDP2
+    shards and --torch-compile compiles."""
+    return [module for module in model.modules() if type(module).__name__ in (model._no_split_modules or ())]
+
+
 def shard_model(model, mixed_precision):
     """FSDP2: shard every decoder layer, then the rest (embeddings, final norm, LM head) as the root. With
     mixed_precision, each layer computes in bf16 while the sharded fp32 weights and gradient reduction stay fp32."""
@@ -1108,7 +1120,7 @@ def shard_model(model, mixed_precision):
 
     bf16 = dict(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed_precision else {}
     policy = MixedPrecisionPolicy(**bf16)
-    for module in [*model.base_model.layers, model]:  # every decoder layer, then the root
+    for module in [*decoder_layers(model), model]:  # every decoder layer, then the root
         fully_shard(module, mp_policy=policy)
     return model
 
@@ -1120,7 +1132,7 @@ def unsharded(model, world_size):
     if world_size == 1:
         yield
         return
-    layers = list(model.base_model.layers)
+    layers = decoder_layers(model)
     for module in [*layers, model]:
         module.unshard()
     for layer in layers:

@@ -110,3 +110,15 @@ def test_one_rank_checkpoints_hand_over_the_tensors_without_a_host_copy(script):
     model_state, optimizer_state = script.full_state(model, optimizer)
     assert model_state["weight"].data_ptr() == model.weight.data_ptr()
     assert optimizer_state["state"][0]["exp_avg"].data_ptr() == optimizer.state[model.weight]["exp_avg"].data_ptr()
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda m: m.__name__)
+def test_decoder_layers_finds_the_blocks_of_models_without_base_model_layers(script):
+    # FSDP2 (shard_model, unsharded) and --torch-compile act on these; GPT-2 keeps its blocks in transformer.h, where
+    # `model.base_model.layers` raised AttributeError
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=3, n_embd=32, n_head=2, vocab_size=100, bos_token_id=0, eos_token_id=0))
+    assert script.decoder_layers(gpt2) == list(gpt2.transformer.h)
+    llama = AutoModelForCausalLM.from_pretrained(STORIES)
+    assert script.decoder_layers(llama) == list(llama.model.layers) and len(llama.model.layers) > 1
