@@ -62,6 +62,7 @@ from typing import Annotated, Literal
 import numpy as np
 import torch
 import torch.distributed as dist
+import torch.utils.checkpoint
 import tyro
 from tqdm import tqdm
 
@@ -493,7 +494,6 @@ def train(args):
                     step_tokens=global_sum(loss_mask[step_rows].sum(), world_size, device),
                 )
                 t0 = clock(device)
-                optimizer.zero_grad(set_to_none=True)
                 step_loss = 0.0
                 micro_batches = token_budget_batches(
                     step_rows, prompt_lengths, completion_lengths, args.micro_batch_tokens
@@ -507,7 +507,15 @@ def train(args):
                     Cm = completion_mask.shape[1]
                     with torch.autocast(**run.autocast):
                         logprobs, entropy = per_token_logprobs(
-                            model, ids, attn, pos, completion_mask, P, args.temperature, with_entropy=True
+                            model,
+                            ids,
+                            attn,
+                            pos,
+                            completion_mask,
+                            P,
+                            args.temperature,
+                            with_entropy=True,
+                            into_grad=True,
                         )
                     old = old_logprobs[mb, :Cm].to(device) if need_old else logprobs.detach()
                     A = advantages[mb].to(device)
@@ -543,6 +551,7 @@ def train(args):
                 t1 = clock(device)
                 grad_norm = clip_gradients(model, args.max_grad_norm)
                 optimizer.step()
+                optimizer.zero_grad(set_to_none=True)  # now: the weight sync and generation get the memory
                 run.scheduler.step()
                 global_step += 1
                 run.progress.update(1)
@@ -673,15 +682,16 @@ def set_up(args):
     for module in model.modules():  # dropout would make two passes over the same tokens disagree (ratio != 1)
         if isinstance(module, torch.nn.Dropout):
             module.p = 0.0
-    if args.gradient_checkpointing:
+    compile_layers = args.torch_compile and device.type == "cuda" and args.use_vllm and world_size == 1
+    if args.gradient_checkpointing and not compile_layers:  # (compiled: inside each layer's graph, below)
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     run.ref_model = None
     if args.beta > 0:  # the policy's dtype and compute (mixed precision included): the KL at step 1 is exactly 0
         run.ref_model = AutoModelForCausalLM.from_pretrained(args.model_name_or_path, dtype=dtype)
         run.ref_model.to(device).eval().requires_grad_(False)
-    if args.torch_compile and device.type == "cuda" and args.use_vllm and world_size == 1:  # one graph per layer type
-        for layer in (layer for each in (model, run.ref_model) if each is not None for layer in decoder_layers(each)):
-            layer.forward = torch.compile(layer.forward, dynamic=True)
+    if compile_layers:
+        for each in (model, run.ref_model) if run.ref_model is not None else (model,):
+            compile_decoder_layers(each, checkpointing=args.gradient_checkpointing and each is model)
     if world_size > 1:  # FSDP2: every rank keeps 1/world_size of the weights, gradients and AdamW states
         for each in [model, run.ref_model] if run.ref_model is not None else [model]:
             shard_model(each, mixed_precision=args.bf16 and device.type == "cuda")
@@ -955,8 +965,10 @@ def load_prompts(args, dataset, tokenizer, max_context):
 
 def prompt_stream(num_prompts, seed, start=0):
     """Yield prompt indices forever: a new seeded permutation each epoch. `start` skips that many (for resuming)."""
-    order = lambda epoch: torch.randperm(num_prompts, generator=torch.Generator().manual_seed(seed + epoch)).tolist()
-    yield from itertools.islice(itertools.chain.from_iterable(map(order, itertools.count())), start, None)
+    for epoch in itertools.count():
+        order = torch.randperm(num_prompts, generator=torch.Generator().manual_seed(seed + epoch)).tolist()
+        yield from order[start:]
+        start = max(0, start - num_prompts)
 
 
 def score_completions(reward_fns, completions, columns):
@@ -1019,14 +1031,15 @@ class TokenLogprobs(torch.autograd.Function):
     the backward recomputes each chunk's logits once and writes their gradient in one pass, d log pi(t) / dz =
     onehot(t) - softmax(z), where z are the logits after the model's own transform and the temperature. The LM head's
     weight is cast once per pass, and its gradient is summed over the chunks in one buffer (with fp32 weights under
-    autocast: 0.8 GiB less at a bench step's peak than one per chunk, benchmarks/results/README.md)."""
+    autocast: 0.8 GiB less at a bench step's peak than one per chunk, benchmarks/results/README.md). into_grad, for a
+    loss.backward() (not torch.autograd.grad), adds it to the weight's existing .grad instead."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, config, temperature, with_entropy, chunk):
+    def forward(ctx, hidden, weight, bias, targets, config, temperature, with_entropy, chunk, into_grad):
         # the LM head computes in autocast's dtype when autocast is on, as the model's own forward would
         device = hidden.device.type
         ctx.dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else weight.dtype
-        ctx.config, ctx.temperature, ctx.chunk = config, temperature, chunk
+        ctx.config, ctx.temperature, ctx.chunk, ctx.into_grad = config, temperature, chunk, into_grad
         w, b = (None if x is None else x.to(ctx.dtype) for x in (weight, bias))
         lse, logprobs, entropy = (torch.empty(len(hidden), device=hidden.device) for _ in range(3))
         for rows in (slice(start, start + chunk) for start in range(0, len(hidden), chunk)):
@@ -1041,8 +1054,10 @@ class TokenLogprobs(torch.autograd.Function):
         w, b = (None if x is None else x.to(ctx.dtype) for x in (weight, bias))
         probe = weight.new_empty(0, weight.shape[0], dtype=ctx.dtype)  # no rows: whether the model transforms logits
         plain = final_logits(probe, ctx.config) is probe
-        # the weight's gradient in its own dtype: fp32 weights (autocast) sum the bf16 chunks' products in fp32
-        grad_hidden, grad_weight = torch.empty_like(hidden), torch.zeros_like(weight)
+        # the weight's gradient in its own dtype: fp32 weights (autocast) sum the bf16 chunks' products in fp32; with
+        # into_grad, straight into the .grad that earlier micro-batches left (no second vocabulary-sized buffer)
+        into_grad = ctx.into_grad and ctx.needs_input_grad[1] and type(weight.grad) is torch.Tensor
+        grad_hidden, grad_weight = torch.empty_like(hidden), weight.grad if into_grad else torch.zeros_like(weight)
         grad_bias = None if bias is None else torch.zeros_like(bias)
         for rows in (slice(start, start + ctx.chunk) for start in range(0, len(hidden), ctx.chunk)):
             h, t = hidden[rows].to(ctx.dtype), targets[rows]
@@ -1055,7 +1070,7 @@ class TokenLogprobs(torch.autograd.Function):
             add_matmul(grad_weight, grad.T, h)
             if grad_bias is not None:
                 grad_bias += grad.sum(0, dtype=torch.float32)
-        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None
+        return grad_hidden, None if into_grad else grad_weight, grad_bias, *[None] * 6
 
 
 def softmax_stats(logits, targets, temperature):
@@ -1104,12 +1119,13 @@ def per_token_logprobs(
     temperature=1.0,
     chunk_tokens=1024,
     with_entropy=False,
+    into_grad=False,
 ):
     """log pi(token) of each completion token at the sampling temperature, (B, C), 0 on padding.
 
     The fp32 logits of a 150k vocabulary would be the memory peak, so they never exist for the whole batch: the LM
     head runs on chunks of `chunk_tokens` completion tokens (TokenLogprobs), and the backward pass recomputes one chunk
-    at a time too."""
+    at a time too. into_grad: the caller runs loss.backward(), so the LM head's gradient may go straight into .grad."""
     # the model's own forward (not its backbone alone), so that FSDP2 gathers every parameter; it computes the logits
     # of one position only, and its last hidden state is the final, normed one
     inputs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)
@@ -1119,7 +1135,7 @@ def per_token_logprobs(
     mask = completion_mask.bool()
     hidden, targets = hidden[mask], targets[mask]  # (n_tokens, H), (n_tokens,)
     lm_head = model.get_output_embeddings()
-    args = lm_head.weight, lm_head.bias, targets, model.config, temperature, with_entropy, chunk_tokens
+    args = lm_head.weight, lm_head.bias, targets, model.config, temperature, with_entropy, chunk_tokens, into_grad
     logprobs, entropy = TokenLogprobs.apply(hidden, *args)
     # masked_scatter keeps the output connected to the model even when no token is masked in
     logprobs = torch.zeros(mask.shape, device=input_ids.device).masked_scatter(mask, logprobs)
@@ -1177,6 +1193,16 @@ def decoder_layers(model):
     """The model's repeated blocks (LlamaDecoderLayer, GPT2Block, ...: transformers' _no_split_modules), the units FSDP2
     shards and --torch-compile compiles."""
     return [module for module in model.modules() if type(module).__name__ in (model._no_split_modules or ())]
+
+
+def compile_decoder_layers(model, checkpointing=False):
+    """torch.compile each decoder layer's forward (one graph per layer type, for any length). With checkpointing, the
+    activation checkpoint is inside the graph, so that the backward's recomputation is compiled with it."""
+    for layer in decoder_layers(model):
+        forward = layer.forward
+        if checkpointing:
+            forward = functools.partial(torch.utils.checkpoint.checkpoint, forward, use_reentrant=False)
+        layer.forward = torch.compile(forward, dynamic=True)
 
 
 def shard_model(model, mixed_precision):
@@ -1654,8 +1680,9 @@ def read_dataset(args, evaluation=False):
     """Read the dataset (with `evaluation`, the eval dataset of eval_source) once, before any model loads: {column: list
     of values}. Local .jsonl / .json files are parsed here, so that a malformed record is reported with its file and
     line; .parquet files and hub datasets through `datasets`."""
-    source = eval_source(args) if evaluation else (args.dataset_name, args.dataset_config, args.dataset_split)
-    flag, (name, config, split) = "--eval-dataset" if evaluation else "--dataset-name", source
+    flag = "--eval-dataset" if evaluation else "--dataset-name"
+    training = (args.dataset_name, args.dataset_config, args.dataset_split)
+    name, config, split = eval_source(args) if evaluation else training
     if name.endswith((".json", ".jsonl")):
         with open(name, encoding="utf-8") as f:
             text = f.read()

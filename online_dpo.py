@@ -54,6 +54,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+import torch.utils.checkpoint
 import tyro
 from tqdm import tqdm
 
@@ -268,10 +269,10 @@ def select_pairs(rewards, num_generations):
     return chosen, rejected, num_tied, num_unscorable
 
 
-def sequence_logprobs(model, prompt_ids, completion_ids, temperature, device, pad_id):
+def sequence_logprobs(model, prompt_ids, completion_ids, temperature, device, pad_id, into_grad=False):
     """log pi(completion | prompt) = sum_t log pi(c_t | prompt, c_<t) at the sampling temperature, (B,)."""
     batch = collate(prompt_ids, completion_ids, device, pad_id)  # ids, masks, positions and P
-    return per_token_logprobs(model, *batch, temperature).sum(-1)  # (B, C) -> (B,): padding is 0
+    return per_token_logprobs(model, *batch, temperature, into_grad=into_grad).sum(-1)  # (B, C) -> (B,): padding 0
 
 
 def dpo_loss(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, beta, loss_type="sigmoid"):
@@ -398,7 +399,6 @@ def train(args):
         t0 = clock(device)
         if all_pairs:
             model.train()
-            optimizer.zero_grad(set_to_none=True)
             step_loss = 0.0
             pair_prompt_lengths = [len(batch_prompt_ids[c]) for c in chosen]
             pair_lengths = [max(len(completion_ids[c]), len(completion_ids[r])) for c, r in zip(chosen, rejected)]
@@ -414,7 +414,9 @@ def train(args):
                 with torch.no_grad(), torch.autocast(**autocast), unsharded(ref_model, world_size):
                     mb_ref = sequence_logprobs(ref_model, mb_prompts, mb_completions, args.temperature, device, pad_id)
                 with torch.autocast(**autocast):
-                    mb_policy = sequence_logprobs(model, mb_prompts, mb_completions, args.temperature, device, pad_id)
+                    mb_policy = sequence_logprobs(
+                        model, mb_prompts, mb_completions, args.temperature, device, pad_id, into_grad=True
+                    )
                 mb_policy, mb_ref = mb_policy.view(2, -1), mb_ref.view(2, -1)
                 losses = dpo_loss(mb_policy[0], mb_policy[1], mb_ref[0], mb_ref[1], beta, args.loss_type)  # (k,)
                 # every pair of every rank weighs 1 / all_pairs, however the pairs are micro-batched; FSDP averages
@@ -428,6 +430,7 @@ def train(args):
             timing["timing/forward_backward"] = t1 - t0  # the reference model's log-probs included
             grad_norm = clip_gradients(model, args.max_grad_norm)
             optimizer.step()
+            optimizer.zero_grad(set_to_none=True)  # now: the weight sync and generation get the memory
             timing["timing/optimizer"] = clock(device) - t1
         else:
             skipped_steps += 1  # every prompt tied (or was unscorable): no pair, no update; the step still counts
@@ -573,11 +576,12 @@ def load_models(args, model_path, device, world_size):
     for module in model.modules():  # no dropout: before the first update the policy's log-probs equal the reference's
         if isinstance(module, torch.nn.Dropout):
             module.p = 0.0
-    if args.gradient_checkpointing:
+    compile_layers = args.torch_compile and device.type == "cuda" and args.use_vllm and world_size == 1
+    if args.gradient_checkpointing and not compile_layers:  # (compiled: inside each layer's graph, below)
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    if args.torch_compile and device.type == "cuda" and args.use_vllm and world_size == 1:  # one graph per layer type
-        for layer in (layer for each in (model, ref_model) for layer in decoder_layers(each)):
-            layer.forward = torch.compile(layer.forward, dynamic=True)
+    if compile_layers:
+        for each in (model, ref_model):
+            compile_decoder_layers(each, checkpointing=args.gradient_checkpointing and each is model)
     if world_size > 1:  # FSDP2: every rank keeps 1/world_size of the weights, gradients and AdamW states
         shard_model(model, mixed_precision=args.bf16 and device.type == "cuda")
         shard_model(ref_model, mixed_precision=args.bf16 and device.type == "cuda")
@@ -918,8 +922,10 @@ def load_prompts(args, dataset, tokenizer, max_context):
 
 def prompt_stream(num_prompts, seed, start=0):
     """Yield prompt indices forever: a new seeded permutation each epoch. `start` skips that many (for resuming)."""
-    order = lambda epoch: torch.randperm(num_prompts, generator=torch.Generator().manual_seed(seed + epoch)).tolist()
-    yield from itertools.islice(itertools.chain.from_iterable(map(order, itertools.count())), start, None)
+    for epoch in itertools.count():
+        order = torch.randperm(num_prompts, generator=torch.Generator().manual_seed(seed + epoch)).tolist()
+        yield from order[start:]
+        start = max(0, start - num_prompts)
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -963,14 +969,15 @@ class TokenLogprobs(torch.autograd.Function):
     once and writes their gradient in one pass, d log pi(t) / dz = onehot(t) - softmax(z), where z are the logits after
     the model's own transform and the temperature. The LM head's weight is cast once per pass, and its gradient is
     summed over the chunks in one buffer (with fp32 weights under autocast: 0.8 GiB less at a bench step's peak than
-    one per chunk, benchmarks/results/README.md)."""
+    one per chunk, benchmarks/results/README.md). into_grad, for a loss.backward() (not torch.autograd.grad), adds it
+    to the weight's existing .grad instead."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, config, temperature, chunk):
+    def forward(ctx, hidden, weight, bias, targets, config, temperature, chunk, into_grad):
         # the LM head computes in autocast's dtype when autocast is on, as the model's own forward would
         device = hidden.device.type
         ctx.dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else weight.dtype
-        ctx.config, ctx.temperature, ctx.chunk = config, temperature, chunk
+        ctx.config, ctx.temperature, ctx.chunk, ctx.into_grad = config, temperature, chunk, into_grad
         w, b = (None if x is None else x.to(ctx.dtype) for x in (weight, bias))
         lse, logprobs = (torch.empty(len(hidden), device=hidden.device) for _ in range(2))
         for rows in (slice(start, start + chunk) for start in range(0, len(hidden), chunk)):
@@ -985,8 +992,10 @@ class TokenLogprobs(torch.autograd.Function):
         w, b = (None if x is None else x.to(ctx.dtype) for x in (weight, bias))
         probe = weight.new_empty(0, weight.shape[0], dtype=ctx.dtype)  # no rows: whether the model transforms logits
         plain = final_logits(probe, ctx.config) is probe
-        # the weight's gradient in its own dtype: fp32 weights (autocast) sum the bf16 chunks' products in fp32
-        grad_hidden, grad_weight = torch.empty_like(hidden), torch.zeros_like(weight)
+        # the weight's gradient in its own dtype: fp32 weights (autocast) sum the bf16 chunks' products in fp32; with
+        # into_grad, straight into the .grad that earlier micro-batches left (no second vocabulary-sized buffer)
+        into_grad = ctx.into_grad and ctx.needs_input_grad[1] and type(weight.grad) is torch.Tensor
+        grad_hidden, grad_weight = torch.empty_like(hidden), weight.grad if into_grad else torch.zeros_like(weight)
         grad_bias = None if bias is None else torch.zeros_like(bias)
         for rows in (slice(start, start + ctx.chunk) for start in range(0, len(hidden), ctx.chunk)):
             h, t = hidden[rows].to(ctx.dtype), targets[rows]
@@ -999,7 +1008,7 @@ class TokenLogprobs(torch.autograd.Function):
             add_matmul(grad_weight, grad.T, h)
             if grad_bias is not None:
                 grad_bias += grad.sum(0, dtype=torch.float32)
-        return grad_hidden, grad_weight, grad_bias, None, None, None, None
+        return grad_hidden, None if into_grad else grad_weight, grad_bias, *[None] * 5
 
 
 def softmax_stats(logits, targets, temperature):
@@ -1038,7 +1047,15 @@ def add_matmul(out, a, b):
 
 
 def per_token_logprobs(
-    model, input_ids, attention_mask, position_ids, completion_mask, prompt_length, temperature=1.0, chunk_tokens=1024
+    model,
+    input_ids,
+    attention_mask,
+    position_ids,
+    completion_mask,
+    prompt_length,
+    temperature=1.0,
+    chunk_tokens=1024,
+    into_grad=False,
 ):
     """log pi(token) of each completion token at the sampling temperature, (B, C), 0 on padding.
 
@@ -1054,7 +1071,7 @@ def per_token_logprobs(
     mask = completion_mask.bool()
     hidden, targets = hidden[mask], targets[mask]  # (n_tokens, H), (n_tokens,)
     lm_head = model.get_output_embeddings()
-    args = lm_head.weight, lm_head.bias, targets, model.config, temperature, chunk_tokens
+    args = lm_head.weight, lm_head.bias, targets, model.config, temperature, chunk_tokens, into_grad
     logprobs = TokenLogprobs.apply(hidden, *args)
     # masked_scatter keeps the output connected to the model even when no token is masked in
     return torch.zeros(mask.shape, device=input_ids.device).masked_scatter(mask, logprobs)
@@ -1111,6 +1128,16 @@ def decoder_layers(model):
     """The model's repeated blocks (LlamaDecoderLayer, GPT2Block, ...: transformers' _no_split_modules), the units FSDP2
     shards and --torch-compile compiles."""
     return [module for module in model.modules() if type(module).__name__ in (model._no_split_modules or ())]
+
+
+def compile_decoder_layers(model, checkpointing=False):
+    """torch.compile each decoder layer's forward (one graph per layer type, for any length). With checkpointing, the
+    activation checkpoint is inside the graph, so that the backward's recomputation is compiled with it."""
+    for layer in decoder_layers(model):
+        forward = layer.forward
+        if checkpointing:
+            forward = functools.partial(torch.utils.checkpoint.checkpoint, forward, use_reentrant=False)
+        layer.forward = torch.compile(forward, dynamic=True)
 
 
 def shard_model(model, mixed_precision):
@@ -1495,8 +1522,9 @@ def read_dataset(args, evaluation=False):
     """Read the dataset (with `evaluation`, the eval dataset of eval_source) once, before any model loads: {column: list
     of values}. Local .jsonl / .json files are parsed here, so that a malformed record is reported with its file and
     line; .parquet files and hub datasets through `datasets`."""
-    source = eval_source(args) if evaluation else (args.dataset_name, args.dataset_config, args.dataset_split)
-    flag, (name, config, split) = "--eval-dataset" if evaluation else "--dataset-name", source
+    flag = "--eval-dataset" if evaluation else "--dataset-name"
+    training = (args.dataset_name, args.dataset_config, args.dataset_split)
+    name, config, split = eval_source(args) if evaluation else training
     if name.endswith((".json", ".jsonl")):
         with open(name, encoding="utf-8") as f:
             text = f.read()

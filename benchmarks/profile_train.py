@@ -1,9 +1,10 @@
 """The trainer's share of a bench-0.5b step, without generation: one GRPO optimizer step on a synthetic round (256
 completions of 256 tokens after ~70-token prompts, like the bench) through grpo.py's own functions, timed per variant,
 plus a torch.profiler table of the default one. Usage (GPU host): python benchmarks/profile_train.py MODEL OUT.txt
-[memory [SCRIPT_DIR] | probe]: `memory` times only the rows that set the trainer's peak memory (with and without
+[memory [SCRIPT_DIR] | probe | lean]: `memory` times only the rows that set the trainer's peak memory (with and without
 gradient checkpointing), with grpo.py from SCRIPT_DIR (default: this checkout), e.g. an older commit's for a
-before/after; `probe` profiles the default step, then times smaller LM-head chunks and torch.compile'd decoder layers."""
+before/after; `probe` profiles the default step, then times smaller LM-head chunks and torch.compile'd decoder layers; `lean` times --torch-compile with gradient
+checkpointing inside or outside the compiled layers, the LM head's gradient into .grad, and micro-batch sizes."""
 
 import os
 import sys
@@ -29,13 +30,13 @@ completions = [torch.randint(0, 150000, (256,), generator=g).tolist() for _ in r
 advantages = torch.randn(256, device=device)
 
 
-def step(budget=11520, chunk_tokens=1024, with_entropy=True, forward_only=False):
+def step(budget=11520, chunk_tokens=1024, with_entropy=True, forward_only=False, **into_grad):
     batches = grpo.token_budget_batches(range(256), [70] * 256, [256] * 256, budget)
     optimizer.zero_grad(set_to_none=True)
     for mb in batches:
         ids, attn, pos, cmask, P = grpo.collate([prompts[i] for i in mb], [completions[i] for i in mb], device, 0)
         with torch.autocast("cuda", torch.bfloat16, cache_enabled=False), torch.set_grad_enabled(not forward_only):
-            out = grpo.per_token_logprobs(model, ids, attn, pos, cmask, P, 1.0, chunk_tokens, with_entropy)
+            out = grpo.per_token_logprobs(model, ids, attn, pos, cmask, P, 1.0, chunk_tokens, with_entropy, **into_grad)
             logprobs = out[0] if with_entropy else out
             if forward_only:
                 continue
@@ -61,6 +62,35 @@ def timed(name, **kwargs):
     return line
 
 
+if variants == "lean":  # the memory-lean settings: checkpointing inside the compiled layers, LM-head grad into .grad
+    forwards = [(layer, layer.forward) for layer in grpo.decoder_layers(model)]
+
+    def layers(mode):  # eager | compiled | outside (HF checkpointing around compiled layers) | inside
+        for layer, forward in forwards:
+            layer.forward = forward
+        model.gradient_checkpointing_disable()
+        if mode == "outside":
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if mode != "eager":
+            grpo.compile_decoder_layers(model, checkpointing=mode == "inside")
+
+    lines = []
+    for mode, budget, chunk, into in (
+        ("compiled", 16384, 1024, False),
+        ("compiled", 16384, 1024, True),
+        ("outside", 16384, 1024, False),
+        ("inside", 16384, 1024, False),
+        ("inside", 16384, 1024, True),
+        ("inside", 11520, 1024, True),
+        ("inside", 16384, 512, True),
+        ("inside", 8192, 512, True),
+        ("inside", 32768, 1024, True),
+    ):
+        layers(mode)
+        name = f"layers {mode}, budget {budget}, chunk {chunk}, into_grad {into}"
+        lines.append(timed(name, budget=budget, chunk_tokens=chunk, into_grad=into))
+        open(out, "w").write("\n".join(lines) + "\n")
+    sys.exit()
 if variants == "probe":  # candidates for a cheaper trainer step: smaller LM-head chunks, compiled decoder layers
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         step(budget=16384)

@@ -9,6 +9,8 @@
 #   colocate:    bench-0.5b on GPU 0 (TRAIN_GPU), vLLM at 0.3 of the GPU, no sleep: TRL, ours, ours, TRL.
 #   learn_async: the addition task with SmolLM2-135M-Instruct, --async-generation, grpo.py / rloo.py / online_dpo.py
 #                (SCRIPTS="online_dpo" runs a subset; SERVE_GPU / TRAIN_GPU pick the GPUs, default 1 / 0).
+#   learn_colocate: the addition task colocated on GPU 0 (TRAIN_GPU), the three scripts at once (vLLM at 0.12 each)
+#                plus grpo.py with --gradient-checkpointing: learning with the trainer's current defaults.
 #   stop:        stop the `vllm serve` processes these phases started (colocate and learn_async expect a free GPU 1).
 # Extra flags for our bench runs (e.g. --gradient-checkpointing) go in $OURS_EXTRA. server and colocate end by writing
 # OUT_DIR/vs_trl.json (benchmarks/ratios.py, commit $COMMIT): a device call returns at most 8 files, so copy that one.
@@ -79,4 +81,15 @@ if [ "$PHASE" = learn_async ]; then
     [ "$s" = online_dpo ] && n="--prompts-per-step 64 --num-generations 4" || n="--prompts-per-step 16 --num-generations 8"
     ours "${s}_addition_async" 200 "$s.py" $ADD $n --vllm-group-port 51313
   done
+fi
+if [ "$PHASE" = learn_colocate ]; then
+  export CUDA_VISIBLE_DEVICES=${TRAIN_GPU:-0}
+  C="${ADD/--vllm-mode server --async-generation/--vllm-mode colocate --vllm-gpu-memory-utilization 0.12}"
+  for s in ${SCRIPTS:-grpo rloo online_dpo grpo_lean}; do
+    [ "$s" = online_dpo ] && n="--prompts-per-step 64 --num-generations 4" || n="--prompts-per-step 16 --num-generations 8"
+    [ "$s" = grpo_lean ] && n="$n --gradient-checkpointing"
+    ours "${s}_addition_colocate" "${LIMIT:-420}" "${s%_lean}.py" $C $n &
+    sleep 20
+  done
+  wait
 fi
