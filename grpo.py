@@ -62,7 +62,6 @@ from typing import Annotated, Literal
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.utils.checkpoint
 import tyro
 from tqdm import tqdm
 
@@ -501,21 +500,12 @@ def train(args):
                 for mb in same_count_on_all_ranks(micro_batches, world_size, device):
                     padding_pass = mb is None  # only to keep FSDP's collectives in step with the other ranks
                     mb = [step_rows[0]] if padding_pass else mb
-                    ids, attn, pos, completion_mask, P = collate(
-                        [prompt_ids[i] for i in mb], [completion_ids[i] for i in mb], device, run.pad_id
-                    )
+                    batch = collate([prompt_ids[i] for i in mb], [completion_ids[i] for i in mb], device, run.pad_id)
+                    completion_mask = batch[3]  # collate: input ids, attention mask, positions, completion mask, P
                     Cm = completion_mask.shape[1]
                     with torch.autocast(**run.autocast):
                         logprobs, entropy = per_token_logprobs(
-                            model,
-                            ids,
-                            attn,
-                            pos,
-                            completion_mask,
-                            P,
-                            args.temperature,
-                            with_entropy=True,
-                            into_grad=True,
+                            model, *batch, args.temperature, with_entropy=True, into_grad=True
                         )
                     old = old_logprobs[mb, :Cm].to(device) if need_old else logprobs.detach()
                     A = advantages[mb].to(device)
@@ -682,16 +672,15 @@ def set_up(args):
     for module in model.modules():  # dropout would make two passes over the same tokens disagree (ratio != 1)
         if isinstance(module, torch.nn.Dropout):
             module.p = 0.0
-    compile_layers = args.torch_compile and device.type == "cuda" and args.use_vllm and world_size == 1
-    if args.gradient_checkpointing and not compile_layers:  # (compiled: inside each layer's graph, below)
+    if args.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     run.ref_model = None
     if args.beta > 0:  # the policy's dtype and compute (mixed precision included): the KL at step 1 is exactly 0
         run.ref_model = AutoModelForCausalLM.from_pretrained(args.model_name_or_path, dtype=dtype)
         run.ref_model.to(device).eval().requires_grad_(False)
-    if compile_layers:
-        for each in (model, run.ref_model) if run.ref_model is not None else (model,):
-            compile_decoder_layers(each, checkpointing=args.gradient_checkpointing and each is model)
+    if args.torch_compile and device.type == "cuda" and args.use_vllm and world_size == 1:  # one graph per layer type
+        for layer in (layer for each in (model, run.ref_model) if each is not None for layer in decoder_layers(each)):
+            layer.forward = torch.compile(layer.forward, dynamic=True)
     if world_size > 1:  # FSDP2: every rank keeps 1/world_size of the weights, gradients and AdamW states
         for each in [model, run.ref_model] if run.ref_model is not None else [model]:
             shard_model(each, mixed_precision=args.bf16 and device.type == "cuda")
@@ -965,10 +954,8 @@ def load_prompts(args, dataset, tokenizer, max_context):
 
 def prompt_stream(num_prompts, seed, start=0):
     """Yield prompt indices forever: a new seeded permutation each epoch. `start` skips that many (for resuming)."""
-    for epoch in itertools.count():
-        order = torch.randperm(num_prompts, generator=torch.Generator().manual_seed(seed + epoch)).tolist()
-        yield from order[start:]
-        start = max(0, start - num_prompts)
+    order = lambda epoch: torch.randperm(num_prompts, generator=torch.Generator().manual_seed(seed + epoch)).tolist()
+    yield from itertools.islice(itertools.chain.from_iterable(map(order, itertools.count())), start, None)
 
 
 def score_completions(reward_fns, completions, columns):
@@ -1031,8 +1018,7 @@ class TokenLogprobs(torch.autograd.Function):
     the backward recomputes each chunk's logits once and writes their gradient in one pass, d log pi(t) / dz =
     onehot(t) - softmax(z), where z are the logits after the model's own transform and the temperature. The LM head's
     weight is cast once per pass, and its gradient is summed over the chunks in one buffer (with fp32 weights under
-    autocast: 0.8 GiB less at a bench step's peak than one per chunk, benchmarks/results/README.md). into_grad, for a
-    loss.backward() (not torch.autograd.grad), adds it to the weight's existing .grad instead."""
+    autocast: 0.8 GiB less at a bench step's peak than one per chunk, benchmarks/results/README.md)."""
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, config, temperature, with_entropy, chunk, into_grad):
@@ -1193,16 +1179,6 @@ def decoder_layers(model):
     """The model's repeated blocks (LlamaDecoderLayer, GPT2Block, ...: transformers' _no_split_modules), the units FSDP2
     shards and --torch-compile compiles."""
     return [module for module in model.modules() if type(module).__name__ in (model._no_split_modules or ())]
-
-
-def compile_decoder_layers(model, checkpointing=False):
-    """torch.compile each decoder layer's forward (one graph per layer type, for any length). With checkpointing, the
-    activation checkpoint is inside the graph, so that the backward's recomputation is compiled with it."""
-    for layer in decoder_layers(model):
-        forward = layer.forward
-        if checkpointing:
-            forward = functools.partial(torch.utils.checkpoint.checkpoint, forward, use_reentrant=False)
-        layer.forward = torch.compile(forward, dynamic=True)
 
 
 def shard_model(model, mixed_precision):
@@ -1680,9 +1656,8 @@ def read_dataset(args, evaluation=False):
     """Read the dataset (with `evaluation`, the eval dataset of eval_source) once, before any model loads: {column: list
     of values}. Local .jsonl / .json files are parsed here, so that a malformed record is reported with its file and
     line; .parquet files and hub datasets through `datasets`."""
-    flag = "--eval-dataset" if evaluation else "--dataset-name"
-    training = (args.dataset_name, args.dataset_config, args.dataset_split)
-    name, config, split = eval_source(args) if evaluation else training
+    source = eval_source(args) if evaluation else (args.dataset_name, args.dataset_config, args.dataset_split)
+    flag, (name, config, split) = "--eval-dataset" if evaluation else "--dataset-name", source
     if name.endswith((".json", ".jsonl")):
         with open(name, encoding="utf-8") as f:
             text = f.read()

@@ -54,7 +54,6 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-import torch.utils.checkpoint
 import tyro
 from tqdm import tqdm
 
@@ -269,10 +268,11 @@ def select_pairs(rewards, num_generations):
     return chosen, rejected, num_tied, num_unscorable
 
 
-def sequence_logprobs(model, prompt_ids, completion_ids, temperature, device, pad_id, into_grad=False):
-    """log pi(completion | prompt) = sum_t log pi(c_t | prompt, c_<t) at the sampling temperature, (B,)."""
+def sequence_logprobs(model, prompt_ids, completion_ids, temperature, device, pad_id):
+    """log pi(completion | prompt) = sum_t log pi(c_t | prompt, c_<t) at the sampling temperature, (B,); a gradient
+    through it comes from loss.backward() (into_grad)."""
     batch = collate(prompt_ids, completion_ids, device, pad_id)  # ids, masks, positions and P
-    return per_token_logprobs(model, *batch, temperature, into_grad=into_grad).sum(-1)  # (B, C) -> (B,): padding 0
+    return per_token_logprobs(model, *batch, temperature, into_grad=True).sum(-1)  # (B, C) -> (B,): padding is 0
 
 
 def dpo_loss(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, beta, loss_type="sigmoid"):
@@ -414,9 +414,7 @@ def train(args):
                 with torch.no_grad(), torch.autocast(**autocast), unsharded(ref_model, world_size):
                     mb_ref = sequence_logprobs(ref_model, mb_prompts, mb_completions, args.temperature, device, pad_id)
                 with torch.autocast(**autocast):
-                    mb_policy = sequence_logprobs(
-                        model, mb_prompts, mb_completions, args.temperature, device, pad_id, into_grad=True
-                    )
+                    mb_policy = sequence_logprobs(model, mb_prompts, mb_completions, args.temperature, device, pad_id)
                 mb_policy, mb_ref = mb_policy.view(2, -1), mb_ref.view(2, -1)
                 losses = dpo_loss(mb_policy[0], mb_policy[1], mb_ref[0], mb_ref[1], beta, args.loss_type)  # (k,)
                 # every pair of every rank weighs 1 / all_pairs, however the pairs are micro-batched; FSDP averages
@@ -576,12 +574,11 @@ def load_models(args, model_path, device, world_size):
     for module in model.modules():  # no dropout: before the first update the policy's log-probs equal the reference's
         if isinstance(module, torch.nn.Dropout):
             module.p = 0.0
-    compile_layers = args.torch_compile and device.type == "cuda" and args.use_vllm and world_size == 1
-    if args.gradient_checkpointing and not compile_layers:  # (compiled: inside each layer's graph, below)
+    if args.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    if compile_layers:
-        for each in (model, ref_model):
-            compile_decoder_layers(each, checkpointing=args.gradient_checkpointing and each is model)
+    if args.torch_compile and device.type == "cuda" and args.use_vllm and world_size == 1:  # one graph per layer type
+        for layer in (layer for each in (model, ref_model) for layer in decoder_layers(each)):
+            layer.forward = torch.compile(layer.forward, dynamic=True)
     if world_size > 1:  # FSDP2: every rank keeps 1/world_size of the weights, gradients and AdamW states
         shard_model(model, mixed_precision=args.bf16 and device.type == "cuda")
         shard_model(ref_model, mixed_precision=args.bf16 and device.type == "cuda")
@@ -922,10 +919,8 @@ def load_prompts(args, dataset, tokenizer, max_context):
 
 def prompt_stream(num_prompts, seed, start=0):
     """Yield prompt indices forever: a new seeded permutation each epoch. `start` skips that many (for resuming)."""
-    for epoch in itertools.count():
-        order = torch.randperm(num_prompts, generator=torch.Generator().manual_seed(seed + epoch)).tolist()
-        yield from order[start:]
-        start = max(0, start - num_prompts)
+    order = lambda epoch: torch.randperm(num_prompts, generator=torch.Generator().manual_seed(seed + epoch)).tolist()
+    yield from itertools.islice(itertools.chain.from_iterable(map(order, itertools.count())), start, None)
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -969,8 +964,7 @@ class TokenLogprobs(torch.autograd.Function):
     once and writes their gradient in one pass, d log pi(t) / dz = onehot(t) - softmax(z), where z are the logits after
     the model's own transform and the temperature. The LM head's weight is cast once per pass, and its gradient is
     summed over the chunks in one buffer (with fp32 weights under autocast: 0.8 GiB less at a bench step's peak than
-    one per chunk, benchmarks/results/README.md). into_grad, for a loss.backward() (not torch.autograd.grad), adds it
-    to the weight's existing .grad instead."""
+    one per chunk, benchmarks/results/README.md)."""
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, config, temperature, chunk, into_grad):
@@ -1061,7 +1055,7 @@ def per_token_logprobs(
 
     The fp32 logits of a 150k vocabulary would be the memory peak, so they never exist for the whole batch: the LM
     head runs on chunks of `chunk_tokens` completion tokens (TokenLogprobs), and the backward pass recomputes one chunk
-    at a time too."""
+    at a time too. into_grad: the caller runs loss.backward(), so the LM head's gradient may go straight into .grad."""
     # the model's own forward (not its backbone alone), so that FSDP2 gathers every parameter; it computes the logits
     # of one position only, and its last hidden state is the final, normed one
     inputs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)
@@ -1128,16 +1122,6 @@ def decoder_layers(model):
     """The model's repeated blocks (LlamaDecoderLayer, GPT2Block, ...: transformers' _no_split_modules), the units FSDP2
     shards and --torch-compile compiles."""
     return [module for module in model.modules() if type(module).__name__ in (model._no_split_modules or ())]
-
-
-def compile_decoder_layers(model, checkpointing=False):
-    """torch.compile each decoder layer's forward (one graph per layer type, for any length). With checkpointing, the
-    activation checkpoint is inside the graph, so that the backward's recomputation is compiled with it."""
-    for layer in decoder_layers(model):
-        forward = layer.forward
-        if checkpointing:
-            forward = functools.partial(torch.utils.checkpoint.checkpoint, forward, use_reentrant=False)
-        layer.forward = torch.compile(forward, dynamic=True)
 
 
 def shard_model(model, mixed_precision):
@@ -1522,9 +1506,8 @@ def read_dataset(args, evaluation=False):
     """Read the dataset (with `evaluation`, the eval dataset of eval_source) once, before any model loads: {column: list
     of values}. Local .jsonl / .json files are parsed here, so that a malformed record is reported with its file and
     line; .parquet files and hub datasets through `datasets`."""
-    flag = "--eval-dataset" if evaluation else "--dataset-name"
-    training = (args.dataset_name, args.dataset_config, args.dataset_split)
-    name, config, split = eval_source(args) if evaluation else training
+    source = eval_source(args) if evaluation else (args.dataset_name, args.dataset_config, args.dataset_split)
+    flag, (name, config, split) = "--eval-dataset" if evaluation else "--dataset-name", source
     if name.endswith((".json", ".jsonl")):
         with open(name, encoding="utf-8") as f:
             text = f.read()

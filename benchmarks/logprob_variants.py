@@ -31,7 +31,7 @@ class _Config:  # no final-logit transform (Qwen2, Llama): grpo.final_logits is 
 
 def scripts_version(hidden, targets, weight, chunk):
     """grpo.py's TokenLogprobs, which runs the chunks itself, as per_token_logprobs calls it."""
-    return grpo.TokenLogprobs.apply(hidden, weight, None, targets, _Config(), 1.0, True, chunk)
+    return grpo.TokenLogprobs.apply(hidden, weight, None, targets, _Config(), 1.0, True, chunk, False)
 
 
 def _log_softmax_chunk(hidden, targets, weight):

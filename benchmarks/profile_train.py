@@ -3,8 +3,8 @@ completions of 256 tokens after ~70-token prompts, like the bench) through grpo.
 plus a torch.profiler table of the default one. Usage (GPU host): python benchmarks/profile_train.py MODEL OUT.txt
 [memory [SCRIPT_DIR] | probe | lean]: `memory` times only the rows that set the trainer's peak memory (with and without
 gradient checkpointing), with grpo.py from SCRIPT_DIR (default: this checkout), e.g. an older commit's for a
-before/after; `probe` profiles the default step, then times smaller LM-head chunks and torch.compile'd decoder layers; `lean` times --torch-compile with gradient
-checkpointing inside or outside the compiled layers, the LM head's gradient into .grad, and micro-batch sizes."""
+before/after; `probe` profiles the default step, then times smaller LM-head chunks and torch.compile'd decoder layers; `lean` times the compiled layers with and
+without gradient checkpointing, the LM head's gradient into .grad or not, at several micro-batch sizes."""
 
 import os
 import sys
@@ -62,33 +62,24 @@ def timed(name, **kwargs):
     return line
 
 
-if variants == "lean":  # the memory-lean settings: checkpointing inside the compiled layers, LM-head grad into .grad
-    forwards = [(layer, layer.forward) for layer in grpo.decoder_layers(model)]
-
-    def layers(mode):  # eager | compiled | outside (HF checkpointing around compiled layers) | inside
-        for layer, forward in forwards:
-            layer.forward = forward
-        model.gradient_checkpointing_disable()
-        if mode == "outside":
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        if mode != "eager":
-            grpo.compile_decoder_layers(model, checkpointing=mode == "inside")
-
+if variants == "lean":  # --torch-compile's layers with and without checkpointing, the LM head's gradient into .grad
+    for layer in grpo.decoder_layers(model):  # as the scripts' --torch-compile does
+        layer.forward = torch.compile(layer.forward, dynamic=True)
     lines = []
-    for mode, budget, chunk, into in (
-        ("compiled", 16384, 1024, False),
-        ("compiled", 16384, 1024, True),
-        ("outside", 16384, 1024, False),
-        ("inside", 16384, 1024, False),
-        ("inside", 16384, 1024, True),
-        ("inside", 11520, 1024, True),
-        ("inside", 16384, 512, True),
-        ("inside", 8192, 512, True),
-        ("inside", 32768, 1024, True),
+    for checkpointing, budget, into_grad in (
+        (False, 16384, False),
+        (False, 16384, True),
+        (True, 16384, False),
+        (True, 16384, True),
+        (True, 11520, True),
+        (True, 8192, True),
+        (True, 32768, True),
     ):
-        layers(mode)
-        name = f"layers {mode}, budget {budget}, chunk {chunk}, into_grad {into}"
-        lines.append(timed(name, budget=budget, chunk_tokens=chunk, into_grad=into))
+        model.gradient_checkpointing_disable()
+        if checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        name = f"compiled layers, checkpointing {checkpointing}, budget {budget}, into_grad {into_grad}"
+        lines.append(timed(name, budget=budget, into_grad=into_grad))
         open(out, "w").write("\n".join(lines) + "\n")
     sys.exit()
 if variants == "probe":  # candidates for a cheaper trainer step: smaller LM-head chunks, compiled decoder layers

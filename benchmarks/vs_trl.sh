@@ -6,7 +6,8 @@
 #   server:      bench-0.5b, trainer on GPU 0 and one `vllm serve` on GPU 1 shared by all runs (each pushes its own
 #                weights first): PAIR=1 runs TRL, ours, ours --async-generation, ours --gradient-checkpointing (the
 #                memory-lean setting, TRL's default); PAIR=2 the same in reverse order.
-#   colocate:    bench-0.5b on GPU 0 (TRAIN_GPU), vLLM at 0.3 of the GPU, no sleep: TRL, ours, ours, TRL.
+#   colocate:    bench-0.5b on GPU 0 (TRAIN_GPU), vLLM at 0.3 of the GPU, no sleep: TRL, ours, ours, TRL; ~9 min with
+#                --torch-compile's first step, so PAIR=1 (TRL, ours) and PAIR=2 (ours, TRL) split it into two calls.
 #   learn_async: the addition task with SmolLM2-135M-Instruct, --async-generation, grpo.py / rloo.py / online_dpo.py
 #                (SCRIPTS="online_dpo" runs a subset; SERVE_GPU / TRAIN_GPU pick the GPUs, default 1 / 0).
 #   learn_colocate: the addition task colocated on GPU 0 (TRAIN_GPU), the three scripts at once (vLLM at 0.12 each)
@@ -43,7 +44,7 @@ ours() {  # ours NAME TIMEOUT SCRIPT ARGS...
   echo "== $name: python $script $*" | tee "$OUT/$name.log"
   eval timeout "$limit" python3 "$script" --output-dir "$OUT/$name" "$@" >> "$OUT/$name.log" 2>&1
   echo "== $name exit $?" | tee -a "$OUT/$name.log"
-  rm -rf "$OUT/$name"/*.safetensors "$OUT/$name"/checkpoint-*  # keep metrics.jsonl, not the 1-2 GB model
+  find "$OUT/$name" -mindepth 1 ! -name metrics.jsonl -delete  # a device call returns at most 8 files: keep this one
 }
 trl() {  # trl NAME TIMEOUT MODE [PORT]
   local name=$1 limit=$2; shift 2
@@ -68,10 +69,10 @@ fi
 [ "$PHASE" = stop ] && stop_servers
 if [ "$PHASE" = colocate ]; then
   export CUDA_VISIBLE_DEVICES=${TRAIN_GPU:-0}
-  trl trl_colocate_1 200 colocate
-  ours ours_colocate_1 180 grpo.py $BENCH --vllm-mode colocate
-  ours ours_colocate_2 180 grpo.py $BENCH --vllm-mode colocate
-  trl trl_colocate_2 200 colocate
+  [ "${PAIR:-1}" = 1 ] && trl trl_colocate_1 200 colocate
+  [ "${PAIR:-1}" = 1 ] && ours ours_colocate_1 180 grpo.py $BENCH --vllm-mode colocate
+  [ "${PAIR:-2}" = 2 ] && ours ours_colocate_2 180 grpo.py $BENCH --vllm-mode colocate
+  [ "${PAIR:-2}" = 2 ] && trl trl_colocate_2 200 colocate
 fi
 [ "$PHASE" = server ] || [ "$PHASE" = colocate ] && python3 benchmarks/ratios.py "$OUT" --commit "${COMMIT:-unknown}"
 if [ "$PHASE" = learn_async ]; then

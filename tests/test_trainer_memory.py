@@ -1,7 +1,6 @@
 """The trainer's memory-saving paths in grpo.py, rloo.py and online_dpo.py: the LM head's gradient goes straight into
 the weight's .grad from the second micro-batch on, gradients are freed right after the optimizer step (before the
-weight sync and the next round's generation), and --gradient-checkpointing inside the compiled decoder layers
-computes the same gradients as without it."""
+weight sync and the next round's generation)."""
 
 import functools
 
@@ -18,7 +17,7 @@ from grpo_cli import STORIES_TASK
 SCRIPTS = [grpo, rloo, online_dpo]
 
 
-def tiny_llama():
+def tiny_llama(tie_word_embeddings=False):
     torch.manual_seed(0)
     config = LlamaConfig(
         vocab_size=300,
@@ -28,7 +27,7 @@ def tiny_llama():
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=128,
-        tie_word_embeddings=False,
+        tie_word_embeddings=tie_word_embeddings,
     )
     return LlamaForCausalLM(config)
 
@@ -55,14 +54,15 @@ class CountShape(torch.utils._python_dispatch.TorchDispatchMode):
         return out
 
 
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
 @pytest.mark.parametrize("script", SCRIPTS, ids=lambda m: m.__name__)
-def test_lm_head_gradient_goes_into_grad_without_a_second_buffer(script):
+def test_lm_head_gradient_goes_into_grad_without_a_second_buffer(script, tied):
     """into_grad=True (the training loops' loss.backward()): the second micro-batch adds the LM head's gradient to the
-    weight's .grad directly, so one vocabulary x hidden tensor fewer is created (the embedding's own gradient is the
-    other one of that shape), and every gradient is the same as when autograd sums a separate buffer into .grad."""
+    weight's .grad directly, so fewer vocabulary x hidden tensors are created (the embedding's own gradient is the one
+    left), and every gradient is the same as when autograd sums a separate buffer into .grad."""
     grads, created = {}, {}
     for into_grad in (False, True):
-        model = tiny_llama()
+        model = tiny_llama(tie_word_embeddings=tied)  # tied: the embedding's gradient lands in the same .grad
         shape = tuple(model.lm_head.weight.shape)
         for i, (ids, attn, pos, cmask, P) in enumerate(micro_batches()):
             logprobs = script.per_token_logprobs(
@@ -72,8 +72,10 @@ def test_lm_head_gradient_goes_into_grad_without_a_second_buffer(script):
                 (logprobs * torch.linspace(-1, 1, logprobs.numel()).view_as(logprobs)).sum().backward()
             created[into_grad, i] = counter.count
         grads[into_grad] = {name: p.grad.clone() for name, p in model.named_parameters()}
-    assert created[False, 1] == 2 and created[True, 1] == 1  # the LM-head buffer, and the embedding's gradient
+    # the LM-head buffer and the embedding's gradient (tied: also their sum, which autograd adds before .grad += it)
+    assert created[False, 1] == (3 if tied else 2) and created[True, 1] == 1
     assert created[True, 0] == created[False, 0]  # no .grad yet: the buffer becomes it
+    assert tied == (model.lm_head.weight is model.model.embed_tokens.weight)
     for name, expected in grads[False].items():
         assert torch.allclose(grads[True][name], expected, rtol=1e-5, atol=1e-7), name
 
@@ -109,20 +111,3 @@ def test_gradients_are_freed_before_the_next_round(script, tmp_path, monkeypatch
     argv = [*map(str, STORIES_TASK), *sizes, "--learning-rate", "1e-3", "--output-dir", str(tmp_path / "run")]
     script.train(script.parse_args(argv))
     assert len(models) >= 2 and holds_gradients and not any(holds_gradients), holds_gradients
-
-
-@pytest.mark.parametrize("script", SCRIPTS, ids=lambda m: m.__name__)
-def test_checkpointing_inside_compiled_layers_gives_the_same_gradients(script):
-    """compile_decoder_layers(checkpointing=True), the path of --torch-compile --gradient-checkpointing: the activation
-    checkpoint inside each compiled layer's graph; the gradients equal the eager model's without checkpointing."""
-    torch._dynamo.reset()
-    grads = []
-    for checkpointed in (False, True):
-        model = tiny_llama().train()
-        if checkpointed:
-            script.compile_decoder_layers(model, checkpointing=True)
-        for ids, attn, pos, cmask, P in micro_batches():
-            script.per_token_logprobs(model, ids, attn, pos, cmask, P, 0.7, into_grad=True).sum().backward()
-        grads.append({name: p.grad for name, p in model.named_parameters()})
-    for name, expected in grads[0].items():
-        assert torch.allclose(grads[1][name], expected, rtol=1e-4, atol=1e-6), name
