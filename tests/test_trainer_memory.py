@@ -13,23 +13,14 @@ import online_dpo
 import rewards
 import rloo
 from grpo_cli import STORIES_TASK
+from test_logits import SIZES
 
 SCRIPTS = [grpo, rloo, online_dpo]
 
 
 def tiny_llama(tie_word_embeddings=False):
     torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=300,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        tie_word_embeddings=tie_word_embeddings,
-    )
-    return LlamaForCausalLM(config)
+    return LlamaForCausalLM(LlamaConfig(**{**SIZES, "tie_word_embeddings": tie_word_embeddings}))
 
 
 def micro_batches():
