@@ -4,8 +4,9 @@
 # path). Each phase fits a 10-minute call; runs alternate which goes first, two pairs per mode.
 # Usage: bash benchmarks/vs_trl.sh server|colocate|learn_async OUT_DIR; then python benchmarks/ratios.py OUT_DIR
 #   server:      bench-0.5b, trainer on GPU 0 and one `vllm serve` on GPU 1 shared by all runs (each pushes its own
-#                weights first): PAIR=1 runs TRL, ours, ours --async-generation, ours --gradient-checkpointing (the
-#                memory-lean setting, TRL's default); PAIR=2 the same in reverse order.
+#                weights first): PAIR=1 runs TRL, ours, ours --async-generation; PAIR=2 the same in reverse order
+#                (~8 min each with the server's start and --torch-compile's first step). LEAN=1 adds ours with
+#                --gradient-checkpointing --micro-batch-tokens 11520 (TRL's default and micro-batch: its memory).
 #   colocate:    bench-0.5b on GPU 0 (TRAIN_GPU), vLLM at 0.3 of the GPU, no sleep: TRL, ours, ours, TRL; ~9 min with
 #                --torch-compile's first step, so PAIR=1 (TRL, ours) and PAIR=2 (ours, TRL) split it into two calls.
 #   learn_async: the addition task with SmolLM2-135M-Instruct, --async-generation, grpo.py / rloo.py / online_dpo.py
@@ -59,11 +60,11 @@ if [ "$PHASE" = server ]; then  # PAIR=1: TRL, ours, ours async; PAIR=2: the rev
   export CUDA_VISIBLE_DEVICES=0
   P=${PAIR:-1}
   [ "$P" = 1 ] && trl trl_server_1 200 server 8001
-  [ "$P" = 2 ] && ours ours_lean_2 150 grpo.py $BENCH $S --gradient-checkpointing
+  [ "$P" = 2 ] && [ "${LEAN:-0}" = 1 ] && ours ours_lean_2 150 grpo.py $BENCH $S --gradient-checkpointing --micro-batch-tokens 11520
   [ "$P" = 2 ] && ours ours_async_2 150 grpo.py $BENCH $S --async-generation
   ours ours_server_$P 150 grpo.py $BENCH $S
   [ "$P" = 1 ] && ours ours_async_1 150 grpo.py $BENCH $S --async-generation
-  [ "$P" = 1 ] && ours ours_lean_1 150 grpo.py $BENCH $S --gradient-checkpointing
+  [ "$P" = 1 ] && [ "${LEAN:-0}" = 1 ] && ours ours_lean_1 150 grpo.py $BENCH $S --gradient-checkpointing --micro-batch-tokens 11520
   [ "$P" = 2 ] && trl trl_server_2 200 server 8001
 fi
 [ "$PHASE" = stop ] && stop_servers
