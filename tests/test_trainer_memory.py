@@ -82,12 +82,18 @@ def test_into_grad_is_off_for_autograd_grad(script):
 
 
 @pytest.mark.parametrize("script", SCRIPTS, ids=lambda m: m.__name__)
-def test_gradients_are_freed_before_the_next_round(script, tmp_path, monkeypatch):
-    """The script itself, 6 steps on the CPU: when the next round's completions are scored (after the weight sync and
-    generation), no parameter holds a gradient; they are freed right after each optimizer step, not at the next."""
-    models, holds_gradients = [], []
+def test_the_loop_frees_gradients_after_each_step_and_sends_the_lm_head_gradient_into_grad(
+    script, tmp_path, monkeypatch
+):
+    """The script itself, 6 steps on the CPU: when the next round's completions are scored (after generation), no
+    parameter holds a gradient: they are freed right after each optimizer step, not before the next one. And every
+    log-prob pass with a gradient asks TokenLogprobs for into_grad (its last argument)."""
+    models, holds_gradients, into_grad = [], [], []
     clip = script.clip_gradients
     monkeypatch.setattr(script, "clip_gradients", lambda model, norm: models.append(model) or clip(model, norm))
+    apply = script.TokenLogprobs.apply
+    record = lambda *args: (into_grad.append(args[-1]) if torch.is_grad_enabled() else None) or apply(*args)
+    monkeypatch.setattr(script.TokenLogprobs, "apply", record)
 
     @functools.wraps(rewards.keyword_reward)
     def keyword_reward(*args, **kwargs):
@@ -102,3 +108,4 @@ def test_gradients_are_freed_before_the_next_round(script, tmp_path, monkeypatch
     argv = [*map(str, STORIES_TASK), *sizes, "--learning-rate", "1e-3", "--output-dir", str(tmp_path / "run")]
     script.train(script.parse_args(argv))
     assert len(models) >= 2 and holds_gradients and not any(holds_gradients), holds_gradients
+    assert into_grad and all(into_grad), into_grad
