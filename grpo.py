@@ -348,8 +348,7 @@ def policy_loss_weights(
 
 
 def k3_kl(logprobs, ref_logprobs):
-    """Per-token KL(pi || pi_ref) estimate k3 = exp(ref - logp) - (ref - logp) - 1 >= 0 (Schulman 2020;
-    DeepSeekMath eq. 4)."""
+    """KL(pi || pi_ref) per token, k3 = exp(d) - d - 1 >= 0 with d = ref - logp (Schulman 2020; DeepSeekMath eq. 4)."""
     diff = ref_logprobs - logprobs
     return torch.exp(diff) - diff - 1
 
@@ -393,14 +392,13 @@ def train(args):
     while global_step < args.max_steps:
         round_start = time.perf_counter()
         timing = defaultdict(float, {"timing/weight_sync": 0.0})
-        # ALGO LOGIC: 1. sample prompts and generate G completions each (dynamic sampling: until the round is full
-        # of groups whose rewards differ). --async-generation: this step's round was generated during the last step, by
-        # the weights before it; the next round starts now, from the current weights, and generates while we train
+        # ALGO LOGIC: 1. sample prompts, generate G completions each: once, or with --dynamic-sampling until all ranks
+        # together kept a full step's groups whose rewards differ (every rank samples the same number of rounds: they
+        # share the prompt stream). --async-generation: this step's round was generated during the last step, by the
+        # weights before it; the next round starts now, from the current weights, and generates while we train
         kept = []  # one (prompt row, its G completions, their rewards, their vLLM log-probs or None) per kept group
         all_scores, num_generation_rounds, staleness = [], 0, []
         max_rounds = args.dynamic_sampling_max_rounds if args.dynamic_sampling else 1
-        # 1. generate: every rank samples the same number of rounds (they share the prompt stream), until all ranks
-        # together kept a full step's groups (--dynamic-sampling) or once; --async-generation: the round in flight
         while global_sum(len(kept), world_size, device) < args.prompts_per_step and num_generation_rounds < max_rounds:
             rows, version, generation = next_round if next_round and not num_generation_rounds else start_round(run)
             if args.async_generation and not num_generation_rounds:
@@ -446,15 +444,13 @@ def train(args):
         rewards = torch.cat([group_rewards for _, _, group_rewards, _ in kept])  # (N,)
 
         # 3. advantages: group-relative (over all ranks' rewards for --scale-rewards batch; each rank keeps its rows)
-        all_rewards = gather_rows(rewards.to(device), world_size).cpu()  # (N * world_size,), in rank order
+        all_rewards = torch.cat(gather_objects(rewards, world_size))  # (N * world_size,), in rank order
         advantages = group_advantages(all_rewards, num_generations, args.scale_rewards)[rank * N : (rank + 1) * N]
 
         # 4. old and reference log-probs, before any update (no gradient). The old log-probs need a pass of their own
-        # only when the weights change before the batch's last use; otherwise the training pass's own (detached) are
-        # the same
+        # only when the weights change before the batch's last use; else the training pass's own (detached) are the same
         t0 = clock(device)
-        prompt_lengths = [len(p) for p in prompt_ids]
-        completion_lengths = [len(c) for c in completion_ids]
+        prompt_lengths, completion_lengths = [len(p) for p in prompt_ids], [len(c) for c in completion_ids]
         truncated = torch.tensor([not (c and c[-1] in run.eos_ids) for c in completion_ids])  # no EOS: cut off
         C = max(max(completion_lengths), 1)
         loss_mask = (torch.arange(C)[None] < torch.tensor(completion_lengths)[:, None]).float()  # (N, C)
@@ -463,13 +459,11 @@ def train(args):
         need_old = args.num_iterations > 1 or args.steps_per_generation > 1
         old_logprobs, ref_logprobs = old_and_ref_logprobs(run, prompt_ids, completion_ids, need_old)  # (N, C) or None
         # vLLM's log-probs of the sampled tokens, NaN where it gave none (N, C); None without the correction
-        sampling_logprobs = [lp for _, _, _, lps in kept if lps is not None for lp in lps]
-        use_vllm_is = args.use_vllm and args.vllm_importance_sampling_correction and len(sampling_logprobs) > 0
-        if use_vllm_is:
-            padded = torch.zeros(N, C)
-            for i, lp in enumerate(sampling_logprobs):
-                padded[i, : len(lp)] = torch.tensor([float("nan") if v is None else v for v in lp])
-        sampling_logprobs = padded if use_vllm_is else None
+        vllm_logprobs = [lp for _, _, _, lps in kept if lps is not None for lp in lps]
+        use_vllm_is = args.use_vllm and args.vllm_importance_sampling_correction and len(vllm_logprobs) > 0
+        sampling_logprobs = torch.zeros(N, C) if use_vllm_is else None
+        for i, lp in enumerate(vllm_logprobs if use_vllm_is else []):
+            sampling_logprobs[i, : len(lp)] = torch.tensor([float("nan") if v is None else v for v in lp])
         timing["timing/old_ref_logprobs"] = clock(device) - t0
 
         # 5. optimise: num_iterations passes; each pass is steps_per_generation optimizer steps over whole groups
@@ -478,19 +472,17 @@ def train(args):
         step_size = keep // args.steps_per_generation * num_generations  # rows per optimizer step, whole groups
         # DAPO: tokens of the generated batch per optimizer step, over all ranks
         total_tokens = global_sum(loss_mask.sum(), world_size, device) / args.steps_per_generation
+        num_sequences = step_size * world_size  # rows per optimizer step, over all ranks
         for _iteration in range(args.num_iterations):
             for s in range(args.steps_per_generation):
                 if global_step >= args.max_steps:
                     break
                 step_rows = list(range(s * step_size, (s + 1) * step_size))
                 # normalisers count every rank's rows; FSDP averages gradients over ranks, hence the x world_size below
+                step_mask = loss_mask[step_rows]
+                step_tokens = global_sum(step_mask.sum(), world_size, device)
                 loss_weights = policy_loss_weights(
-                    loss_mask[step_rows],
-                    args.loss_type,
-                    args.max_completion_length,
-                    total_tokens,
-                    num_sequences=len(step_rows) * world_size,
-                    step_tokens=global_sum(loss_mask[step_rows].sum(), world_size, device),
+                    step_mask, args.loss_type, args.max_completion_length, total_tokens, num_sequences, step_tokens
                 )
                 t0 = clock(device)
                 step_loss = 0.0
@@ -585,9 +577,7 @@ def train(args):
             metrics["dynamic_sampling/kept_groups"] = keep * world_size
         metrics.update(eval_results)
         if run.is_main and args.log_completions and global_step % args.logging_steps == 0:  # rank 0's rows
-            log_completions(
-                run.tokenizer, prompt_ids, completion_ids, rewards, args.log_completions, global_step, args.track
-            )
+            log_completions(run, prompt_ids, completion_ids, rewards, global_step)
         log_metrics(run, metrics, show=global_step % args.logging_steps == 0 or evaluated)
         preempted = global_sum(run.preemption.is_set(), world_size, device) > 0 and global_step < args.max_steps
         if preempted or (args.save_steps and global_step % args.save_steps == 0 and global_step < args.max_steps):
@@ -631,9 +621,8 @@ def set_up(args):
             f"warning: --importance-sampling-level sequence (GSPO) with --loss-type {args.loss_type} weights each "
             f"completion's sequence loss by its length; GSPO's objective (arXiv 2507.18071) is --loss-type grpo"
         )
-    run.device = device = torch.device(
-        f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if torch.cuda.is_available() else "cpu"
-    )
+    local_rank = os.environ.get("LOCAL_RANK", "0")
+    run.device = device = torch.device(f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if world_size > 1:
@@ -648,10 +637,7 @@ def set_up(args):
         )
     # the output directory is this run's alone (a lock); another run's files are refused; only this run's checkpoints
     run.identity, checkpoint_dir, run.output_lock = claim_output_dir(args, "grpo.py") if run.is_main else (None,) * 3
-    if world_size > 1:  # rank 0 decided which checkpoint to resume
-        shared = [checkpoint_dir]
-        dist.broadcast_object_list(shared, src=0)
-        checkpoint_dir = shared[0]
+    checkpoint_dir = gather_objects(checkpoint_dir, world_size)[0]  # rank 0 decided which checkpoint to resume
     run.preemption = on_sigterm()  # SIGTERM: a checkpoint at the end of the step, then exit
 
     # seeding: the same on every rank until sampling, so that all ranks hold the same weights
@@ -697,8 +683,7 @@ def set_up(args):
     evaluation = (None, {}, False) if eval_dataset is None else load_prompts(args, eval_dataset, tokenizer, max_context)
     run.eval_prompt_ids, run.eval_columns, run.eval_prompts_are_messages = evaluation
 
-    # optimizer and schedule
-    # fused: one kernel for all parameters on CUDA, with no full-size temporaries (the foreach default allocates them)
+    # optimizer and schedule; fused: one CUDA kernel for all parameters, without foreach's full-size temporaries
     adamw = dict(lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2), weight_decay=args.weight_decay)
     run.optimizer = torch.optim.AdamW(model.parameters(), **adamw, fused=device.type == "cuda")
     run.scheduler = get_scheduler(args.lr_scheduler_type, run.optimizer, args.warmup_steps, args.max_steps)
@@ -719,11 +704,13 @@ def set_up(args):
             vllm_utils.sync_weights(run.engine, model)
 
     # logs: wandb, metrics.jsonl (rank 0), the progress bar
+    run.wandb = None  # with --track, rank 0's wandb module
     if args.track and run.is_main:
         import wandb
 
         identity = dict(name=run.identity["run_name"], id=run.identity["run_id"], resume="allow")  # resumed: continued
         wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, config=asdict(args), **identity)
+        run.wandb = wandb
     metrics_path = os.path.join(args.output_dir, "metrics.jsonl")
     if checkpoint_dir and run.is_main and os.path.exists(metrics_path):  # steps logged after the checkpoint are redone
         kept = [line for line in open(metrics_path) if json.loads(line)["step"] <= run.global_step]
@@ -737,8 +724,7 @@ def set_up(args):
 
 
 def generate(run, prompt_ids, num_generations=None, temperature=None):
-    """(completion ids, vLLM log-probs or None), num_generations per prompt, prompt-major; None: training's number
-    and temperature (0: greedy)."""
+    """(completion ids, vLLM log-probs or None), prompt-major; None: training's G / temperature (0: greedy)."""
     if run.engine is not None:
         return vllm_utils.generate(run.engine, prompt_ids, num_generations, temperature)
     with unsharded(run.model, run.world_size):  # FSDP2: full weights while decoding, ranks stop at different steps
@@ -813,15 +799,14 @@ def old_and_ref_logprobs(run, prompt_ids, completion_ids, need_old):
 def round_metrics(run, scores, completion_lengths, truncated, stats, step_loss):
     """The round's metrics over all ranks (TRL's names): rewards (scores: this rank's generated rows, num_funcs),
     completion lengths, the last step's loss and the token means of the training passes (stats)."""
-    world_size = run.world_size
     lengths = torch.tensor(completion_lengths, dtype=torch.float)
     means = {k: torch.stack(v).mean() for k, v in stats.items() if v}
-    if world_size > 1:
-        gathered = gather_objects((scores, lengths, truncated), world_size)
+    if run.world_size > 1:
+        gathered = gather_objects((scores, lengths, truncated), run.world_size)
         scores, lengths, truncated = (torch.cat([g[i] for g in gathered]) for i in range(3))
         for value in [step_loss, *means.values()]:
             dist.all_reduce(value)
-            value /= world_size
+            value /= run.world_size
     total = (scores * run.reward_weights).nansum(-1)
     metrics = {
         "reward": total.mean().item(),
@@ -891,8 +876,7 @@ def evaluate(run):
 
 
 def log_metrics(run, metrics, show):
-    """Rank 0: update the progress bar, print the metrics line if `show`, append it to metrics.jsonl, send it to
-    wandb."""
+    """Rank 0: update the progress bar, print the metrics line if `show`, append it to metrics.jsonl and wandb."""
     if not run.is_main:
         return
     if "reward" in metrics:  # a training step's line (not the evaluation before training)
@@ -901,10 +885,8 @@ def log_metrics(run, metrics, show):
     if show:
         tqdm.write(" | ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in metrics.items()))
     print(json.dumps(metrics), file=run.metrics_file, flush=True)
-    if run.args.track:
-        import wandb
-
-        wandb.log(metrics, step=metrics["step"])
+    if run.wandb:
+        run.wandb.log(metrics, step=metrics["step"])
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -1080,9 +1062,7 @@ def fused(fn, like):
     return compiled(fn) if like.is_cuda else fn
 
 
-@functools.cache
-def compiled(fn):
-    return torch.compile(fn, dynamic=True)
+compiled = functools.cache(functools.partial(torch.compile, dynamic=True))  # one compiled function per fn
 
 
 def add_matmul(out, a, b):
@@ -1176,8 +1156,7 @@ def token_budget_batches(rows, prompt_lengths, completion_lengths, budget):
 
 
 def decoder_layers(model):
-    """The model's repeated blocks (LlamaDecoderLayer, GPT2Block, ...: transformers' _no_split_modules), the units FSDP2
-    shards and --torch-compile compiles."""
+    """The model's repeated blocks (_no_split_modules): the units FSDP2 shards and --torch-compile compiles."""
     return [module for module in model.modules() if type(module).__name__ in (model._no_split_modules or ())]
 
 
@@ -1222,15 +1201,6 @@ def same_count_on_all_ranks(micro_batches, world_size, device):
     count = torch.tensor(len(micro_batches), device=device)
     dist.all_reduce(count, op=dist.ReduceOp.MAX)
     return micro_batches + [None] * (int(count) - len(micro_batches))
-
-
-def gather_rows(tensor, world_size):
-    """Concatenate a tensor's rows from every rank, in rank order (all ranks hold the same shape)."""
-    if world_size == 1:
-        return tensor
-    parts = [torch.empty_like(tensor) for _ in range(world_size)]
-    dist.all_gather(parts, tensor.contiguous())
-    return torch.cat(parts)
 
 
 def gather_objects(value, world_size):
@@ -1332,19 +1302,18 @@ def eval_metrics(greedy, sampled, reward_weights, names):
     return metrics
 
 
-def log_completions(tokenizer, prompt_ids, completion_ids, rewards, count, step, track):
-    """--log-completions: print `count` (prompt, completion, reward) rows of the step, one short line each, and with
+def log_completions(run, prompt_ids, completion_ids, rewards, step):
+    """--log-completions: print that many (prompt, completion, reward) rows of the step, one short line each, and with
     --track log them to wandb as a table (TRL's "completions" table)."""
-    decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
+    count = run.args.log_completions
+    decode = lambda ids: run.tokenizer.decode(ids, skip_special_tokens=True)
     short = lambda text: textwrap.shorten(text, 70, placeholder=" ...") or repr(text)
     rows = [[step, decode(p), decode(c), r] for p, c, r in zip(prompt_ids[:count], completion_ids, rewards.tolist())]
     for _, prompt, completion, reward in rows:
         tqdm.write(f"  reward {reward:.3g} | {short(prompt)} => {short(completion)}")
-    if track:
-        import wandb
-
-        table = wandb.Table(columns=["step", "prompt", "completion", "reward"], data=rows)
-        wandb.log({"completions": table}, step=step)
+    if run.wandb:
+        table = run.wandb.Table(columns=["step", "prompt", "completion", "reward"], data=rows)
+        run.wandb.log({"completions": table}, step=step)
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -1407,10 +1376,8 @@ def stop_preempted(run, global_step):
     if run.is_main:
         tip = "the same command with --resume-from-checkpoint latest continues the run"
         print(f"SIGTERM: wrote checkpoint-{global_step} and stopped; {tip}", flush=True)
-        if run.args.track:
-            import wandb
-
-            wandb.mark_preempting()
+        if run.wandb:
+            run.wandb.mark_preempting()
     if run.world_size > 1:
         dist.destroy_process_group()
     sys.exit(143)
@@ -1427,10 +1394,8 @@ def finish(run):
             save_final(args.output_dir, run.model, run.tokenizer, model_state)
             print(f"saved the final model to {args.output_dir}")
         run.metrics_file.close()
-        if args.track:
-            import wandb
-
-            wandb.finish()
+        if run.wandb:
+            run.wandb.finish()
     if run.output_lock is not None:
         os.close(run.output_lock)  # the run is over: the directory is free for the next one
     if run.world_size > 1:
@@ -1450,9 +1415,8 @@ def replace_atomically(tmp, path):
 
 
 def full_state(model, optimizer):
-    """Unsharded weights and optimizer state: on one rank the model's and optimizer's own tensors (torch.save copies GPU
-    tensors one at a time); with FSDP2 gathered onto rank 0's CPU, by parameter name (every rank must call this: a
-    collective; the others get empty dicts)."""
+    """Unsharded weights and optimizer state: on one rank their own tensors (torch.save copies GPU tensors one at a
+    time); with FSDP2 gathered onto rank 0's CPU by parameter name (a collective; the other ranks get empty dicts)."""
     if not dist.is_initialized():
         return model.state_dict(), optimizer.state_dict() if optimizer is not None else None
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
@@ -1518,9 +1482,8 @@ def looks_local(path):
 
 
 def check_args(args, world_size=1):
-    """Every check that needs neither a model nor the data, right after parsing: value ranges, flag combinations, and
-    that local paths exist (a missing local model would otherwise surface later, as a hub error). Exits with one line
-    per problem, each naming its flag."""
+    """Every check that needs neither a model nor the data: value ranges, flag combinations, and that local paths
+    exist (a missing local model would otherwise surface later, as a hub error). Exits with one line per problem."""
     problems = []
     floor = args.vllm_importance_sampling_clip_min or 0  # --vllm-importance-sampling-clip-max must exceed it
     rules = [  # (field, true for a valid value, what it must be); None (an option left unset) is always valid
@@ -1775,9 +1738,8 @@ def run_checkpoints(output_dir, run_id):
 
 
 def remove_dead_temporaries(output_dir):
-    """Remove what a process killed while saving left behind: checkpoint-N.tmp-PID (half written), .final-tmp-PID,
-    and checkpoint-N.old-PID (a complete checkpoint moved aside for its replacement: put back if that never arrived).
-    Only those of processes that no longer run."""
+    """Remove what processes that died while saving left: checkpoint-N.tmp-PID (half written), .final-tmp-PID, and
+    checkpoint-N.old-PID (a complete checkpoint moved aside for its replacement: put back if that never arrived)."""
     for name in sorted(os.listdir(output_dir)):
         match = re.fullmatch(rf"({CHECKPOINT_NAME.pattern}|run\.json)\.(tmp|old)-(\d+)|\.final-tmp-(\d+)", name)
         if not match or pid_alive(int(match[4] or match[5])):
@@ -1881,10 +1843,8 @@ def claim_output_dir(args, script):
             run = {"run_id": uuid.uuid4().hex[:12], "run_name": f"{args.exp_name}__{args.seed}__{int(time.time())}"}
             atexit.register(forget_unstarted_run, out, run["run_id"], created)
         if run["run_id"] != owner.get("run_id"):
-            write_json(
-                os.path.join(out, "run.json"),
-                {**run, "script": script, "started": time.strftime("%Y-%m-%d %H:%M:%S"), "args": asdict(args)},
-            )
+            identity = {**run, "script": script, "started": time.strftime("%Y-%m-%d %H:%M:%S"), "args": asdict(args)}
+            write_json(os.path.join(out, "run.json"), identity)
         return run, checkpoint, lock
     except BaseException:
         if locked and lock_created:  # refused before writing anything: leave the directory as it was
@@ -1896,8 +1856,7 @@ def claim_output_dir(args, script):
 
 
 def forget_unstarted_run(output_dir, run_id, created):
-    """At exit: if this run wrote nothing but run.json (it failed while starting), take that back, and the directory
-    too if this run created it."""
+    """At exit: if this run failed while starting (it wrote only run.json), remove that, and the directory it made."""
     try:
         only_run_json = set(os.listdir(output_dir)) <= {".lock", "run.json"}
         if only_run_json and read_json(os.path.join(output_dir, "run.json"))["run_id"] == run_id:
