@@ -57,6 +57,7 @@ import tyro
 from tqdm import tqdm
 
 import rewards
+import vllm_utils
 
 
 @dataclass
@@ -285,10 +286,9 @@ def kl_penalised_rewards(rewards, old_logprobs, ref_logprobs, completion_mask, b
 
 
 def sequence_policy_loss(logprobs, old_logprobs, advantages, completion_mask, epsilon_low=0.2, epsilon_high=0.2):
-    """Per-sequence REINFORCE loss with a PPO-style clipped ratio, (B,):
+    """Per-sequence REINFORCE loss with a PPO-style clipped ratio; returns the loss (B,) and rho (for clip metrics):
     rho = exp(sum_t log pi(o_t) - sum_t log pi_old(o_t)),  loss = -min(rho * A, clip(rho, 1 - eps_low, 1 + eps_high) * A).
-    With old = sg(current) (one pass per batch) rho = 1 and the gradient is the plain REINFORCE -A * grad log pi(o).
-    Returns the loss and rho (for clip metrics)."""
+    With old = sg(current) (one pass per batch) rho = 1 and the gradient is the plain REINFORCE -A * grad log pi(o)."""
     log_ratio = ((logprobs - old_logprobs) * completion_mask).sum(-1)  # (B,)
     ratio = torch.exp(log_ratio)
     clipped = torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high)
@@ -296,31 +296,27 @@ def sequence_policy_loss(logprobs, old_logprobs, advantages, completion_mask, ep
 
 
 def k3_kl(logprobs, ref_logprobs):
-    """Per-token KL(pi || pi_ref) estimate k3 = exp(ref - logp) - (ref - logp) - 1 >= 0 (Schulman 2020;
-    DeepSeekMath eq. 4)."""
+    """Per-token KL(pi || pi_ref), k3 = exp(ref - logp) - (ref - logp) - 1 >= 0 (Schulman 2020; DeepSeekMath eq. 4)."""
     diff = ref_logprobs - logprobs
     return torch.exp(diff) - diff - 1
 
 
-def vllm_importance_ratio(
-    old_logprobs, sampling_logprobs, completion_mask, mode="sequence_mask", clip_min=None, clip_max=3.0
-):
+def vllm_importance_ratio(old_logprobs, sampling_logprobs, completion_mask, mode, clip_min, clip_max):
     """Importance weight pi_trainer / pi_vllm that corrects for vLLM sampling from slightly different numerics
     (truncated IS, "Your efficient RL framework secretly brings you off-policy RL training", Yao et al. 2025).
 
-    token_*: one ratio per token; sequence_*: exp(sum_t log ratio_t), one per completion (the product of token
-    ratios). *_truncate clamps to [clip_min, clip_max]; *_mask sets ratios outside the bounds to 0. NaN log-probs
-    (vLLM gave none) count as ratio 1. Returns (B, C) weights (no gradient) and |log ratio| per token."""
+    One per completion, exp(sum_t log ratio_t) (the product of token ratios): sequence_truncate clamps it to
+    [clip_min, clip_max]; sequence_mask sets it to 0 outside the bounds. NaN log-probs (vLLM gave none) count as
+    ratio 1. Returns (B,) weights (no gradient) and |log ratio| per token (B, C)."""
     diff = torch.nan_to_num((old_logprobs - sampling_logprobs) * completion_mask, nan=0.0)
-    log_ratio = diff.sum(-1, keepdim=True) if mode.startswith("sequence") else diff
-    ratio = torch.exp(log_ratio)
+    ratio = torch.exp(diff.sum(-1))
     low = clip_min if clip_min is not None else 0.0
     high = clip_max if clip_max is not None else float("inf")
     if mode.endswith("truncate"):
         ratio = ratio.clamp(min=low, max=high)
     else:
         ratio = torch.where((ratio >= low) & (ratio <= high), ratio, torch.zeros_like(ratio))
-    return ratio.expand_as(old_logprobs).detach(), diff.abs()
+    return ratio.detach(), diff.abs()
 
 
 def rloo_loss(args, logprobs, old_logprobs, ref_logprobs, sampling_logprobs, advantages, completion_mask):
@@ -329,15 +325,13 @@ def rloo_loss(args, logprobs, old_logprobs, ref_logprobs, sampling_logprobs, adv
     the clipped REINFORCE loss (sequence_policy_loss) times w_i, the per-sequence importance ratio pi_old / pi_vllm
     when sampling_logprobs are given (vLLM's numerics and, with --async-generation, the older weights that sampled the
     round; else w_i = 1), plus the k3 KL with --no-kl-in-reward (the KL in the loss instead of the reward). Returns the
-    loss, rho (B,) for the clip metrics, and w (B,) and |log pi_old - log pi_vllm| per token (B, C) (None, None without
-    the correction)."""
+    loss, rho (B,) for the clip metrics, w (B,) and |log pi_old - log pi_vllm| per token (B, C) (None without IS)."""
     epsilon_high = args.epsilon_high if args.epsilon_high is not None else args.epsilon
     loss, ratio = sequence_policy_loss(logprobs, old_logprobs, advantages, completion_mask, args.epsilon, epsilon_high)
     is_ratio = logp_difference = None
     if sampling_logprobs is not None:
         options = {k: getattr(args, f"vllm_importance_sampling_{k}") for k in ("mode", "clip_min", "clip_max")}
         is_ratio, logp_difference = vllm_importance_ratio(old_logprobs, sampling_logprobs, completion_mask, **options)
-        is_ratio = is_ratio[:, 0]  # (B,): one ratio per sequence
         loss = loss * is_ratio
     if ref_logprobs is not None and not args.kl_in_reward:
         loss = loss + args.beta * (k3_kl(logprobs, ref_logprobs) * completion_mask).sum(-1)
@@ -382,11 +376,8 @@ def train(args):
         )
     prompts = prompt_stream(len(train_set.prompt_ids), args.seed, start=prompts_consumed)
     engine, generate = make_generator(args, model, model_path, train_set, eval_set, pad_id, eos_ids, world_size)
-    if args.use_vllm:
-        import vllm_utils  # the loop puts vLLM to sleep and pushes the weights to it
     metrics_file = open_metrics(args, run, checkpoint_dir, global_step) if is_main else None
     progress = tqdm(total=args.max_steps, initial=global_step, desc="rloo", dynamic_ncols=True, disable=not is_main)
-    num_generations = args.num_generations
     epsilon_high = args.epsilon_high if args.epsilon_high is not None else args.epsilon
     steps_per_round = args.steps_per_generation * args.num_iterations  # optimizer steps per generation round
     weights_version = global_step  # the optimizer step whose weights the generator holds
@@ -415,20 +406,19 @@ def train(args):
         staleness = global_step - version  # optimizer steps between the sampling and the trained weights
         if args.use_vllm:
             vllm_utils.sleep(engine)  # sleep mode: vLLM's memory goes to training until the next generation
-        prompt_ids = [train_set.prompt_ids[i] for i in rows for _ in range(num_generations)]
+        prompt_ids = [train_set.prompt_ids[i] for i in rows for _ in range(args.num_generations)]
         N = len(prompt_ids)
 
         # 2. score: reward functions see the decoded completions and this row's dataset columns by name
         t0 = time.perf_counter()
-        scores = score(args, tokenizer, reward_fns, train_set, rows, completion_ids, num_generations)  # (N, funcs)
+        scores = score(args, tokenizer, reward_fns, train_set, rows, completion_ids, args.num_generations)  # (N, funcs)
         rewards = (scores * reward_weights).nansum(-1).masked_fill(scores.isnan().all(-1), float("nan"))  # (N,)
         if args.reward_clip_range is not None:
             rewards = rewards.clamp(*args.reward_clip_range)
         timing["timing/scoring"] = time.perf_counter() - t0
 
-        # 3. old and reference log-probs, before any update (no gradient). The old log-probs need a pass of their own
-        # only when the weights change before the batch's last use, or for the KL; otherwise the training pass's own
-        # (detached) are the same
+        # 3. old and reference log-probs, before any update (no gradient). The old ones need their own pass only if the
+        # weights change before the batch's last use, or for the KL; else the training pass's (detached) are the same
         t0 = clock(device)
         prompt_lengths, completion_lengths = [len(p) for p in prompt_ids], [len(c) for c in completion_ids]
         truncated = torch.tensor([not (c and c[-1] in eos_ids) for c in completion_ids])  # no EOS: hit the limit
@@ -447,7 +437,7 @@ def train(args):
             tokens = global_sum(completion_mask.sum(), world_size, device)
             metrics["kl/k1_token_mean"] = global_sum(token_kl.sum(), world_size, device) / tokens
             rewards = penalised if args.kl_in_reward else rewards
-        advantages = rloo_advantages(rewards, num_generations)  # groups are whole on each rank
+        advantages = rloo_advantages(rewards, args.num_generations)  # groups are whole on each rank
         if args.normalize_advantages:  # over every rank's scorable completions
             advantages = normalize_advantages(advantages, ~rewards.isnan(), world_size, device)
         use_vllm_is = args.use_vllm and args.vllm_importance_sampling_correction and sampling_logprobs is not None
@@ -458,9 +448,8 @@ def train(args):
         timing["timing/old_ref_logprobs"] = clock(device) - t0
 
         # 5. loss and optimizer steps: num_iterations passes; each pass is steps_per_generation optimizer steps over
-        # whole groups. The loss is the mean over the step's sequences of all ranks: each weighs
-        # 1 / (rows_per_step x world_size) (0 if masked), and FSDP averages gradients over ranks, hence the
-        # x world_size in the loss.
+        # whole groups. The loss is the mean over the step's sequences of all ranks: each weighs 1 / (rows_per_step x
+        # world_size) (0 if masked), and FSDP averages gradients over ranks, hence the x world_size in the loss.
         model.train()
         train_stats, is_stats = defaultdict(list), defaultdict(list)  # per micro-batch; IS: valid tokens, sequences
         rows_per_step = N // args.steps_per_generation
@@ -548,17 +537,13 @@ def train(args):
             progress.set_postfix(reward=f"{metrics['reward']:.3f}", kl=f"{kl:.4f}", len=f"{length:.0f}")
             if args.log_completions and global_step % args.logging_steps == 0:  # rank 0's rows
                 total = (scores * reward_weights).nansum(-1)
-                log_completions(
-                    tokenizer, prompt_ids, completion_ids, total, args.log_completions, global_step, args.track
-                )
+                log_completions(args, tokenizer, prompt_ids, completion_ids, total, global_step)
         log_metrics(args, metrics_file, metrics, show=global_step % args.logging_steps == 0 or evaluated)
         preempted = global_sum(preemption.is_set(), world_size, device) > 0 and global_step < args.max_steps  # SIGTERM
         if preempted or (args.save_steps and global_step % args.save_steps == 0 and global_step < args.max_steps):
             # a round generated in the background is not trained yet: a resume generates it again
             consumed = prompts_consumed - (args.prompts_per_step if next_round else 0)
-            save_checkpoint(
-                args, run, model, tokenizer, optimizer, scheduler, global_step, consumed, device, world_size
-            )
+            save_checkpoint(args, run, model, tokenizer, optimizer, scheduler, global_step, consumed, world_size)
         if preempted:
             stop_preempted(args, global_step, world_size)  # exit status 143
 
@@ -700,15 +685,11 @@ def make_generator(args, model, model_path, train_set, eval_set, pad_id, eos_ids
                 return hf_generate(model, prompt_ids, args, eos_ids, pad_id, num_generations, temperature)
 
         return None, generate
-    import vllm_utils
-
     longest = max(len(p) for p in train_set.prompt_ids + (eval_set.prompt_ids if eval_set else []))
     engine = vllm_utils.start(args, model_path, longest)
     if args.vllm_mode == "server":  # the server may hold other weights (an earlier run, or this one before a resume)
         vllm_utils.sync_weights(engine, model)
-    return engine, lambda ids, num_generations=None, temperature=None: vllm_utils.generate(
-        engine, ids, num_generations, temperature
-    )
+    return engine, partial(vllm_utils.generate, engine)
 
 
 def open_metrics(args, run, checkpoint_dir, global_step):
@@ -728,8 +709,7 @@ def open_metrics(args, run, checkpoint_dir, global_step):
 
 
 def log_metrics(args, metrics_file, metrics, show):
-    """Rank 0 (metrics_file is None elsewhere): print the metrics line if `show`, append it to metrics.jsonl, send it
-    to wandb."""
+    """Rank 0 (metrics_file None elsewhere): print the line if `show`, append it to metrics.jsonl, log it to wandb."""
     if metrics_file is None:
         return
     if show:
@@ -785,12 +765,8 @@ def no_grad_logprobs(args, model, ref_model, prompt_ids, completion_ids, C, devi
     old_logprobs = torch.zeros(N, C)
     ref_logprobs = torch.zeros(N, C) if ref_model is not None else None
     model.eval()
-    with (
-        torch.no_grad(),
-        torch.autocast(**autocast),
-        unsharded(model, world_size),
-        unsharded(ref_model, world_size) if ref_model is not None else nullcontext(),
-    ):
+    ref_unsharded = unsharded(ref_model, world_size) if ref_model is not None else nullcontext()
+    with torch.no_grad(), torch.autocast(**autocast), unsharded(model, world_size), ref_unsharded:
         for mb in token_budget_batches(range(N), prompt_lengths, completion_lengths, args.micro_batch_tokens):
             batch = collate([prompt_ids[i] for i in mb], [completion_ids[i] for i in mb], device, pad_id)
             for net, logprobs in ((model, old_logprobs), (ref_model, ref_logprobs)):
@@ -804,8 +780,7 @@ def round_metrics(args, batch, step_loss, train_stats, is_stats, reward_fns, rew
     importance-sampling ratio, each reward function's mean and std, and the micro-batches' entropy and clip ratios.
     batch: (scores, prompt lengths, completion lengths, truncated, advantages) of this rank's rows."""
     scores, prompt_lengths, completion_lengths, truncated, advantages = batch
-    device = step_loss.device
-    num_tokens = global_sum(sum(prompt_lengths) + sum(completion_lengths), world_size, device)
+    num_tokens = global_sum(sum(prompt_lengths) + sum(completion_lengths), world_size, step_loss.device)
     completion_lengths = torch.tensor(completion_lengths, dtype=torch.float)
     train_means = {k: torch.stack(v).mean() for k, v in train_stats.items() if v}
     abs_advantages = advantages.abs()
@@ -857,12 +832,11 @@ def load_prompts(args, dataset, tokenizer, max_context):
     prompts = dataset[args.prompt_column]
     prompts_are_messages = isinstance(prompts[0], list)
     use_template = prompts_are_messages or (args.use_chat_template and tokenizer.chat_template is not None)
+    system = [{"role": "system", "content": args.system_prompt}] if args.system_prompt else []
     prompt_ids = []
     for prompt in prompts:
         if use_template:
-            messages = prompt if prompts_are_messages else [{"role": "user", "content": prompt}]
-            if args.system_prompt:
-                messages = [{"role": "system", "content": args.system_prompt}] + messages
+            messages = system + (prompt if prompts_are_messages else [{"role": "user", "content": prompt}])
             ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
             ids = ids["input_ids"] if hasattr(ids, "keys") else ids  # a dict or BatchEncoding
         else:
@@ -922,9 +896,8 @@ def score_completions(reward_fns, completions, columns):
 
 
 def collate(prompt_ids, completion_ids, device, pad_id):
-    """Left-pad prompts and right-pad completions into one (B, P + C) batch.
-
-    Returns input_ids, attention_mask, position_ids (B, P + C), completion_mask (B, C) and P."""
+    """Left-pad prompts and right-pad completions into one batch: input_ids, attention_mask, position_ids (B, P + C),
+    completion_mask (B, C) and P."""
     P = max(len(p) for p in prompt_ids)
     C = max(max(len(c) for c in completion_ids), 1)
     input_ids = torch.full((len(prompt_ids), P + C), pad_id, dtype=torch.long)
@@ -1036,35 +1009,27 @@ def add_matmul(out, a, b):
 
 
 def per_token_logprobs(
-    model,
-    input_ids,
-    attention_mask,
-    position_ids,
-    completion_mask,
-    prompt_length,
-    temperature=1.0,
-    chunk_tokens=1024,
-    with_entropy=False,
-    into_grad=False,
+    model, ids, attn, pos, cmask, P, temperature=1.0, chunk_tokens=1024, with_entropy=False, into_grad=False
 ):
-    """log pi(token) of each completion token at the sampling temperature, (B, C), 0 on padding.
+    """log pi(token) of each completion token at the sampling temperature, (B, C), 0 on padding, from a batch of
+    collate's (input ids, attention mask, position ids, completion mask, prompt length P).
 
     The fp32 logits of a 150k vocabulary would be the memory peak, so they never exist for the whole batch: the LM
     head runs on chunks of `chunk_tokens` completion tokens (TokenLogprobs), and the backward pass recomputes one chunk
     at a time too. into_grad: the caller runs loss.backward(), so the LM head's gradient may go straight into .grad."""
     # the model's own forward (not its backbone alone), so that FSDP2 gathers every parameter; it computes the logits
     # of one position only, and its last hidden state is the final, normed one
-    inputs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)
+    inputs = dict(input_ids=ids, attention_mask=attn, position_ids=pos)
     hidden = model(**inputs, use_cache=False, logits_to_keep=1, output_hidden_states=True).hidden_states[-1]
-    hidden = hidden[:, prompt_length - 1 : -1]  # (B, C, H): position t predicts completion token t
-    targets = input_ids[:, prompt_length:]
-    mask = completion_mask.bool()
+    hidden = hidden[:, P - 1 : -1]  # (B, C, H): position t predicts completion token t
+    targets = ids[:, P:]
+    mask = cmask.bool()
     hidden, targets = hidden[mask], targets[mask]  # (n_tokens, H), (n_tokens,)
     lm_head = model.get_output_embeddings()
     args = lm_head.weight, lm_head.bias, targets, model.config, temperature, with_entropy, chunk_tokens, into_grad
     logprobs, entropy = TokenLogprobs.apply(hidden, *args)
     # masked_scatter keeps the output connected to the model even when no token is masked in
-    logprobs = torch.zeros(mask.shape, device=input_ids.device).masked_scatter(mask, logprobs)
+    logprobs = torch.zeros(mask.shape, device=ids.device).masked_scatter(mask, logprobs)
     return (logprobs, torch.zeros_like(logprobs).masked_scatter(mask, entropy)) if with_entropy else logprobs
 
 
@@ -1188,14 +1153,12 @@ def global_sum(value, world_size, device):
 
 @torch.no_grad()
 def hf_generate(model, prompt_ids, args, eos_ids, pad_id, num_generations=None, temperature=None):
-    """Sample num_generations completions per prompt (None: --num-generations) at `temperature` (None: the training
-    one; 0: greedy, for evaluation); returns completion token ids (prompt-major), each cut after its first EOS (the EOS
-    is kept as the last token)."""
+    """Sample num_generations completions per prompt (None: --num-generations) at `temperature` (None: the training one;
+    0: greedy); returns their token ids, prompt-major, each cut after its first EOS (kept as the last token)."""
     from transformers import GenerationConfig
 
-    num_generations = num_generations or args.num_generations
     temperature = args.temperature if temperature is None else temperature
-    repeated = [p for p in prompt_ids for _ in range(num_generations)]
+    repeated = [p for p in prompt_ids for _ in range(num_generations or args.num_generations)]
     input_ids, attention_mask, _, _, P = collate(repeated, [[]] * len(repeated), model.device, pad_id)
     input_ids, attention_mask = input_ids[:, :P], attention_mask[:, :P]  # the prompts, left-padded
     sampling = dict(do_sample=True, temperature=temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p)
@@ -1300,15 +1263,16 @@ def eval_metrics(greedy, sampled, reward_weights, names):
     return metrics
 
 
-def log_completions(tokenizer, prompt_ids, completion_ids, rewards, count, step, track):
-    """--log-completions: print `count` (prompt, completion, reward) rows of the step, one short line each, and with
-    --track log them to wandb as a table (TRL's "completions" table)."""
+def log_completions(args, tokenizer, prompt_ids, completion_ids, rewards, step):
+    """Print the step's first --log-completions (prompt, completion, reward) rows, one short line each, and with --track
+    log them to wandb as a table (TRL's "completions" table)."""
     decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
+    count = args.log_completions
     rows = [[step, decode(p), decode(c), r] for p, c, r in zip(prompt_ids[:count], completion_ids, rewards.tolist())]
     for _, prompt, completion, reward in rows:
         short = lambda text: textwrap.shorten(text, 70, placeholder=" ...") or repr(text)  # noqa: E731
         tqdm.write(f"  reward {reward:.3g} | {short(prompt)} => {short(completion)}")
-    if track:
+    if args.track:
         import wandb
 
         table = wandb.Table(columns=["step", "prompt", "completion", "reward"], data=rows)
@@ -1321,8 +1285,7 @@ def log_completions(tokenizer, prompt_ids, completion_ids, rewards, count, step,
 
 @contextmanager
 def written_atomically(path):
-    """Yield a temporary directory to write into, then rename it to `path`: a crash never leaves a half-written
-    `path`."""
+    """Yield a temporary directory to write into, then rename it to `path`: a crash never leaves `path` half written."""
     tmp = f"{path}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     yield tmp
@@ -1335,15 +1298,13 @@ def written_atomically(path):
         os.replace(tmp, path)
 
 
-def save_checkpoint(
-    args, run, model, tokenizer, optimizer, scheduler, global_step, prompts_consumed, device, world_size
-):
-    """output_dir/checkpoint-<global_step>: the weights and tokenizer (save_pretrained), trainer_state.pt (optimizer,
-    schedule, step, prompts consumed, every rank's random states) and run.json; then only the newest
-    --save-total-limit of this run's checkpoints are kept. Every rank calls it (gathering the state is a collective);
-    rank 0 (run is None on the others) writes."""
+def save_checkpoint(args, run, model, tokenizer, optimizer, scheduler, global_step, prompts_consumed, world_size):
+    """output_dir/checkpoint-<global_step>: weights and tokenizer (save_pretrained), trainer_state.pt (optimizer,
+    schedule, step, prompts consumed, every rank's RNG states) and run.json; then this run's checkpoints beyond
+    --save-total-limit are deleted. Every rank calls it (gathering the state is a collective); rank 0 writes."""
     model_state, optimizer_state = full_state(model, optimizer)
-    rng = (torch.get_rng_state(), torch.cuda.get_rng_state() if device.type == "cuda" else None)
+    cuda = model.device.type == "cuda"
+    rng = (torch.get_rng_state(), torch.cuda.get_rng_state() if cuda else None)
     rng_states = [rng] * world_size
     if world_size > 1:
         dist.all_gather_object(rng_states, rng)
@@ -1354,7 +1315,7 @@ def save_checkpoint(
         tokenizer.save_pretrained(tmp)
         state = {"optimizer": optimizer_state, "scheduler": scheduler.state_dict(), "global_step": global_step}
         state.update(prompts_consumed=prompts_consumed, torch_rng=[r[0] for r in rng_states])
-        state["cuda_rng"] = [r[1] for r in rng_states] if device.type == "cuda" else None
+        state["cuda_rng"] = [r[1] for r in rng_states] if cuda else None
         torch.save(state, os.path.join(tmp, "trainer_state.pt"))
         write_json(os.path.join(tmp, "run.json"), {**run, "script": "rloo.py", "global_step": global_step})
     if args.save_total_limit:
@@ -1398,8 +1359,7 @@ def finish(args, model, tokenizer, metrics_file, output_lock, world_size):
 
 def full_state(model, optimizer):
     """Unsharded weights and optimizer state: on one rank the model's and optimizer's own tensors (torch.save copies GPU
-    tensors one at a time); with FSDP2 gathered onto rank 0's CPU, by parameter name (every rank must call this: a
-    collective; the others get empty dicts)."""
+    tensors one by one); with FSDP2 gathered onto rank 0's CPU by name (a collective; others get empty dicts)."""
     if not dist.is_initialized():
         return model.state_dict(), optimizer.state_dict() if optimizer is not None else None
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
@@ -1433,9 +1393,8 @@ def looks_local(path):
 
 
 def check_args(args, world_size=1):
-    """Every check that needs neither a model nor the data, right after parsing: value ranges, flag combinations, and
-    that local paths exist (a missing local model would otherwise surface later, as a hub error). Exits with one line
-    per problem, each naming its flag."""
+    """Every check that needs neither a model nor the data: value ranges, flag combinations, and that local paths exist
+    (a missing local model would otherwise surface later, as a hub error); exits with one line per problem."""
     problems = []
     floor = args.vllm_importance_sampling_clip_min or 0  # --vllm-importance-sampling-clip-max must exceed it
     rules = [  # (field, true for a valid value, what it must be); None (an option left unset) is always valid
@@ -1502,8 +1461,6 @@ def check_args(args, world_size=1):
             f"--reward-weights has {len(args.reward_weights)} values for {len(args.reward_funcs)} --reward-funcs"
         )
     if args.use_vllm:
-        import vllm_utils
-
         problems += vllm_utils.setup_problems()
     if args.async_generation and not (args.use_vllm and args.vllm_mode == "server"):
         problems.append(
@@ -1528,9 +1485,8 @@ def check_args(args, world_size=1):
     evaluating = args.eval_steps > 0 or args.max_steps == 0
     if evaluating and eval_source(args) is None:
         problems.append(
-            f"{'--eval-steps' if args.eval_steps else '--max-steps 0 (evaluate and exit)'} needs an "
-            f"eval dataset: --dataset-name {args.dataset_name} is a local file, with no test split; pass "
-            f"--eval-dataset"
+            f"{'--eval-steps' if args.eval_steps else '--max-steps 0 (evaluate and exit)'} needs an eval dataset: "
+            f"--dataset-name {args.dataset_name} is a local file, with no test split; pass --eval-dataset"
         )
     if args.eval_dataset and not evaluating:
         problems.append(
@@ -1694,9 +1650,8 @@ def run_checkpoints(output_dir, run_id):
 
 
 def remove_dead_temporaries(output_dir):
-    """Remove what a process killed while saving left behind: checkpoint-N.tmp-PID (half written), .final-tmp-PID,
-    and checkpoint-N.old-PID (a complete checkpoint moved aside for its replacement: put back if that never arrived).
-    Only those of processes that no longer run."""
+    """Remove what a dead process left while saving: checkpoint-N.tmp-PID (half written), .final-tmp-PID, and
+    checkpoint-N.old-PID (a complete checkpoint moved aside for its replacement: put back if that never arrived)."""
     for name in sorted(os.listdir(output_dir)):
         match = re.fullmatch(rf"({CHECKPOINT}|run\.json)\.(tmp|old)-(\d+)|\.final-tmp-(\d+)", name)
         if not match or pid_alive(int(match[3] or match[4])):
@@ -1812,8 +1767,7 @@ def claim_output_dir(args, script):
 
 
 def forget_unstarted_run(output_dir, run_id, created):
-    """At exit: if this run wrote nothing but run.json (it failed while starting), take that back, and the directory
-    too if this run created it."""
+    """At exit: a run that wrote only run.json (it failed to start) removes it, and the directory if the run made it."""
     try:
         only_run_json = set(os.listdir(output_dir)) <= {".lock", "run.json"}
         if only_run_json and read_json(os.path.join(output_dir, "run.json"))["run_id"] == run_id:
