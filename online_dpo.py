@@ -25,7 +25,6 @@ import ast
 import atexit
 import dataclasses
 import fcntl
-import functools
 import inspect
 import itertools
 import json
@@ -42,12 +41,11 @@ import threading
 import time
 import uuid
 import warnings
-from collections import defaultdict
 from concurrent.futures import Future
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
-from functools import partial
+from functools import cache, partial
 from typing import Annotated, Literal, NamedTuple
 
 import numpy as np
@@ -296,17 +294,15 @@ def beta_for_epoch(betas, epoch):
 def train(args):
     """The run: start-up, then one round per step (generate -> score -> pair -> DPO loss and one optimizer step ->
     weights to vLLM -> evaluate -> log and checkpoint), then the final model."""
-    # TRY NOT TO MODIFY: start-up. Every mistake in the flags or the data stops the run here, before any model loads
-    # or anything is written. Several processes (torchrun): each rank takes an equal share of every step's prompts
-    # and pairs them itself
+    # TRY NOT TO MODIFY: start-up. A mistake in the flags or the data stops the run here, before any model loads or
+    # anything is written. With torchrun, each rank takes an equal share of every step's prompts and pairs them itself
     world_size, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
     is_main = rank == 0
     reward_fns, dataset, eval_dataset = check_inputs(args, world_size)
     reward_weights = torch.tensor(args.reward_weights or [1.0] * len(reward_fns))
     device, run, checkpoint_dir, output_lock = init_distributed(args, rank, world_size)
     preemption = on_sigterm()  # SIGTERM: a checkpoint at the end of the step, then exit
-    # seeding (the same on every rank until sampling, so that all ranks hold the same weights)
-    random.seed(args.seed)
+    random.seed(args.seed)  # the same seeds on every rank until sampling, so that all ranks hold the same weights
     np.random.seed(args.seed)
     torch.manual_seed(args.seed)
     # no weight cache: each weight is cast once per forward anyway, and the cache would outlive gradient checkpointing
@@ -317,10 +313,9 @@ def train(args):
     max_context = getattr(model.config, "max_position_embeddings", None) or 10**9
     train_set = load_prompts(args, dataset, tokenizer, max_context)
     eval_set = load_prompts(args, eval_dataset, tokenizer, max_context) if eval_dataset is not None else None
-    reward_model = None  # (model, tokenizer) of --reward-model-path, which scores instead of reward functions
-    if args.reward_model_path:
-        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-        reward_model = load_reward_model(args.reward_model_path, device, dtype)
+    # (model, tokenizer) of --reward-model-path, which scores instead of reward functions
+    reward_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    reward_model = load_reward_model(args.reward_model_path, device, reward_dtype) if args.reward_model_path else None
     optimizer, scheduler = make_optimizer(args, model, device)
     global_step, prompts_consumed, skipped_steps = 0, 0, 0
     torch.manual_seed(args.seed + rank)  # from here on each rank samples its own completions
@@ -331,9 +326,7 @@ def train(args):
     longest_prompt = max(len(p) for p in train_set.prompt_ids + (eval_set.prompt_ids if eval_set else []))
     generate, engine = make_generator(args, model, model_path, longest_prompt, eos_ids, pad_id, world_size)
     metrics_file = open_metrics(args, run, checkpoint_dir, global_step) if is_main else None
-    progress = tqdm(
-        total=args.max_steps, initial=global_step, desc="online_dpo", dynamic_ncols=True, disable=not is_main
-    )
+    progress = tqdm(total=args.max_steps, initial=global_step, desc="online_dpo", dynamic_ncols=True, disable=rank > 0)
     prompt_ids, num_generations = train_set.prompt_ids, args.num_generations
     evaluate = partial(evaluation, args, generate, eval_set, tokenizer, reward_fns, reward_weights, device)
 
@@ -354,14 +347,13 @@ def train(args):
         log_metrics({"step": global_step, **evaluate()}, True, metrics_file, args.track)
     while global_step < args.max_steps:
         round_start = time.perf_counter()
-        timing = defaultdict(float, {"timing/weight_sync": 0.0})
+        timing = {"timing/weight_sync": 0.0}
         # prompts of the rounds before this one (a round generating in the background is drawn but not trained yet)
         epoch = (prompts_consumed - (args.prompts_per_step if next_round else 0)) // len(prompt_ids)
         beta = beta_for_epoch(args.beta, epoch)
 
-        # ALGO LOGIC: 1. sample prompts and generate G completions each. --async-generation: this step's round was
-        # generated during the last step, by the weights before it; the next round starts now, from the current
-        # weights, and generates while we train
+        # ALGO LOGIC: 1. sample prompts, generate G completions each. --async-generation: this round was generated
+        # during the last step, by the weights before it; the next starts now, from the current weights, while we train
         rows, version, generation = next_round or start_round()
         if args.async_generation:
             next_round = start_round() if global_step + 1 < args.max_steps else None
@@ -380,9 +372,7 @@ def train(args):
             rewards = reward_model_rewards(args, reward_model, tokenizer, train_set, rows, completion_ids, device)
             scores = torch.zeros(len(completion_ids), 0)  # (N, no reward functions)
         else:
-            scores = reward_function_scores(
-                args, tokenizer, reward_fns, train_set, rows, completion_ids, num_generations
-            )
+            scores = reward_function_scores(args, tokenizer, reward_fns, train_set, rows, completion_ids)
             rewards = (scores * reward_weights).nansum(-1).masked_fill(scores.isnan().all(-1), float("nan"))  # (N,)
         if args.missing_eos_penalty is not None:
             rewards = apply_missing_eos_penalty(rewards, completion_ids, eos_ids, args.missing_eos_penalty)
@@ -394,28 +384,25 @@ def train(args):
         all_pairs = int(global_sum(num_pairs, world_size, device))  # every rank's pairs weigh the same in the loss
 
         # 4. one optimizer step on the DPO loss, in micro-batches of whole pairs
-        logprobs = torch.zeros(num_pairs, 2, device=device)  # sequence log-probs of (chosen, rejected) under the policy
-        ref_logprobs = torch.zeros(num_pairs, 2, device=device)  # ... and under the reference model
+        pair_logprobs = torch.zeros(num_pairs, 2, 2, device=device)  # (chosen, rejected) x (policy, reference)
         t0 = clock(device)
         if all_pairs:
             model.train()
             step_loss = 0.0
             pair_prompt_lengths = [len(batch_prompt_ids[c]) for c in chosen]
             pair_lengths = [max(len(completion_ids[c]), len(completion_ids[r])) for c, r in zip(chosen, rejected)]
-            micro_batches = token_budget_batches(
-                range(num_pairs), pair_prompt_lengths, pair_lengths, args.micro_batch_tokens // 2
-            )
+            budget = args.micro_batch_tokens // 2  # a micro-batch of k pairs is 2k rows
+            micro_batches = token_budget_batches(range(num_pairs), pair_prompt_lengths, pair_lengths, budget)
             for mb in same_count_on_all_ranks(micro_batches, world_size, device):
                 padding_pass = mb is None  # only to keep FSDP's collectives in step with the other ranks
                 mb_rows = [0, 0] if padding_pass else [chosen[j] for j in mb] + [rejected[j] for j in mb]  # k + k
                 mb_prompts = [batch_prompt_ids[i] for i in mb_rows]
                 mb_completions = [completion_ids[i] for i in mb_rows]
-                # (2k,) -> (2, k): row 0 the chosen completions, row 1 the rejected ones
                 with torch.no_grad(), torch.autocast(**autocast), unsharded(ref_model, world_size):
                     mb_ref = sequence_logprobs(ref_model, mb_prompts, mb_completions, args.temperature, device, pad_id)
                 with torch.autocast(**autocast):
                     mb_policy = sequence_logprobs(model, mb_prompts, mb_completions, args.temperature, device, pad_id)
-                mb_policy, mb_ref = mb_policy.view(2, -1), mb_ref.view(2, -1)
+                mb_policy, mb_ref = mb_policy.view(2, -1), mb_ref.view(2, -1)  # (2k,) -> (2, k): chosen, rejected
                 losses = dpo_loss(mb_policy[0], mb_policy[1], mb_ref[0], mb_ref[1], beta, args.loss_type)  # (k,)
                 # every pair of every rank weighs 1 / all_pairs, however the pairs are micro-batched; FSDP averages
                 # gradients over ranks, hence x world_size
@@ -423,7 +410,7 @@ def train(args):
                 loss.backward()
                 step_loss += loss.detach()  # summed on the device: no host sync per micro-batch
                 if not padding_pass:
-                    logprobs[mb], ref_logprobs[mb] = mb_policy.detach().T, mb_ref.T
+                    pair_logprobs[mb] = torch.stack([mb_policy.detach().T, mb_ref.T], -1)
             t1 = clock(device)
             timing["timing/forward_backward"] = t1 - t0  # the reference model's log-probs included
             grad_norm = clip_gradients(model, args.max_grad_norm)
@@ -464,11 +451,9 @@ def train(args):
         lengths = torch.tensor([len(c) for c in completion_ids], dtype=torch.float)
         truncated = truncated_completions(completion_ids, eos_ids)  # (N,): 1 where no EOS ended the completion
         pair_rewards = torch.stack([rewards[chosen], rewards[rejected]], -1)  # (num_pairs, 2): chosen, rejected
-        # (num_pairs, 2, 2): (chosen, rejected) x (policy, reference)
-        pair_logprobs = torch.stack([logprobs.cpu(), ref_logprobs.cpu()], -1)
         counts = torch.tensor([[num_tied, num_unscorable, len(rows)]], dtype=torch.float)
         rewards, scores, lengths, truncated, pair_rewards, pair_logprobs, counts = gather_from_ranks(
-            world_size, rewards, scores, lengths, truncated, pair_rewards, pair_logprobs, counts
+            world_size, rewards, scores, lengths, truncated, pair_rewards, pair_logprobs.cpu(), counts
         )
         counts = counts.sum(0)  # tied, unscorable, prompts
         if world_size > 1 and all_pairs:
@@ -553,7 +538,6 @@ def init_distributed(args, rank, world_size):
     if world_size > 1:
         # rank 0 alone may spend minutes writing a checkpoint while the others wait in the next collective
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timedelta(hours=1))
-    # the output directory is this run's alone (a lock); another run's files are refused; only this run's checkpoints
     run, checkpoint_dir, lock = claim_output_dir(args, "online_dpo.py") if rank == 0 else (None, None, None)
     shared = [checkpoint_dir]
     if world_size > 1:  # rank 0 decided which checkpoint to resume
@@ -628,10 +612,9 @@ def load_checkpoint(checkpoint_dir, model, optimizer, scheduler, device, rank, w
 
 
 def make_generator(args, model, model_path, longest_prompt, eos_ids, pad_id, world_size):
-    """Returns (generate, the vLLM engine or None). generate(prompt_ids, n=None, temperature=None) samples n
-    completions per prompt (None: training's n and temperature; temperature 0: greedy) and returns (completion ids,
-    prompt-major; vLLM's sampling_logprobs or None): Hugging Face generate, or vLLM (a colocated engine or a `vllm
-    serve` server)."""
+    """Returns (generate, the vLLM engine or None). generate(prompt_ids, n=None, temperature=None) samples n completions
+    per prompt (None: training's n and temperature; temperature 0: greedy) and returns (completion ids, prompt-major;
+    vLLM's sampling_logprobs or None): Hugging Face generate, or vLLM (colocated, or a `vllm serve` server)."""
     if not args.use_vllm:
 
         def generate(prompt_ids, n=None, temperature=None):
@@ -663,8 +646,7 @@ def open_metrics(args, run, checkpoint_dir, global_step):
 
 def future_of(fn, *args, background=True):
     """fn(*args) as a Future: run in a daemon thread (--async-generation: the trainer trains meanwhile; a daemon never
-    holds up the exit after an error), or right now. future.result() returns (the value, the seconds fn took) or
-    raises fn's error."""
+    delays the exit after an error), or now. future.result() returns (fn's value, its seconds) or raises fn's error."""
     future = Future()
 
     def run():
@@ -685,14 +667,14 @@ def clock(device):
     return time.perf_counter()
 
 
-def reward_function_scores(args, tokenizer, reward_fns, prompt_set, rows, completion_ids, num_generations):
-    """The reward functions' scores (len(rows) * num_generations, num_funcs) of num_generations completions per prompt
-    row (prompt-major): each function gets the decoded completions and, by name, the rows' dataset columns (training
-    set, or eval set); NaN where a function gave None. The completions are chat messages only when the dataset's prompts
-    are (TRL's rule): plain-text prompts that the chat template wraps give plain strings."""
+def reward_function_scores(args, tokenizer, reward_fns, prompt_set, rows, completion_ids, num_generations=None):
+    """The reward functions' scores (len(rows) * n, num_funcs) of n = num_generations (None: --num-generations)
+    completions per prompt row (prompt-major): each function gets the decoded completions and, by name, the rows'
+    dataset columns (training or eval set); NaN where a function gave None. The completions are chat messages only when
+    the dataset's prompts are (TRL's rule): plain-text prompts that the chat template wraps give plain strings."""
     texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
     completions = [[{"role": "assistant", "content": t}] for t in texts] if prompt_set.prompts_are_messages else texts
-    repeated = lambda values: [values[i] for i in rows for _ in range(num_generations)]
+    repeated = lambda values: [values[i] for i in rows for _ in range(num_generations or args.num_generations)]
     columns = {c: repeated(v) for c, v in prompt_set.columns.items()}
     prompts = repeated({i: tokenizer.decode(prompt_set.prompt_ids[i]) for i in rows})
     passed = dict(prompts=prompts, completion_ids=completion_ids, max_completion_length=args.max_completion_length)
@@ -722,8 +704,7 @@ def reward_model_rewards(args, reward_model, tokenizer, prompt_set, rows, comple
     texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
     prompt_ids = [prompt_set.prompt_ids[i] for i in rows for _ in range(args.num_generations)]
     if isinstance(prompt_set.prompts[0], list):
-        prompts = [prompt_set.prompts[i] for i in rows for _ in range(args.num_generations)]
-        completions = texts
+        prompts, completions = [prompt_set.prompts[i] for i in rows for _ in range(args.num_generations)], texts
     else:
         prompts = tokenizer.batch_decode(prompt_ids, skip_special_tokens=True)
         full = tokenizer.batch_decode([p + c for p, c in zip(prompt_ids, completion_ids)], skip_special_tokens=True)
@@ -789,8 +770,7 @@ def gather_from_ranks(world_size, *tensors):
 
 
 def log_metrics(metrics, show, metrics_file, track):
-    """Rank 0 (the one with a metrics_file): print the metrics line if `show`, append it to metrics.jsonl, send it to
-    wandb."""
+    """Rank 0 (the one with a metrics_file): print the metrics line if `show`, append it to metrics.jsonl and wandb."""
     if metrics_file is None:
         return
     if show:
@@ -898,7 +878,6 @@ def load_prompts(args, dataset, tokenizer, max_context):
     columns = {c: values for c, values in dataset.items() if c != args.prompt_column}
     if args.answer_column and args.answer_column != "answer":
         columns["answer"] = columns.pop(args.answer_column)
-
     keep = list(range(len(prompt_ids)))
     if args.max_prompt_length is not None:
         keep = [i for i in keep if len(prompt_ids[i]) <= args.max_prompt_length]
@@ -1025,9 +1004,7 @@ def fused(fn, like):
     return compiled(fn) if like.is_cuda else fn
 
 
-@functools.cache
-def compiled(fn):
-    return torch.compile(fn, dynamic=True)
+compiled = cache(partial(torch.compile, dynamic=True))  # fn -> torch.compile(fn, dynamic=True), made once
 
 
 def add_matmul(out, a, b):
@@ -1041,15 +1018,7 @@ def add_matmul(out, a, b):
 
 
 def per_token_logprobs(
-    model,
-    input_ids,
-    attention_mask,
-    position_ids,
-    completion_mask,
-    prompt_length,
-    temperature=1.0,
-    chunk_tokens=1024,
-    into_grad=False,
+    model, input_ids, attn, pos, completion_mask, prompt_length, temperature=1.0, chunk_tokens=1024, into_grad=False
 ):
     """log pi(token) of each completion token at the sampling temperature, (B, C), 0 on padding.
 
@@ -1058,7 +1027,7 @@ def per_token_logprobs(
     at a time too. into_grad: the caller runs loss.backward(), so the LM head's gradient may go straight into .grad."""
     # the model's own forward (not its backbone alone), so that FSDP2 gathers every parameter; it computes the logits
     # of one position only, and its last hidden state is the final, normed one
-    inputs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)
+    inputs = dict(input_ids=input_ids, attention_mask=attn, position_ids=pos)
     hidden = model(**inputs, use_cache=False, logits_to_keep=1, output_hidden_states=True).hidden_states[-1]
     hidden = hidden[:, prompt_length - 1 : -1]  # (B, C, H): position t predicts completion token t
     targets = input_ids[:, prompt_length:]
@@ -1102,9 +1071,8 @@ def clip_gradients(model, max_norm):
 def token_budget_batches(rows, prompt_lengths, completion_lengths, budget):
     """Split `rows` into micro-batches whose padded size (rows x (max prompt + max completion)) fits `budget`.
     Rows are sorted by length so that similar lengths share a micro-batch (less padding)."""
-    order = sorted(rows, key=lambda i: prompt_lengths[i] + completion_lengths[i])
     batches, current, max_p, max_c = [], [], 0, 0
-    for i in order:
+    for i in sorted(rows, key=lambda i: prompt_lengths[i] + completion_lengths[i]):
         p, c = max(max_p, prompt_lengths[i]), max(max_c, completion_lengths[i])
         if current and (len(current) + 1) * (p + c) > budget:
             batches.append(current)
@@ -1182,9 +1150,8 @@ def global_sum(value, world_size, device):
 
 @torch.no_grad()
 def hf_generate(model, prompt_ids, args, eos_ids, pad_id, n=None, temperature=None):
-    """Sample n completions per prompt (None: num_generations) at `temperature` (None: the training one; 0: greedy,
-    for evaluation); returns completion token ids (prompt-major), each cut after its first EOS (the EOS is kept as the
-    last token)."""
+    """Sample n completions per prompt (None: num_generations) at `temperature` (None: the training one; 0: greedy, for
+    evaluation); returns completion token ids (prompt-major), each cut after its first EOS (kept as the last token)."""
     from transformers import GenerationConfig
 
     n, temperature = n or args.num_generations, args.temperature if temperature is None else temperature
@@ -1270,8 +1237,7 @@ def eval_metrics(greedy, sampled, reward_weights, names):
         k, total = sampled.shape[1], (sampled * reward_weights).nansum(-1)  # (P, k)
         metrics[f"eval/mean@{k}"] = total.mean().item()
         metrics[f"eval/pass@{k}"] = (total > 0).any(-1).float().mean().item()
-        for j, name in enumerate(names):
-            metrics[f"eval/rewards/{name}/mean@{k}"] = sampled[..., j].nanmean().item()
+        metrics |= {f"eval/rewards/{name}/mean@{k}": sampled[..., j].nanmean().item() for j, name in enumerate(names)}
     return metrics
 
 
@@ -1297,8 +1263,7 @@ def log_completions(args, tokenizer, prompt_ids, completion_ids, rewards, step):
 
 @contextmanager
 def atomic_directory(path):
-    """Yield a temporary directory to write into, then rename it to `path`: a crash never leaves a half-written
-    `path`."""
+    """Yield a temporary directory to write into, then rename it to `path`: no crash leaves a half-written `path`."""
     tmp = f"{path}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     yield tmp
@@ -1438,17 +1403,14 @@ def check_args(args, world_size=1):
             "the trainer's GPU, so generation cannot overlap training"
         )
     # local paths: a directory that is not there is reported as such, not as a hub name that does not parse
-    for name, marker, kind in (
-        ("model_name_or_path", "config.json", "model"),
-        ("reward_model_path", "config.json", "model"),
-        ("resume_from_checkpoint", "trainer_state.pt", "checkpoint"),
-    ):
-        path = getattr(args, name)
-        if path is None or (name == "resume_from_checkpoint" and path == "latest"):
+    for name in ("model_name_or_path", "reward_model_path", "resume_from_checkpoint"):
+        path, checkpoint = getattr(args, name), name == "resume_from_checkpoint"
+        marker, kind = ("trainer_state.pt", "checkpoint") if checkpoint else ("config.json", "model")
+        if path is None or (checkpoint and path == "latest"):
             continue
         if os.path.isdir(path) and not os.path.exists(os.path.join(path, marker)):
             problems.append(f"--{name.replace('_', '-')} {path}: that directory has no {marker}, so it is not a {kind}")
-        elif not os.path.isdir(path) and (kind == "checkpoint" or looks_local(path)):
+        elif not os.path.isdir(path) and (checkpoint or looks_local(path)):
             problems.append(f"--{name.replace('_', '-')} {path}: no such directory")
     for flag, name in (("--dataset-name", args.dataset_name), ("--eval-dataset", args.eval_dataset)):
         if name is not None and is_local_data(name) and not os.path.exists(name):
@@ -1456,9 +1418,8 @@ def check_args(args, world_size=1):
     evaluating = args.eval_steps > 0 or args.max_steps == 0
     if evaluating and eval_source(args) is None:
         problems.append(
-            f"{'--eval-steps' if args.eval_steps else '--max-steps 0 (evaluate and exit)'} needs an "
-            f"eval dataset: --dataset-name {args.dataset_name} is a local file, with no test split; pass "
-            f"--eval-dataset"
+            f"{'--eval-steps' if args.eval_steps else '--max-steps 0 (evaluate and exit)'} needs an eval dataset: "
+            f"--dataset-name {args.dataset_name} is a local file, with no test split; pass --eval-dataset"
         )
     if evaluating and args.reward_model_path:
         problems.append(
@@ -1639,8 +1600,7 @@ def remove_dead_temporaries(output_dir):
 
 
 def claim_output_dir(args, script):
-    """Make --output-dir this run's (rank 0, before any model loads); returns (run, checkpoint to resume or None, the
-    lock's file descriptor).
+    """Rank 0, before any model loads: make --output-dir this run's. Returns (run, checkpoint to resume or None, lock).
 
     run = {"run_id", "run_name"}: the identity written into output_dir/run.json and into every checkpoint, so that
     `latest`, --save-total-limit and a resumed wandb run concern this run only.
