@@ -995,12 +995,12 @@ def final_logits(logits, config):
 
 
 class TokenLogprobs(torch.autograd.Function):
-    """log pi(target) and the entropy (None unless asked) of each final hidden state, (n,) each, computed `chunk`
-    tokens at a time so that no (n, vocabulary) tensor exists: the forward saves the hidden states and the log-sum-exp;
-    the backward recomputes each chunk's logits once and writes their gradient in one pass, d log pi(t) / dz =
-    onehot(t) - softmax(z), where z are the logits after the model's own transform and the temperature. The LM head's
-    weight is cast once per pass, and its gradient is summed over the chunks in one buffer (with fp32 weights under
-    autocast: 0.8 GiB less at a bench step's peak than one per chunk, benchmarks/results/README.md)."""
+    """log pi(target) and the entropy (None unless asked) of each final hidden state, (n,) each, computed `chunk` tokens
+    at a time so that no (n, vocabulary) tensor exists: the forward saves the hidden states and the log-sum-exp; the
+    backward recomputes each chunk's logits once and writes their gradient in one pass, d log pi(t) / dz = onehot(t) -
+    softmax(z), where z are the logits after the model's own transform and the temperature. The LM head's weight is cast
+    once per pass, and its gradient is summed over the chunks in one buffer, or in its .grad with into_grad (with fp32
+    weights under autocast: 0.8 GiB less at a bench step's peak than one per chunk, benchmarks/results/README.md)."""
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, config, temperature, with_entropy, chunk, into_grad):
@@ -1076,35 +1076,27 @@ def add_matmul(out, a, b):
 
 
 def per_token_logprobs(
-    model,
-    input_ids,
-    attention_mask,
-    position_ids,
-    completion_mask,
-    prompt_length,
-    temperature=1.0,
-    chunk_tokens=1024,
-    with_entropy=False,
-    into_grad=False,
+    model, ids, attn, pos, cmask, P, temperature=1.0, chunk_tokens=1024, with_entropy=False, into_grad=False
 ):
-    """log pi(token) of each completion token at the sampling temperature, (B, C), 0 on padding.
+    """log pi(token) of each completion token at the sampling temperature, (B, C), 0 on padding, from a batch of
+    collate's (input ids, attention mask, position ids, completion mask, prompt length P).
 
     The fp32 logits of a 150k vocabulary would be the memory peak, so they never exist for the whole batch: the LM
     head runs on chunks of `chunk_tokens` completion tokens (TokenLogprobs), and the backward pass recomputes one chunk
     at a time too. into_grad: the caller runs loss.backward(), so the LM head's gradient may go straight into .grad."""
     # the model's own forward (not its backbone alone), so that FSDP2 gathers every parameter; it computes the logits
     # of one position only, and its last hidden state is the final, normed one
-    inputs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)
+    inputs = dict(input_ids=ids, attention_mask=attn, position_ids=pos)
     hidden = model(**inputs, use_cache=False, logits_to_keep=1, output_hidden_states=True).hidden_states[-1]
-    hidden = hidden[:, prompt_length - 1 : -1]  # (B, C, H): position t predicts completion token t
-    targets = input_ids[:, prompt_length:]
-    mask = completion_mask.bool()
+    hidden = hidden[:, P - 1 : -1]  # (B, C, H): position t predicts completion token t
+    targets = ids[:, P:]
+    mask = cmask.bool()
     hidden, targets = hidden[mask], targets[mask]  # (n_tokens, H), (n_tokens,)
     lm_head = model.get_output_embeddings()
     args = lm_head.weight, lm_head.bias, targets, model.config, temperature, with_entropy, chunk_tokens, into_grad
     logprobs, entropy = TokenLogprobs.apply(hidden, *args)
     # masked_scatter keeps the output connected to the model even when no token is masked in
-    logprobs = torch.zeros(mask.shape, device=input_ids.device).masked_scatter(mask, logprobs)
+    logprobs = torch.zeros(mask.shape, device=ids.device).masked_scatter(mask, logprobs)
     return (logprobs, torch.zeros_like(logprobs).masked_scatter(mask, entropy)) if with_entropy else logprobs
 
 

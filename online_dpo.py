@@ -942,8 +942,8 @@ class TokenLogprobs(torch.autograd.Function):
     tensor exists: the forward saves the hidden states and the log-sum-exp; the backward recomputes each chunk's logits
     once and writes their gradient in one pass, d log pi(t) / dz = onehot(t) - softmax(z), where z are the logits after
     the model's own transform and the temperature. The LM head's weight is cast once per pass, and its gradient is
-    summed over the chunks in one buffer (with fp32 weights under autocast: 0.8 GiB less at a bench step's peak than
-    one per chunk, benchmarks/results/README.md)."""
+    summed over the chunks in one buffer, or in its .grad with into_grad (with fp32 weights under autocast: 0.8 GiB less
+    at a bench step's peak than one per chunk, benchmarks/results/README.md)."""
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, config, temperature, chunk, into_grad):
@@ -1017,27 +1017,26 @@ def add_matmul(out, a, b):
         out += (a @ b).to(out.dtype)
 
 
-def per_token_logprobs(
-    model, input_ids, attn, pos, completion_mask, prompt_length, temperature=1.0, chunk_tokens=1024, into_grad=False
-):
-    """log pi(token) of each completion token at the sampling temperature, (B, C), 0 on padding.
+def per_token_logprobs(model, ids, attn, pos, cmask, P, temperature=1.0, chunk_tokens=1024, into_grad=False):
+    """log pi(token) of each completion token at the sampling temperature, (B, C), 0 on padding, from a batch of
+    collate's (input ids, attention mask, position ids, completion mask, prompt length P).
 
     The fp32 logits of a 150k vocabulary would be the memory peak, so they never exist for the whole batch: the LM
     head runs on chunks of `chunk_tokens` completion tokens (TokenLogprobs), and the backward pass recomputes one chunk
     at a time too. into_grad: the caller runs loss.backward(), so the LM head's gradient may go straight into .grad."""
     # the model's own forward (not its backbone alone), so that FSDP2 gathers every parameter; it computes the logits
     # of one position only, and its last hidden state is the final, normed one
-    inputs = dict(input_ids=input_ids, attention_mask=attn, position_ids=pos)
+    inputs = dict(input_ids=ids, attention_mask=attn, position_ids=pos)
     hidden = model(**inputs, use_cache=False, logits_to_keep=1, output_hidden_states=True).hidden_states[-1]
-    hidden = hidden[:, prompt_length - 1 : -1]  # (B, C, H): position t predicts completion token t
-    targets = input_ids[:, prompt_length:]
-    mask = completion_mask.bool()
+    hidden = hidden[:, P - 1 : -1]  # (B, C, H): position t predicts completion token t
+    targets = ids[:, P:]
+    mask = cmask.bool()
     hidden, targets = hidden[mask], targets[mask]  # (n_tokens, H), (n_tokens,)
     lm_head = model.get_output_embeddings()
     args = lm_head.weight, lm_head.bias, targets, model.config, temperature, chunk_tokens, into_grad
     logprobs = TokenLogprobs.apply(hidden, *args)
     # masked_scatter keeps the output connected to the model even when no token is masked in
-    return torch.zeros(mask.shape, device=input_ids.device).masked_scatter(mask, logprobs)
+    return torch.zeros(mask.shape, device=ids.device).masked_scatter(mask, logprobs)
 
 
 def check_logprobs(model, input_ids, device, world_size):

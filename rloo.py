@@ -926,12 +926,12 @@ def final_logits(logits, config):
 
 
 class TokenLogprobs(torch.autograd.Function):
-    """log pi(target) and the entropy (None unless asked) of each final hidden state, (n,) each, computed `chunk`
-    tokens at a time so that no (n, vocabulary) tensor exists: the forward saves the hidden states and the log-sum-exp;
-    the backward recomputes each chunk's logits once and writes their gradient in one pass, d log pi(t) / dz =
-    onehot(t) - softmax(z), where z are the logits after the model's own transform and the temperature. The LM head's
-    weight is cast once per pass, and its gradient is summed over the chunks in one buffer (with fp32 weights under
-    autocast: 0.8 GiB less at a bench step's peak than one per chunk, benchmarks/results/README.md)."""
+    """log pi(target) and the entropy (None unless asked) of each final hidden state, (n,) each, computed `chunk` tokens
+    at a time so that no (n, vocabulary) tensor exists: the forward saves the hidden states and the log-sum-exp; the
+    backward recomputes each chunk's logits once and writes their gradient in one pass, d log pi(t) / dz = onehot(t) -
+    softmax(z), where z are the logits after the model's own transform and the temperature. The LM head's weight is cast
+    once per pass, and its gradient is summed over the chunks in one buffer, or in its .grad with into_grad (with fp32
+    weights under autocast: 0.8 GiB less at a bench step's peak than one per chunk, benchmarks/results/README.md)."""
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, config, temperature, with_entropy, chunk, into_grad):
