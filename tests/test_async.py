@@ -32,7 +32,7 @@ PROMPTS = [
 class StandInServer:
     def __init__(self, monkeypatch, delay=0.2):
         self.delay, self.version, self.in_flight, self.updates_while_serving = delay, 0, 0, 0
-        self.requests, self.lock = [], threading.Lock()
+        self.requests, self.lock, self.sampling = [], threading.Lock(), threading.Lock()
         for name in ("start", "generate", "sync_weights", "sleep"):
             monkeypatch.setattr(vllm_utils, name, getattr(self, name))
         monkeypatch.setattr(vllm_utils, "setup_problems", lambda: [])  # no GPU or vLLM needed to stand in
@@ -50,7 +50,9 @@ class StandInServer:
             self.requests.append(request)
         time.sleep(self.delay)  # long enough that training runs meanwhile
         eos = self.model.generation_config.eos_token_id
-        completions, _ = grpo.hf_generate(self.model, prompt_ids, self.args, [eos], 0, n, temperature)
+        with self.sampling:  # rounds in flight at once would interleave their draws from torch's one global generator
+            torch.manual_seed(len(request["prompts"]) + 1000 * self.requests.index(request))  # reproducible per request
+            completions, _ = grpo.hf_generate(self.model, prompt_ids, self.args, [eos], 0, n, temperature)
         logprobs = []
         with torch.no_grad():
             for k, completion in enumerate(completions):
