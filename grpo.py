@@ -866,10 +866,9 @@ def evaluate(run):
     greedy = score(run, rows, greedy_ids, 1, evaluation=True)[:real]  # (real, num_funcs)
     sampled = score(run, rows, sampled_ids, k, evaluation=True).view(len(rows), k, -1)[:real] if k > 1 else None
     lengths = torch.tensor([len(c) for c in greedy_ids[:real]], dtype=torch.float)
-    if world_size > 1:  # every rank's scores, in rank order: the prompts in order, as on one rank
-        parts = gather_objects((greedy, sampled, lengths), world_size)
-        greedy, lengths = torch.cat([p[0] for p in parts]), torch.cat([p[2] for p in parts])
-        sampled = torch.cat([p[1] for p in parts]) if k > 1 else None
+    parts = gather_objects((greedy, sampled, lengths), world_size)  # every rank's, in rank order: the prompts in order
+    greedy, lengths = torch.cat([p[0] for p in parts]), torch.cat([p[2] for p in parts])
+    sampled = torch.cat([p[1] for p in parts]) if k > 1 else None
     metrics = eval_metrics(greedy, sampled, run.reward_weights, [fn.__name__ for fn in run.reward_fns])
     metrics.update({"eval/num_prompts": len(greedy), "eval/completions/mean_length": lengths.mean().item()})
     return {**metrics, "timing/eval": time.perf_counter() - t0}
@@ -1567,9 +1566,8 @@ def check_args(args, world_size=1):
     evaluating = args.eval_steps > 0 or args.max_steps == 0
     if evaluating and eval_source(args) is None:
         problems.append(
-            f"{'--eval-steps' if args.eval_steps else '--max-steps 0 (evaluate and exit)'} needs an "
-            f"eval dataset: --dataset-name {args.dataset_name} is a local file, with no test split; pass "
-            f"--eval-dataset"
+            f"{'--eval-steps' if args.eval_steps else '--max-steps 0 (evaluate and exit)'} needs an eval dataset: "
+            f"--dataset-name {args.dataset_name} is a local file, with no test split; pass --eval-dataset"
         )
     if args.eval_dataset and not evaluating:
         problems.append(
@@ -1617,13 +1615,11 @@ def read_dataset(args, evaluation=False):
         with open(name, encoding="utf-8") as f:
             text = f.read()
         try:  # a .json file may hold one array of records; anything else is read as one record per line
-            records = json.loads(text)
-            records = list(enumerate(records, 1)) if isinstance(records, list) else None
+            array = json.loads(text)
         except json.JSONDecodeError:
-            records = None
-        where = "record"
-        if records is None:
-            where, records = "line", []
+            array = None
+        where, records = ("record", list(enumerate(array, 1))) if isinstance(array, list) else ("line", [])
+        if where == "line":
             for number, line in enumerate(text.splitlines(), 1):
                 if not line.strip():
                     continue
@@ -1783,15 +1779,14 @@ def claim_output_dir(args, script):
         files = sorted(set(os.listdir(out)) - {".lock", "run.json"})
         checkpoint = args.resume_from_checkpoint
         if checkpoint == "latest":
-            checkpoint = run_checkpoints(out, owner.get("run_id"))[-1:]
-            if not checkpoint:
+            checkpoint = (run_checkpoints(out, owner.get("run_id")) or [None])[-1]
+            if checkpoint is None:
                 others = ", ".join(f for f in files if f.startswith("checkpoint-"))
                 tip = f" ({others} are another run's: pass one's path to --resume-from-checkpoint to continue that run)"
                 raise SystemExit(
                     f"error: --resume-from-checkpoint latest: no checkpoint-N directory in {out} of the run that "
                     f"owns it{tip if others else ''}"
                 )
-            checkpoint = checkpoint[0]
         resumed = (read_json(os.path.join(checkpoint, "run.json")) or {}) if checkpoint else {}
         if resumed.get("script", script) != script:
             raise SystemExit(
