@@ -347,7 +347,9 @@ def train(args):
     world_size, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
     is_main = rank == 0
     check_args(args, world_size)
-    reward_fns, dataset, eval_dataset = read_data(args)
+    reward_fns = reward_functions(args.reward_funcs)
+    dataset = read_dataset(args, reward_fns)  # each dataset checked against the column flags and the reward functions
+    eval_dataset = read_dataset(args, reward_fns, evaluation=True) if args.eval_steps or args.max_steps == 0 else None
     device = start_processes(world_size)
     warn_truncated_sampling(args)
     # the output directory is this run's alone (a lock); another run's files are refused; only this run's checkpoints
@@ -376,7 +378,7 @@ def train(args):
         )
     prompts = prompt_stream(len(train_set.prompt_ids), args.seed, start=prompts_consumed)
     engine, generate = make_generator(args, model, model_path, train_set, eval_set, pad_id, eos_ids, world_size)
-    metrics_file = open_metrics(args, run, checkpoint_dir, global_step) if is_main else None
+    metrics_file, wandb = open_metrics(args, run, checkpoint_dir, global_step) if is_main else (None, None)  # rank 0's
     progress = tqdm(total=args.max_steps, initial=global_step, desc="rloo", dynamic_ncols=True, disable=not is_main)
     epsilon_high = args.epsilon_high if args.epsilon_high is not None else args.epsilon
     steps_per_round = args.steps_per_generation * args.num_iterations  # optimizer steps per generation round
@@ -385,7 +387,7 @@ def train(args):
     evaluation = (eval_set, generate, tokenizer, reward_fns, reward_weights, device, rank, world_size)
     run_eval = partial(evaluate, args, *evaluation)  # the eval/... metrics of the generator's current weights
     if eval_set is not None and (global_step == 0 or args.max_steps == 0):  # the model before training
-        log_metrics(args, metrics_file, {"step": global_step, **run_eval()}, show=True)
+        log_metrics(metrics_file, wandb, {"step": global_step, **run_eval()}, show=True)
 
     while global_step < args.max_steps:
         round_start = time.perf_counter()
@@ -537,19 +539,19 @@ def train(args):
             progress.set_postfix(reward=f"{metrics['reward']:.3f}", kl=f"{kl:.4f}", len=f"{length:.0f}")
             if args.log_completions and global_step % args.logging_steps == 0:  # rank 0's rows
                 total = (scores * reward_weights).nansum(-1)
-                log_completions(args, tokenizer, prompt_ids, completion_ids, total, global_step)
-        log_metrics(args, metrics_file, metrics, show=global_step % args.logging_steps == 0 or evaluated)
+                log_completions(args, wandb, tokenizer, prompt_ids, completion_ids, total, global_step)
+        log_metrics(metrics_file, wandb, metrics, show=global_step % args.logging_steps == 0 or evaluated)
         preempted = global_sum(preemption.is_set(), world_size, device) > 0 and global_step < args.max_steps  # SIGTERM
         if preempted or (args.save_steps and global_step % args.save_steps == 0 and global_step < args.max_steps):
             # a round generated in the background is not trained yet: a resume generates it again
             consumed = prompts_consumed - (args.prompts_per_step if next_round else 0)
             save_checkpoint(args, run, model, tokenizer, optimizer, scheduler, global_step, consumed, world_size)
         if preempted:
-            stop_preempted(args, global_step, world_size)  # exit status 143
+            stop_preempted(wandb, global_step, world_size)  # exit status 143
 
     # final model + tokenizer, loadable with from_pretrained(output_dir); --max-steps 0 only evaluated: nothing to save
     progress.close()
-    finish(args, model, tokenizer, metrics_file, output_lock, world_size)
+    finish(args, wandb, model, tokenizer, metrics_file, output_lock, world_size)
 
 
 # ======================================================================================================================
@@ -560,19 +562,6 @@ def train(args):
 
 # ------------------------------------------------------------------------------------------------------------------
 # The loop's set-up and phases
-
-
-def read_data(args):
-    """The reward functions, the training dataset and (--eval-steps, --max-steps 0) the eval dataset, each read and
-    checked against the column flags and the reward functions' arguments."""
-    reward_fns = reward_functions(args.reward_funcs)
-    dataset = read_dataset(args)
-    check_dataset(args, dataset, reward_fns)
-    eval_dataset = None
-    if args.eval_steps or args.max_steps == 0:
-        eval_dataset = {c: v[: args.eval_max_samples] for c, v in read_dataset(args, evaluation=True).items()}
-        check_dataset(args, eval_dataset, reward_fns, "--eval-dataset", eval_source(args)[0])
-    return reward_fns, dataset, eval_dataset
 
 
 def start_processes(world_size):
@@ -694,7 +683,9 @@ def make_generator(args, model, model_path, train_set, eval_set, pad_id, eos_ids
 
 def open_metrics(args, run, checkpoint_dir, global_step):
     """Rank 0: start wandb (--track; a resumed run continues its wandb run) and open metrics.jsonl for appending, once
-    the lines of the steps after a resumed checkpoint are dropped (they are done again)."""
+    the lines of the steps after a resumed checkpoint are dropped (they are done again). Returns (the open file, the
+    wandb module with --track, else None)."""
+    wandb = None
     if args.track:
         import wandb
 
@@ -705,19 +696,17 @@ def open_metrics(args, run, checkpoint_dir, global_step):
         kept = [line for line in open(path) if json.loads(line)["step"] <= global_step]
         with open(path, "w") as f:
             f.writelines(kept)
-    return open(path, "a")
+    return open(path, "a"), wandb
 
 
-def log_metrics(args, metrics_file, metrics, show):
+def log_metrics(metrics_file, wandb, metrics, show):
     """Rank 0 (metrics_file None elsewhere): print the line if `show`, append it to metrics.jsonl, log it to wandb."""
     if metrics_file is None:
         return
     if show:
         tqdm.write(" | ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in metrics.items()))
     print(json.dumps(metrics), file=metrics_file, flush=True)
-    if args.track:
-        import wandb
-
+    if wandb:
         wandb.log(metrics, step=metrics["step"])
 
 
@@ -861,9 +850,8 @@ def load_prompts(args, dataset, tokenizer, max_context):
             f"--max-prompt-length {max_context - args.max_completion_length} to drop such prompts, or lower "
             f"--max-completion-length."
         )
-    return PromptSet(
-        [prompt_ids[i] for i in keep], {c: [v[i] for i in keep] for c, v in columns.items()}, prompts_are_messages
-    )
+    kept_columns = {c: [v[i] for i in keep] for c, v in columns.items()}
+    return PromptSet([prompt_ids[i] for i in keep], kept_columns, prompts_are_messages)
 
 
 def prompt_stream(num_prompts, seed, start=0):
@@ -1263,7 +1251,7 @@ def eval_metrics(greedy, sampled, reward_weights, names):
     return metrics
 
 
-def log_completions(args, tokenizer, prompt_ids, completion_ids, rewards, step):
+def log_completions(args, wandb, tokenizer, prompt_ids, completion_ids, rewards, step):
     """Print the step's first --log-completions (prompt, completion, reward) rows, one short line each, and with --track
     log them to wandb as a table (TRL's "completions" table)."""
     decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
@@ -1272,9 +1260,7 @@ def log_completions(args, tokenizer, prompt_ids, completion_ids, rewards, step):
     for _, prompt, completion, reward in rows:
         short = lambda text: textwrap.shorten(text, 70, placeholder=" ...") or repr(text)  # noqa: E731
         tqdm.write(f"  reward {reward:.3g} | {short(prompt)} => {short(completion)}")
-    if args.track:
-        import wandb
-
+    if wandb:
         table = wandb.Table(columns=["step", "prompt", "completion", "reward"], data=rows)
         wandb.log({"completions": table}, step=step)
 
@@ -1323,21 +1309,19 @@ def save_checkpoint(args, run, model, tokenizer, optimizer, scheduler, global_st
             shutil.rmtree(old)  # this run's older checkpoints only, never another run's
 
 
-def stop_preempted(args, global_step, world_size):
+def stop_preempted(wandb, global_step, world_size):
     """After the SIGTERM checkpoint: say how to continue, and exit with 143 (128 + SIGTERM: stopped, not finished)."""
     if not dist.is_initialized() or dist.get_rank() == 0:
         tip = "the same command with --resume-from-checkpoint latest continues the run"
         print(f"SIGTERM: wrote checkpoint-{global_step} and stopped; {tip}", flush=True)
-        if args.track:
-            import wandb
-
+        if wandb:
             wandb.mark_preempting()
     if world_size > 1:
         dist.destroy_process_group()
     sys.exit(143)
 
 
-def finish(args, model, tokenizer, metrics_file, output_lock, world_size):
+def finish(args, wandb, model, tokenizer, metrics_file, output_lock, world_size):
     """The final model + tokenizer in output_dir (not after --max-steps 0, which only evaluated), then close the
     metrics, wandb, the output directory's lock and the process group."""
     model_state = full_state(model, None)[0] if args.max_steps else None
@@ -1346,9 +1330,7 @@ def finish(args, model, tokenizer, metrics_file, output_lock, world_size):
             save_final(args.output_dir, model, tokenizer, model_state)
             print(f"saved the final model to {args.output_dir}")
         metrics_file.close()
-        if args.track:
-            import wandb
-
+        if wandb:
             wandb.finish()
     if output_lock is not None:
         os.close(output_lock)  # the run is over: the directory is free for the next one
@@ -1500,9 +1482,7 @@ def check_args(args, world_size=1):
 
 def reward_functions(names):
     """The functions of rewards.py that --reward-funcs names."""
-    public = [
-        n for n, fn in inspect.getmembers(rewards, callable) if not n.startswith("_") and fn.__module__ == "rewards"
-    ]
+    public = sorted(n for n, f in vars(rewards).items() if n[0] != "_" and callable(f) and f.__module__ == "rewards")
     for name in names:
         if name not in public:
             raise SystemExit(
@@ -1526,23 +1506,22 @@ def eval_source(args):
     return name, config, args.eval_dataset_split
 
 
-def read_dataset(args, evaluation=False):
-    """Read the dataset (with `evaluation`, the eval dataset of eval_source) once, before any model loads: {column: list
-    of values}. Local .jsonl / .json files are parsed here, so that a malformed record is reported with its file and
-    line; .parquet files and hub datasets through `datasets`."""
+def read_dataset(args, reward_fns, evaluation=False):
+    """Read the dataset (with `evaluation`, the eval dataset of eval_source, its first --eval-max-samples records) once,
+    before any model loads, and check it (check_dataset): {column: list of values}. Local .jsonl / .json files are
+    parsed here, so that a malformed record is reported with its file and line; .parquet files and hub datasets
+    through `datasets`."""
     source = eval_source(args) if evaluation else (args.dataset_name, args.dataset_config, args.dataset_split)
     flag, (name, config, split) = "--eval-dataset" if evaluation else "--dataset-name", source
     if name.endswith((".json", ".jsonl")):
         with open(name, encoding="utf-8") as f:
             text = f.read()
         try:  # a .json file may hold one array of records; anything else is read as one record per line
-            records = json.loads(text)
-            records = list(enumerate(records, 1)) if isinstance(records, list) else None
+            array = json.loads(text)
         except json.JSONDecodeError:
-            records = None
-        where = "record"
-        if records is None:
-            where, records = "line", []
+            array = None
+        where, records = ("record", list(enumerate(array, 1))) if isinstance(array, list) else ("line", [])
+        if where == "line":
             for number, line in enumerate(text.splitlines(), 1):
                 if not line.strip():
                     continue
@@ -1573,13 +1552,16 @@ def read_dataset(args, evaluation=False):
                 raise SystemExit(f"error: {flag} {name}, split {split}: {error}") from None
     if not dataset or not next(iter(dataset.values())):
         raise SystemExit(f"error: {flag} {name} holds no records")
+    if evaluation:
+        dataset = {c: v[: args.eval_max_samples] for c, v in dataset.items()}
+    check_dataset(args, dataset, reward_fns, flag, name)
     return dataset
 
 
-def check_dataset(args, dataset, reward_fns, flag="--dataset-name", name=None):
+def check_dataset(args, dataset, reward_fns, flag, name):
     """The columns that the flags name exist in the dataset of `flag` (training or eval), and each reward function
     finds every argument it requires (its signature against the dataset's columns and what the trainer passes)."""
-    name, columns = name or args.dataset_name, list(dataset)
+    columns = list(dataset)
     for option, column in (("--prompt-column", args.prompt_column), ("--answer-column", args.answer_column)):
         if (column or option == "--prompt-column") and column not in columns:
             raise SystemExit(
@@ -1594,17 +1576,16 @@ def check_dataset(args, dataset, reward_fns, flag="--dataset-name", name=None):
     given |= {"completions", "prompts", "completion_ids", "max_completion_length", *args.reward_kwargs}
     for fn in reward_fns:
         for p in inspect.signature(fn).parameters.values():
-            missing = p.name  # a required argument that can be passed by name, and that no column gives
-            if p.default is not p.empty or p.kind not in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) or missing in given:
-                continue
-            if missing == "answer":
+            if p.default is not p.empty or p.kind not in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) or p.name in given:
+                continue  # optional, *args / **kwargs, or given by a column or the trainer
+            if p.name == "answer":
                 raise SystemExit(
                     f"error: reward function '{fn.__name__}' needs the reference answer, and --answer-column "
                     f"'{args.answer_column}' gives none: pass --answer-column with the column of {name} that "
                     f"holds it (its columns: {columns})"
                 )
             raise SystemExit(
-                f"error: reward function '{fn.__name__}' (--reward-funcs) needs a column '{missing}', which "
+                f"error: reward function '{fn.__name__}' (--reward-funcs) needs a column '{p.name}', which "
                 f"{flag} {name} does not have (its columns: {columns})"
             )
 
