@@ -1472,13 +1472,11 @@ def read_dataset(args, evaluation=False):
         with open(name, encoding="utf-8") as f:
             text = f.read()
         try:  # a .json file may hold one array of records; anything else is read as one record per line
-            records = json.loads(text)
-            records = list(enumerate(records, 1)) if isinstance(records, list) else None
+            whole = json.loads(text)
         except json.JSONDecodeError:
-            records = None
-        where = "record"
-        if records is None:
-            where, records = "line", []
+            whole = None
+        where, records = ("record", list(enumerate(whole, 1))) if isinstance(whole, list) else ("line", [])
+        if where == "line":
             for number, line in enumerate(text.splitlines(), 1):
                 if not line.strip():
                     continue
@@ -1635,15 +1633,14 @@ def claim_output_dir(args, script):
         files = sorted(set(os.listdir(out)) - {".lock", "run.json"})
         checkpoint = args.resume_from_checkpoint
         if checkpoint == "latest":
-            checkpoint = run_checkpoints(out, owner.get("run_id"))[-1:]
-            if not checkpoint:
+            checkpoint = (run_checkpoints(out, owner.get("run_id")) or [None])[-1]
+            if checkpoint is None:
                 others = ", ".join(f for f in files if f.startswith("checkpoint-"))
                 tip = f" ({others} are another run's: pass one's path to --resume-from-checkpoint to continue that run)"
                 raise SystemExit(
                     f"error: --resume-from-checkpoint latest: no checkpoint-N directory in {out} of the run that "
                     f"owns it{tip if others else ''}"
                 )
-            checkpoint = checkpoint[0]
         resumed = (read_json(os.path.join(checkpoint, "run.json")) or {}) if checkpoint else {}
         if resumed.get("script", script) != script:
             raise SystemExit(
