@@ -1402,14 +1402,17 @@ def check_args(args, world_size=1):
             "the trainer's GPU, so generation cannot overlap training"
         )
     # local paths: a directory that is not there is reported as such, not as a hub name that does not parse
-    for name in ("model_name_or_path", "reward_model_path", "resume_from_checkpoint"):
-        path, checkpoint = getattr(args, name), name == "resume_from_checkpoint"
-        marker, kind = ("trainer_state.pt", "checkpoint") if checkpoint else ("config.json", "model")
-        if path is None or (checkpoint and path == "latest"):
+    for name, marker, kind in (
+        ("model_name_or_path", "config.json", "model"),
+        ("reward_model_path", "config.json", "model"),
+        ("resume_from_checkpoint", "trainer_state.pt", "checkpoint"),
+    ):
+        path = getattr(args, name)
+        if path is None or (kind == "checkpoint" and path == "latest"):
             continue
         if os.path.isdir(path) and not os.path.exists(os.path.join(path, marker)):
             problems.append(f"--{name.replace('_', '-')} {path}: that directory has no {marker}, so it is not a {kind}")
-        elif not os.path.isdir(path) and (checkpoint or looks_local(path)):
+        elif not os.path.isdir(path) and (kind == "checkpoint" or looks_local(path)):
             problems.append(f"--{name.replace('_', '-')} {path}: no such directory")
     for flag, name in (("--dataset-name", args.dataset_name), ("--eval-dataset", args.eval_dataset)):
         if name is not None and is_local_data(name) and not os.path.exists(name):

@@ -3,8 +3,9 @@ completions of 256 tokens after ~70-token prompts, like the bench) through grpo.
 plus a torch.profiler table of the default one. Usage (GPU host): python benchmarks/profile_train.py MODEL OUT.txt
 [memory [SCRIPT_DIR] | probe | lean]: `memory` times only the rows that set the trainer's peak memory (with and without
 gradient checkpointing), with grpo.py from SCRIPT_DIR (default: this checkout), e.g. an older commit's for a
-before/after; `probe` profiles the default step, then times smaller LM-head chunks and torch.compile'd decoder layers; `lean` times the compiled layers with and
-without gradient checkpointing, the LM head's gradient into .grad or not, at several micro-batch sizes."""
+before/after; `probe` profiles the default step, then times smaller LM-head chunks and torch.compile'd decoder layers;
+`lean` times the compiled layers with and without gradient checkpointing, the LM head's gradient into .grad or not, at
+several micro-batch sizes."""
 
 import os
 import sys

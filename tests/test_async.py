@@ -47,11 +47,12 @@ class StandInServer:
         with self.lock:  # requests in the order they arrive
             self.in_flight += 1
             request = {"version": self.version, "prompts": prompt_ids, "n": n, "temperature": temperature}
+            seed = 1000 * len(self.requests)  # reproducible per request, in arrival order
             self.requests.append(request)
         time.sleep(self.delay)  # long enough that training runs meanwhile
         eos = self.model.generation_config.eos_token_id
         with self.sampling:  # rounds in flight at once would interleave their draws from torch's one global generator
-            torch.manual_seed(len(request["prompts"]) + 1000 * self.requests.index(request))  # reproducible per request
+            torch.manual_seed(seed)
             completions, _ = grpo.hf_generate(self.model, prompt_ids, self.args, [eos], 0, n, temperature)
         logprobs = []
         with torch.no_grad():
