@@ -149,11 +149,11 @@ def colocate_load_weights(llm, weights):
 
 
 def serve_command(model, host="0.0.0.0", port=8000, gpus="1"):
-    """The command that starts a server this codebase can train against."""
-    return (
-        f"CUDA_VISIBLE_DEVICES={gpus} VLLM_SERVER_DEV_MODE=1 vllm serve {model} --host {host} --port {port} "
-        '--weight-transfer-config \'{"backend": "nccl"}\' --logprobs-mode processed_logprobs --max-logprobs -1'
-    )
+    """The command that starts a server this codebase can train against; 4 HTTP front ends, because one alone turns the
+    sampled tokens' log-probs into responses slower than the engine samples them (README.md, "Using vLLM")."""
+    flags = '--weight-transfer-config \'{"backend": "nccl"}\' --logprobs-mode processed_logprobs --max-logprobs -1'
+    env = f"CUDA_VISIBLE_DEVICES={gpus} VLLM_SERVER_DEV_MODE=1"
+    return f"{env} vllm serve {model} --host {host} --port {port} {flags} --api-server-count 4"
 
 
 def wait_for_server(base_url, timeout, model):

@@ -27,6 +27,7 @@ serve() {  # serve MODEL PORT [ARGS]: a stock vLLM server on GPU 1 (or $SERVER_G
   local model=$1 port=$2; shift 2  # outlives this command
   CUDA_VISIBLE_DEVICES=${SERVER_GPUS:-1} VLLM_SERVER_DEV_MODE=1 setsid python3 -m vllm.entrypoints.cli.main serve "$model" --port "$port" "$@" \
     --weight-transfer-config '{"backend": "nccl"}' --logprobs-mode processed_logprobs --max-logprobs -1 \
+    --api-server-count 4 \
     > "$OUT/server_$port.log" 2>&1 &
   echo "$(date +%s) started vllm serve $model on port $port" >> "$OUT/server_$port.log.start"
 }

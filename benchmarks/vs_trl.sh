@@ -13,7 +13,10 @@
 #                (SCRIPTS="online_dpo" runs a subset; SERVE_GPU / TRAIN_GPU pick the GPUs, default 1 / 0).
 #   learn_colocate: the addition task colocated on GPU 0 (TRAIN_GPU), the three scripts at once (vLLM at 0.12 each)
 #                plus grpo.py with --gradient-checkpointing: learning with the trainer's current defaults.
+#   server_gen:  one `vllm serve` of bench-0.5b on GPU ${SERVE_GPU:-1} and benchmarks/server_gen.py: how fast each way of
+#                asking it generates a bench round (a 1-GPU host can run it with SERVE_GPU=0).
 #   stop:        stop the `vllm serve` processes these phases started (colocate and learn_async expect a free GPU 1).
+# The servers run with --api-server-count $API_SERVERS (4 unless set: README.md, "Using vLLM", says why).
 # Extra flags for our bench runs (e.g. --gradient-checkpointing) go in $OURS_EXTRA. server and colocate end by writing
 # OUT_DIR/vs_trl.json (benchmarks/ratios.py, commit $COMMIT): a device call returns at most 8 files, so copy that one.
 set -u
@@ -33,6 +36,7 @@ serve() {  # serve MODEL PORT [ARGS]: `vllm serve` on GPU ${SERVE_GPU:-1} in its
   pgrep -f "serve $model --port $port" > /dev/null && return
   CUDA_VISIBLE_DEVICES=${SERVE_GPU:-1} VLLM_SERVER_DEV_MODE=1 setsid python3 -m vllm.entrypoints.cli.main serve "$model" --port "$port" "$@" \
     --weight-transfer-config '{"backend": "nccl"}' --logprobs-mode processed_logprobs --max-logprobs -1 \
+    --api-server-count "${API_SERVERS:-4}" \
     > "$OUT/server_$port.log" 2>&1 &
 }
 wait_server() { python3 -c "import vllm_utils; vllm_utils.wait_for_server('http://127.0.0.1:$1', 600, 'server')"; }
@@ -68,6 +72,10 @@ if [ "$PHASE" = server ]; then  # PAIR=1: TRL, ours, ours async; PAIR=2: the rev
   [ "$P" = 2 ] && trl trl_server_2 200 server 8001
 fi
 [ "$PHASE" = stop ] && stop_servers
+if [ "$PHASE" = server_gen ]; then
+  serve /tmp/bench-qwen05b 8001; wait_server 8001
+  timeout "${LIMIT:-300}" python3 benchmarks/server_gen.py 8001 "$OUT/server_gen.json" "${ROUNDS:-4}" 2>&1 | tee "$OUT/server_gen.log"
+fi
 if [ "$PHASE" = colocate ]; then
   export CUDA_VISIBLE_DEVICES=${TRAIN_GPU:-0}
   [ "${PAIR:-1}" = 1 ] && trl trl_colocate_1 200 colocate

@@ -242,7 +242,8 @@ def test_unreachable_server_error_prints_the_serve_command():
     assert "--vllm-server-timeout" in message
     assert (
         "VLLM_SERVER_DEV_MODE=1 vllm serve Qwen/Qwen2.5-0.5B-Instruct --host 0.0.0.0 --port 9 "
-        '--weight-transfer-config \'{"backend": "nccl"}\' --logprobs-mode processed_logprobs --max-logprobs -1'
+        '--weight-transfer-config \'{"backend": "nccl"}\' --logprobs-mode processed_logprobs --max-logprobs -1 '
+        "--api-server-count 4"
     ) in message
 
 

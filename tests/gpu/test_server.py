@@ -44,6 +44,8 @@ def server():
         "processed_logprobs",
         "--max-logprobs",
         "-1",
+        "--api-server-count",
+        "4",
         "--max-model-len",
         "1024",
         "--gpu-memory-utilization",

@@ -83,7 +83,16 @@ def parse_result(stdout):
 def serve_args(model, port):
     args = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", model, "--port", str(port)]
     args += ["--weight-transfer-config", '{"backend": "nccl"}', "--logprobs-mode", "processed_logprobs"]
-    args += ["--max-logprobs", "-1", "--max-model-len", "1024", "--gpu-memory-utilization", "0.3"]
+    args += [
+        "--max-logprobs",
+        "-1",
+        "--api-server-count",
+        "4",
+        "--max-model-len",
+        "1024",
+        "--gpu-memory-utilization",
+        "0.3",
+    ]
     return args + (["--enforce-eager"] if EAGER else [])
 
 
