@@ -11,7 +11,7 @@ import statistics
 MODES = {
     "server": ("ours_server", "trl_server", "server"),
     "async": ("ours_async", "trl_server", "server"),
-    "server_gradient_checkpointing": ("ours_lean", "trl_server", "server"),
+    "async_gradient_checkpointing": ("ours_lean", "trl_server", "server"),
     "colocate": ("ours_colocate", "trl_colocate", "colocate"),
 }
 
