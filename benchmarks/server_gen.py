@@ -8,7 +8,7 @@ decodes each sampled token again for its log-prob entry); "tokens": POST /infere
 request, detokenize=False (token ids and log-probs only: what we train on); "tokens-nologprobs": the same without
 log-probs, the engine's floor. Each variant runs ROUNDS rounds after one warm-up round, on prompts no round repeats;
 $VARIANTS (comma-separated names) runs a subset. samples_returned counts what came back of the 256 asked for: vLLM
-0.26's /inference/v1/generate returned 244-254 of them (n=8 per request), so the scripts keep /v1/completions.
+0.26's /inference/v1/generate mostly returned 244-254 of them (n=8 per request), so the scripts keep /v1/completions.
 """
 
 import concurrent.futures
