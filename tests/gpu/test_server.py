@@ -8,13 +8,13 @@ server serving the weights it had; an update left active by a dead trainer is ex
 
 import os
 import subprocess
-import sys
 import time
 
 import pytest
 import requests
 import torch
 from gpu_helpers import MODEL, QUESTIONS, change_weights, mean_abs_diff, record, trainer_logprobs
+from tiny_models import serve_args
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import vllm_utils
@@ -30,27 +30,7 @@ def server():
     if torch.cuda.device_count() < 2:
         pytest.skip("needs two GPUs (or VLLM_TEST_SERVER_URL of a server on GPUs this process does not see)")
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "1", "VLLM_SERVER_DEV_MODE": "1"}
-    cmd = [
-        sys.executable,
-        "-m",
-        "vllm.entrypoints.cli.main",
-        "serve",
-        MODEL,
-        "--port",
-        str(PORT),
-        "--weight-transfer-config",
-        '{"backend": "nccl"}',
-        "--logprobs-mode",
-        "processed_logprobs",
-        "--max-logprobs",
-        "-1",
-        "--api-server-count",
-        "4",
-        "--max-model-len",
-        "1024",
-        "--gpu-memory-utilization",
-        "0.5",
-    ]
+    cmd = serve_args(MODEL, PORT, memory="0.5", eager=False)  # compiled, as a real server: its startup is timed
     log = open(os.path.join(os.environ.get("GPU_RESULTS_DIR", "/tmp"), "test_server_vllm.log"), "w")
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)

@@ -80,20 +80,12 @@ def parse_result(stdout):
     return json.loads(lines[-1]) if lines else None
 
 
-def serve_args(model, port):
+def serve_args(model, port, memory="0.3", eager=EAGER):
+    """`vllm serve` as the scripts' serve command starts it (vllm_utils.serve_command), on a short context."""
     args = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", model, "--port", str(port)]
     args += ["--weight-transfer-config", '{"backend": "nccl"}', "--logprobs-mode", "processed_logprobs"]
-    args += [
-        "--max-logprobs",
-        "-1",
-        "--api-server-count",
-        "4",
-        "--max-model-len",
-        "1024",
-        "--gpu-memory-utilization",
-        "0.3",
-    ]
-    return args + (["--enforce-eager"] if EAGER else [])
+    args += "--max-logprobs -1 --api-server-count 4 --max-model-len 1024 --gpu-memory-utilization".split() + [memory]
+    return args + (["--enforce-eager"] if eager else [])
 
 
 class Servers:
