@@ -5,7 +5,7 @@
 # Usage: bash benchmarks/vs_trl.sh server|colocate|learn_async OUT_DIR; then python benchmarks/ratios.py OUT_DIR
 #   server:      bench-0.5b, trainer on GPU 0 and one `vllm serve` on GPU 1 shared by all runs (each pushes its own
 #                weights first): PAIR=1 runs TRL, ours, ours --async-generation; PAIR=2 the same in reverse order
-#                (~8 min each with the server's start and --torch-compile's first step). LEAN=1 adds ours with
+#                (~8 min each with the server's start and --torch-compile's first step). PAIR=lean runs only ours with
 #                --async-generation --gradient-checkpointing --micro-batch-tokens 11520 (TRL's default and
 #                micro-batch: its memory; the async step hides the slower trainer while it stays under generation).
 #   colocate:    bench-0.5b on GPU 0 (TRAIN_GPU), vLLM at 0.3 of the GPU, no sleep: TRL, ours, ours, TRL; ~9 min with
@@ -62,15 +62,14 @@ trl() {  # trl NAME TIMEOUT MODE [PORT]
 if [ "$PHASE" = server ]; then  # PAIR=1: TRL, ours, ours async; PAIR=2: the reverse order (one call each)
   serve /tmp/bench-qwen05b 8001; wait_server 8001
   S="--vllm-mode server --vllm-server-port 8001 --vllm-group-port 51301"
-  LEAN_FLAGS="--async-generation --gradient-checkpointing --micro-batch-tokens 11520"
   export CUDA_VISIBLE_DEVICES=0
   P=${PAIR:-1}
   [ "$P" = 1 ] && trl trl_server_1 200 server 8001
-  [ "$P" = 2 ] && [ "${LEAN:-0}" = 1 ] && ours ours_lean_2 150 grpo.py $BENCH $S $LEAN_FLAGS
+  [ "$P" = lean ] && ours ours_lean_1 150 grpo.py $BENCH $S --async-generation --gradient-checkpointing \
+    --micro-batch-tokens 11520
   [ "$P" = 2 ] && ours ours_async_2 150 grpo.py $BENCH $S --async-generation
-  ours ours_server_$P 150 grpo.py $BENCH $S
+  [ "$P" != lean ] && ours ours_server_$P 150 grpo.py $BENCH $S
   [ "$P" = 1 ] && ours ours_async_1 150 grpo.py $BENCH $S --async-generation
-  [ "$P" = 1 ] && [ "${LEAN:-0}" = 1 ] && ours ours_lean_1 150 grpo.py $BENCH $S $LEAN_FLAGS
   [ "$P" = 2 ] && trl trl_server_2 200 server 8001
 fi
 [ "$PHASE" = stop ] && stop_servers
