@@ -3,8 +3,8 @@ token's log-prob) for each way of asking it, measured on one GPU: the server's g
 
 Usage (GPU host, after `source .gpu/setup.sh`, a `vllm serve /tmp/bench-qwen05b` as benchmarks/vs_trl.sh starts it):
     python benchmarks/server_gen.py PORT OUT.json [ROUNDS]
-Variants: "completions-<k>": POST /v1/completions with k prompts per request (the server detokenizes every token and
-decodes each sampled token again for its log-prob entry); "tokens": POST /inference/v1/generate, one prompt per
+Variants: "completions-<k>": the scripts' own requests (vllm_utils.server_generate: POST /v1/completions, k prompts
+per request; the server detokenizes every token and decodes each sampled token again for its log-prob entry); "tokens": POST /inference/v1/generate, one prompt per
 request, detokenize=False (token ids and log-probs only: what we train on); "tokens-nologprobs": the same without
 log-probs, the engine's floor. Each variant runs ROUNDS rounds after one warm-up round, on prompts no round repeats;
 $VARIANTS (comma-separated names) runs a subset. samples_returned counts what came back of the 256 asked for: vLLM
@@ -17,34 +17,37 @@ import os
 import statistics
 import sys
 import time
+from functools import partial
 
 import requests
 from transformers import AutoTokenizer
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import vllm_utils  # noqa: E402
 
 WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma tau".split()
 FIELDS = dict(temperature=1.0, top_p=1.0, top_k=-1, min_p=0.0, repetition_penalty=1.0, max_tokens=256)
 
 
-def completions(url, model, chunk, n):
-    body = {"model": model, "prompt": chunk, "n": n, **FIELDS, "logprobs": 0, "return_token_ids": True}
-    body.update(return_tokens_as_token_ids=True, skip_special_tokens=False)
-    choices = requests.post(f"{url}/v1/completions", json=body, timeout=600).json()["choices"]
-    return [(c["token_ids"], c["logprobs"]["token_logprobs"]) for c in choices]
+def tokens(url, model, prompts, logprobs=True):
+    """A round through POST /inference/v1/generate: one request per prompt, all at once; (ids, log-probs) pairs."""
+
+    def one(prompt):
+        params = {**FIELDS, "n": 8, "detokenize": False, **({"logprobs": 0} if logprobs else {})}
+        body = {"model": model, "token_ids": prompt, "sampling_params": params}
+        choices = requests.post(f"{url}/inference/v1/generate", json=body, timeout=600).json()["choices"]
+        return [
+            (c["token_ids"], [t["logprob"] for t in c["logprobs"]["content"]] if logprobs else None) for c in choices
+        ]
+
+    with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+        return [sample for samples in pool.map(one, prompts) for sample in samples]
 
 
-def tokens(url, model, chunk, n, logprobs=True):
-    params = {**FIELDS, "n": n, "detokenize": False, **({"logprobs": 0} if logprobs else {})}
-    body = {"model": model, "token_ids": chunk[0], "sampling_params": params}
-    choices = requests.post(f"{url}/inference/v1/generate", json=body, timeout=600).json()["choices"]
-    lps = lambda c: [t["logprob"] for t in c["logprobs"]["content"]] if logprobs else None  # noqa: E731
-    return [(c["token_ids"], lps(c)) for c in choices]
-
-
-def one_round(call, prompts, per_request):
-    chunks = [prompts[i : i + per_request] for i in range(0, len(prompts), per_request)]
+def one_round(call, prompts):
+    """(seconds, tokens, samples) of one round: call(prompts) -> (ids, log-probs) pairs."""
     start = time.perf_counter()
-    with concurrent.futures.ThreadPoolExecutor(len(chunks)) as pool:
-        samples = [s for part in pool.map(call, chunks) for s in part]
+    samples = call(prompts)
     seconds = time.perf_counter() - start
     assert all(lp is None or len(lp) == len(ids) for ids, lp in samples), "a log-prob per sampled token"
     return seconds, sum(len(ids) for ids, _ in samples), len(samples)
@@ -54,23 +57,20 @@ def main(port, out, rounds=4):
     url = f"http://127.0.0.1:{port}"
     model = requests.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
     tok = AutoTokenizer.from_pretrained("/tmp/bench-qwen05b")
-    variants = {
-        "completions-8": (lambda c: completions(url, model, c, 8), 8),
-        "completions-4": (lambda c: completions(url, model, c, 8), 4),
-        "tokens": (lambda c: tokens(url, model, c, 8), 1),
-        "completions-32": (lambda c: completions(url, model, c, 8), 32),
-        "completions-1": (lambda c: completions(url, model, c, 8), 1),
-        "tokens-nologprobs": (lambda c: tokens(url, model, c, 8, logprobs=False), 1),
-    }
+    # the scripts' own requests: vllm_utils.server_generate, k prompts per /v1/completions request
+    ours = lambda k: lambda prompts: list(zip(*vllm_utils.server_generate(url, model, prompts, 8, FIELDS, k)))  # noqa: E731
+    variants = {f"completions-{k}": ours(k) for k in (8, 4, 32, 1)}
+    variants["tokens"] = partial(tokens, url, model)
+    variants["tokens-nologprobs"] = partial(tokens, url, model, logprobs=False)
     keep = os.environ.get("VARIANTS", ",".join(variants)).split(",")
     variants = {name: v for name, v in variants.items() if name in keep}
     results, offset = {}, 0
-    for name, (call, per_request) in variants.items():
+    for name, call in variants.items():
         times, returned = [], []
         for r in range(rounds + 1):  # round 0 warms up
             text = [" ".join(WORDS[(7 * i + j) % 19] for j in range(60)) + f" {i}" for i in range(offset, offset + 32)]
             offset += 32
-            seconds, n_tokens, n_samples = one_round(call, [tok(t)["input_ids"] for t in text], per_request)
+            seconds, n_tokens, n_samples = one_round(call, [tok(t)["input_ids"] for t in text])
             times.append(seconds) if r else None
             returned.append(n_samples)
         results[name] = {"s_per_round": [round(t, 3) for t in times], "median_s": round(statistics.median(times), 3)}
