@@ -1,14 +1,19 @@
 """vLLM for online RL, shared by grpo.py / rloo.py / online_dpo.py and their forks (README.md, "Using vLLM": the two
 modes, the supported vLLM versions, each failure and its fix). colocate: a `vllm.LLM` in the training process, fed new
-weights through vLLM's reload path; server: a stock `vllm serve` on other GPUs, sent concurrent token-id
-/v1/completions requests and, after each optimizer step, the weights over NCCL while paused. Both return completion
-token ids and vLLM's log-prob of each sampled token (after temperature). The entry points `start`, `generate`, `sleep`
+weights through vLLM's reload path; server: a stock `vllm serve`, sent concurrent token-id /v1/completions requests
+and, after each optimizer step, the weights while paused: over NCCL to a server on other GPUs, or as CUDA IPC handles
+to a server on the trainer's own GPU (one GPU is enough), as the server's --weight-transfer-config says. Both modes
+return completion token ids and vLLM's log-prob of each sampled token (after temperature). The entry points `start`, `generate`, `sleep`
 and `sync_weights` are built from small functions a fork can call directly; vLLM is imported only where needed."""
 
+import base64
 import concurrent.futures
 import contextlib
 import importlib.util
+import math
 import os
+import pickle
+import re
 import socket
 import subprocess
 import threading
@@ -22,7 +27,8 @@ PACKED_NUM_BUFFERS = 2  # packed-broadcast chunks in flight on each side; both s
 # server-mode Args fields (README.md, "Options") and their defaults, for a fork whose Args predate them
 SERVER_OPTIONS = dict(vllm_group_port=None, vllm_generation_chunk_size=8, vllm_generation_timeout=1800.0)
 SERVER_OPTIONS.update(vllm_weight_sync_timeout=300.0, vllm_weight_sync_buffer_mb=1024)
-_restart = lambda model: f"Restart it as:\n  {serve_command(model)}"  # noqa: E731
+_restart = lambda model, backend="nccl": f"Restart it as:\n  {serve_command(model, backend=backend)}"  # noqa: E731
+LOCAL_HOSTS = ("127.0.0.1", "localhost", "0.0.0.0", "::1", socket.gethostname())
 _strip = lambda name: name.replace("_checkpoint_wrapped_module.", "").replace("_fsdp_wrapped_module.", "")
 
 
@@ -148,12 +154,25 @@ def colocate_load_weights(llm, weights):
 # Server: a stock `vllm serve` over HTTP + NCCL
 
 
-def serve_command(model, host="0.0.0.0", port=8000, gpus="1"):
+def serve_command(model, host="0.0.0.0", port=8000, gpus="1", backend="nccl"):
     """The command that starts a server this codebase can train against; 4 HTTP front ends, because one alone turns the
-    sampled tokens' log-probs into responses slower than the engine samples them (README.md, "Using vLLM")."""
-    flags = '--weight-transfer-config \'{"backend": "nccl"}\' --logprobs-mode processed_logprobs --max-logprobs -1'
+    sampled tokens' log-probs into responses slower than the engine samples them (README.md, "Using vLLM"). backend
+    "nccl": on GPUs the trainer does not use; "ipc": on the trainer's own GPU (`gpus`), with a memory share that leaves
+    the trainer room, and the pickled CUDA IPC handles allowed (vLLM 0.26's IPC engine also imports ray)."""
+    flags = (
+        f'--weight-transfer-config \'{{"backend": "{backend}"}}\' --logprobs-mode processed_logprobs --max-logprobs -1'
+    )
     env = f"CUDA_VISIBLE_DEVICES={gpus} VLLM_SERVER_DEV_MODE=1"
+    if backend == "ipc":
+        env, flags = f"{env} VLLM_ALLOW_INSECURE_SERIALIZATION=1", f"{flags} --gpu-memory-utilization 0.35"
     return f"{env} vllm serve {model} --host {host} --port {port} {flags} --api-server-count 4"
+
+
+def trainer_gpu():
+    """This process's GPU as CUDA_VISIBLE_DEVICES names it (what an IPC server's CUDA_VISIBLE_DEVICES must be)."""
+    index = torch.cuda.current_device() if torch.cuda.is_available() else 0
+    visible = [gpu for gpu in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if gpu.strip()]
+    return visible[index] if index < len(visible) else str(index)
 
 
 def wait_for_server(base_url, timeout, model):
@@ -166,7 +185,9 @@ def wait_for_server(base_url, timeout, model):
         if time.monotonic() > deadline:
             raise ConnectionError(
                 f"no vLLM server answered at {base_url}/health within {timeout:.0f} s (--vllm-server-timeout). "
-                f"Start one on GPUs the trainer does not use, e.g.\n  {serve_command(model, port=port)}\n"
+                f"Start one on the trainer's GPU (one GPU, weights by CUDA IPC; start it before the trainer):\n  "
+                f"{serve_command(model, port=port, gpus=trainer_gpu(), backend='ipc')}\nor on GPUs the trainer does "
+                f"not use (weights by NCCL):\n  {serve_command(model, port=port)}\n"
                 f"or point --vllm-server-host / --vllm-server-port at it."
             )
         time.sleep(2)
@@ -186,8 +207,9 @@ def probe_server(base_url, model, timeout=10.0):
 
 
 def check_server(base_url, model):
-    """Fail early, with the fix, when the server cannot do RL (no dev mode or NCCL weight transfer, raw log-probs, a
-    vLLM outside SUPPORTED_VLLM, a stuck engine); resume one a dead trainer left paused. Returns its facts."""
+    """Fail early, with the fix, when the server cannot do RL (no dev mode or weight transfer, raw log-probs, a vLLM
+    outside SUPPORTED_VLLM, a stuck or sleeping engine); resume one a dead trainer left paused. Returns its facts, its
+    weight-transfer backend ("nccl" or "ipc") and number of workers among them."""
     response = requests.get(f"{base_url}/server_info", params={"config_format": "json"}, timeout=30)
     if response.status_code == 404:  # the weight-sync endpoints need dev mode too
         raise RuntimeError(f"the server at {base_url} was started without VLLM_SERVER_DEV_MODE=1. {_restart(model)}")
@@ -195,6 +217,10 @@ def check_server(base_url, model):
     config = response.json()["vllm_config"]
     if not config.get("weight_transfer_config"):
         raise RuntimeError(f"the server at {base_url} has no --weight-transfer-config. {_restart(model)}")
+    if (backend := config["weight_transfer_config"].get("backend", "nccl")) not in ("nccl", "ipc"):
+        raise RuntimeError(
+            f"the server at {base_url} transfers weights by {backend}, not nccl or ipc. {_restart(model)}"
+        )
     model_config = config.get("model_config", {})
     if (mode := model_config.get("logprobs_mode")) != "processed_logprobs":  # raw ones leave out the temperature
         raise RuntimeError(f"the server at {base_url} returns {mode}, which biases every ratio. {_restart(model)}")
@@ -202,9 +228,13 @@ def check_server(base_url, model):
     vllm_version(version, who=f"the server at {base_url}")  # any mix with the trainer's: messages follow the server
     if probe_server(base_url, model):  # a trainer died between /pause and /resume
         _post(base_url, "/resume", 30)
+    asleep = requests.get(f"{base_url}/is_sleeping", timeout=30)
+    if asleep.status_code == 200 and asleep.json().get("is_sleeping"):  # an update of its freed weights segfaults it
+        raise RuntimeError(f"the server at {base_url} is asleep: POST {base_url}/wake_up first, or restart it")
     served = requests.get(f"{base_url}/v1/models", timeout=30).json()["data"][0]
-    info = {"model_id": served["id"], "max_model_len": served.get("max_model_len")}
-    return {**info, "version": version, "model_config": model_config}
+    info = {"model_id": served["id"], "max_model_len": served.get("max_model_len"), "backend": backend}
+    workers = requests.get(f"{base_url}/get_world_size", timeout=30).json()["world_size"]
+    return {**info, "version": version, "model_config": model_config, "workers": workers}
 
 
 def check_same_model(server, model, model_path):
@@ -229,25 +259,73 @@ def check_same_model(server, model, model_path):
         raise RuntimeError(f"the server serves {name}, not {model_path} ({got}); nothing sent. {_restart(model_path)}")
 
 
-def check_gpu_not_shared(base_url):
-    """NCCL cannot put two ranks of one group on the same GPU: refuse to start when a local vLLM process already runs
-    on the trainer's GPU (set CUDA_VISIBLE_DEVICES differently for the two)."""
-    if base_url.split("//")[-1].rsplit(":", 1)[0] not in ("127.0.0.1", "localhost", "0.0.0.0", socket.gethostname()):
-        return
-    uuid = "GPU-" + str(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid)
+def _serves_port(pid, port):
+    """Whether process `pid` or one of its ancestors is a `vllm serve` listening on `port` (8000 if it names none):
+    a server's GPU process is its engine core, a child of `vllm serve` that renamed itself VLLM::EngineCore."""
+    while pid > 1:
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmdline = f.read().replace(b"\0", b" ")
+            with open(f"/proc/{pid}/stat") as f:
+                parent = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            return False
+        if b"vllm" in cmdline and b" serve " in cmdline:
+            named = re.search(rb"--port[= ](\d+)", cmdline)
+            return int(named.group(1)) == port if named else port == 8000
+        pid = parent
+    return False
+
+
+def server_gpus(port):
+    """UUIDs of the GPUs the local `vllm serve` on `port` computes on, from nvidia-smi; None when that cannot be told
+    (no nvidia-smi, or a container in which it lists no processes)."""
     query = ["nvidia-smi", "--query-compute-apps=gpu_uuid,pid", "--format=csv,noheader"]
     try:
         out = subprocess.run(query, capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.TimeoutExpired):
+        return None
+    apps = [line.replace(" ", "").split(",") for line in out.splitlines() if line.count(",") == 1]
+    return {gpu for gpu, pid in apps if pid.isdigit() and _serves_port(int(pid), port)} or None
+
+
+def check_transport(base_url, server, model):
+    """Before anything is sent: refuse a layout the server's weight transfer cannot serve, with the command that works.
+    IPC hands the server CUDA IPC handles of tensors on trainer rank 0's GPU: its one worker must run on that GPU, on
+    this host; NCCL cannot put two ranks on one GPU (NVIDIA/nccl#418): the server must run on other GPUs. Where the
+    server's GPU cannot be told, its first "IPC handle not found for GPU UUID" answer is reported the same way."""
+    host, port = base_url.split("//")[-1].rsplit(":", 1)
+    mine = f"GPU-{torch.cuda.get_device_properties(torch.cuda.current_device()).uuid}"
+    gpus = server_gpus(int(port)) if host in LOCAL_HOSTS else None
+    ipc, nccl = (serve_command(model, port=port, gpus=trainer_gpu(), backend="ipc"), serve_command(model, port=port))
+    if server["backend"] == "nccl":
+        if gpus and mine in gpus:
+            raise RuntimeError(
+                f"the server at {base_url} runs on the trainer's GPU {mine} with NCCL weight transfer, and NCCL cannot "
+                f"put two ranks on one GPU. Restart it with CUDA IPC on this GPU:\n  {ipc}\nor on other GPUs:\n  {nccl}"
+            )
         return
-    for gpu, pid in (line.replace(" ", "").split(",") for line in out.splitlines()):
-        if gpu != uuid or int(pid) == os.getpid() or not os.path.exists(f"/proc/{pid}/cmdline"):
-            continue
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            cmdline = f.read().replace(b"\0", b" ")
-        # a server's GPU process is its engine core ("VLLM::EngineCore...") or `vllm serve`; a colocated engine is not
-        if any(mark in cmdline for mark in (b"VLLM::", b"vllm serve", b"vllm.entrypoints")):
-            raise RuntimeError(f"the vLLM server (pid {pid}) runs on the trainer's GPU {uuid}: use other GPUs for it")
+    if host not in LOCAL_HOSTS or server["workers"] > 1:
+        where = f"on {host}" if host not in LOCAL_HOSTS else f"with {server['workers']} workers (tensor/data parallel)"
+        raise RuntimeError(
+            f"the server at {base_url} runs {where}, and CUDA IPC reaches only one worker on trainer rank 0's GPU. "
+            f"Restart it with NCCL weight transfer, on GPUs the trainer does not use:\n  {nccl}"
+        )
+    if gpus and mine not in gpus:
+        raise RuntimeError(_ipc_elsewhere(base_url, mine, model, port, f"runs on {', '.join(sorted(gpus))}"))
+    if "expandable_segments:true" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "").lower().replace(" ", ""):
+        raise RuntimeError(
+            "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True: memory allocated that way cannot be exported as a CUDA "
+            "IPC handle (pytorch#165685). Unset it for the trainer, or serve with NCCL on other GPUs."
+        )
+
+
+def _ipc_elsewhere(base_url, mine, model, port, what):
+    ipc, nccl = (serve_command(model, port=port, gpus=trainer_gpu(), backend="ipc"), serve_command(model, port=port))
+    return (
+        f"the server at {base_url} {what}, not on trainer rank 0's GPU {mine}, which CUDA IPC weight transfer needs. "
+        f"Restart it on this GPU:\n  {ipc}\nor keep it on its GPU with NCCL weight transfer:\n  {nccl}"
+    )
 
 
 def _post(base_url, path, timeout, **kwargs):
@@ -306,7 +384,7 @@ def server_init_weight_sync(base_url, port=None, address="127.0.0.1", version=No
     return _run_beside(lambda: trainer_init(info), init, timeout)
 
 
-def restore_after_failed_update(base_url, model, timeout=30.0):
+def restore_after_failed_update(base_url, model, timeout=30.0, backend="nccl"):
     """Best effort after a failed update: finishing it gives layers that got nothing their weights back. A raising
     /update_weights ends it itself (0.26-0.33 v1/worker/gpu_worker.py): start again (layers stay waiting), finish."""
     try:
@@ -316,19 +394,13 @@ def restore_after_failed_update(base_url, model, timeout=30.0):
             for path in ("/start_weight_update", "/finish_weight_update"):
                 _post(base_url, path, timeout, json={})
     except (RuntimeError, requests.RequestException) as error:  # a timeout: the engine is stuck in the NCCL receive
-        return f"could not be restored ({error}): it may serve garbage. {_restart(model)}"
+        return f"could not be restored ({error}): it may serve garbage. {_restart(model, backend)}"
     return "was restored: layers that received nothing keep their previous weights (the next sync sends all)."
 
 
-def server_sync_weights(base_url, group, model, version=None, buffer_bytes=1 << 30, timeout=300.0, name="MODEL"):
-    """Probe -> /pause (wait: running requests end on the old weights) -> /start_weight_update -> named_weights' packed
-    broadcast beside /update_weights (other torchrun ranks iterate them too) -> finish -> reset the prefix cache ->
-    /resume; a failure restores what it can and resumes. `version`: the server's vLLM; `name`: the model."""
-    from vllm.distributed.weight_transfer.packed_tensor import packed_nccl_broadcast_producer as send
-
-    update_info = weight_sync_messages(version, {}, weight_metadata(model), buffer_bytes)[1]
-    update = lambda: _post(base_url, "/update_weights", timeout, json={"update_info": update_info})  # noqa: E731
-    broadcast = lambda: send(named_weights(model), group, 0, lambda item: item[1], buffer_bytes, PACKED_NUM_BUFFERS)
+def paused_update(base_url, send, name="MODEL", backend="nccl", timeout=300.0):
+    """Probe -> /pause (wait: running requests end on the old weights) -> /start_weight_update -> send() -> finish ->
+    reset the prefix cache -> /resume. A failure restores what it can and resumes; the error names the fix."""
     probe_server(base_url, name)  # a wedged engine is reported now, not after `timeout` s
     _post(base_url, "/pause", timeout, params={"mode": "wait"})
     try:
@@ -336,16 +408,12 @@ def server_sync_weights(base_url, group, model, version=None, buffer_bytes=1 << 
             _post(base_url, "/start_weight_update", 60, json={})
         except RuntimeError as error:  # "already active" (0.26 to 0.33 v1/worker/gpu_worker.py): a trainer died in one
             dead = "a previous trainer died inside a weight update: " if "already active" in str(error) else ""
-            raise RuntimeError(f"{dead}{error}\n{_restart(name)}") from error
+            raise RuntimeError(f"{dead}{error}\n{_restart(name, backend)}") from error
         try:
-            if torch.cuda.is_available():  # the optimizer step ran on this stream; the producer packs on its own
-                torch.cuda.current_stream().synchronize()
-            _run_beside(broadcast, update, timeout)
-            if torch.cuda.is_available():
-                torch.cuda.synchronize()  # 0.26's producer does not drain its streams
+            send()
             _post(base_url, "/finish_weight_update", 60, json={})
         except BaseException as error:
-            restored = restore_after_failed_update(base_url, name)
+            restored = restore_after_failed_update(base_url, name, backend=backend)
             raise RuntimeError(f"the weight update failed: {error}\nThe server {restored}") from error
         if not _post(base_url, "/reset_prefix_cache", 60).get("success", True):  # paused: no request holds blocks
             raise RuntimeError("the server's prefix cache could not be reset after a weight update")
@@ -354,6 +422,113 @@ def server_sync_weights(base_url, group, model, version=None, buffer_bytes=1 << 
             _post(base_url, "/resume", 30)
         raise
     _post(base_url, "/resume", 60)
+
+
+def server_sync_weights(base_url, group, model, version=None, buffer_bytes=1 << 30, timeout=300.0, name="MODEL"):
+    """NCCL: named_weights' packed broadcast beside /update_weights (other torchrun ranks iterate them too), inside
+    paused_update. `group`: server_init_weight_sync's; `version`: the server's vLLM; `name`: the model."""
+    from vllm.distributed.weight_transfer.packed_tensor import packed_nccl_broadcast_producer as producer
+
+    update_info = weight_sync_messages(version, {}, weight_metadata(model), buffer_bytes)[1]
+    update = lambda: _post(base_url, "/update_weights", timeout, json={"update_info": update_info})  # noqa: E731
+    broadcast = lambda: producer(named_weights(model), group, 0, lambda item: item[1], buffer_bytes, PACKED_NUM_BUFFERS)
+
+    def send():
+        if torch.cuda.is_available():  # the optimizer step ran on this stream; the producer packs on its own
+            torch.cuda.current_stream().synchronize()
+        _run_beside(broadcast, update, timeout)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()  # 0.26's producer does not drain its streams
+
+    paused_update(base_url, send, name, "nccl", timeout)
+
+
+def ipc_init_info(server_version):
+    """The IPC init message, None where there is none: `packed` moved from each update (0.26 ipc_engine.py,
+    IPCWeightTransferUpdateInfo) into the init at 0.27 (0.27-0.33 IPCWeightTransferInitInfo)."""
+    return {"packed": True} if vllm_version(server_version) >= (0, 27) else None
+
+
+def ipc_update_info(server_version, chunk, handle):
+    """The update message of one packed chunk (packed_chunks' metadata) and its IPC handle, pickled: HTTP carries
+    JSON. `packed` is in it only up to 0.26 (0.27+ rejects it there: ipc_init_info)."""
+    update = {key: chunk[key] for key in ("names", "dtype_names", "shapes", "tensor_sizes")}
+    update["ipc_handles_pickled"] = base64.b64encode(pickle.dumps(handle)).decode()
+    return update if ipc_init_info(server_version) else {**update, "packed": True}
+
+
+def ipc_handle(buffer):
+    """{GPU UUID: the args that rebuild `buffer` in another process} (torch's CUDA IPC export; vLLM keys it by the
+    physical GPU). Each call is a fresh export, so each chunk pairs with one rebuild and release by the server."""
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    return {str(torch.cuda.get_device_properties(buffer.device).uuid): reduce_tensor(buffer)[1]}
+
+
+def packed_chunks(weights, capacity):
+    """Pack (name, tensor) pairs into one reused byte buffer of `capacity` bytes; yield (the filled part, its
+    names, dtype_names, shapes, tensor_sizes) whenever the next tensor would not fit. The caller must be done with a
+    chunk (the server answered: its update synchronizes) before asking for the next. A tensor above `capacity` is a
+    chunk of its own, sent from its own storage, so the trainer never holds more than one chunk beside the model."""
+    buffer, used, meta = None, 0, {key: [] for key in ("names", "dtype_names", "shapes", "tensor_sizes")}
+
+    def chunk(data):
+        nonlocal used, meta
+        if data.is_cuda:
+            torch.cuda.current_stream().synchronize()  # the copies are done before the server reads
+        out, used, meta = (data, meta), 0, {key: [] for key in meta}
+        return out
+
+    for name, tensor in weights:
+        flat = tensor.detach().contiguous().view(-1).view(torch.uint8)
+        if used and used + flat.numel() > capacity:
+            yield chunk(buffer[:used])
+        for key, value in zip(meta, (name, str(tensor.dtype).removeprefix("torch."), list(tensor.shape), flat.numel())):
+            meta[key].append(value)
+        if flat.numel() > capacity:
+            yield chunk(flat)
+            continue
+        if buffer is None:
+            buffer = torch.empty(capacity, dtype=torch.uint8, device=flat.device)
+        buffer[used : used + flat.numel()].copy_(flat)
+        used += flat.numel()
+    if used:
+        yield chunk(buffer[:used])
+
+
+def server_sync_weights_ipc(base_url, model, version=None, buffer_bytes=1 << 30, timeout=300.0, name="MODEL"):
+    """CUDA IPC to a server on this GPU: named_weights packed into chunks of at most `buffer_bytes` (the model's size if
+    smaller), each one /update_weights carrying its handle (torchrun's other ranks iterate the weights too), inside
+    paused_update; from 0.27 the server learns `packed` from /init_weight_transfer_engine, sent before every sync (it
+    costs one request, and a restarted server has forgotten it)."""
+    total = sum(2 * math.prod(shape) for shape in weight_metadata(model)["shapes"])  # bf16 bytes
+    if (init_info := ipc_init_info(version)) is not None:
+        _post(base_url, "/init_weight_transfer_engine", timeout, json={"init_info": init_info})
+
+    def send():
+        try:
+            for data, chunk in packed_chunks(named_weights(model), min(buffer_bytes, total)):
+                update_info = ipc_update_info(version, chunk, ipc_handle(data))
+                try:
+                    _post(base_url, "/update_weights", timeout, json={"update_info": update_info})
+                except RuntimeError as error:
+                    raise RuntimeError(_ipc_problem(base_url, str(error), name)) from error
+        finally:
+            if torch.cuda.is_initialized():
+                torch.cuda.ipc_collect()  # buffers the server has released go back to the allocator
+
+    paused_update(base_url, send, name, "ipc", timeout)
+
+
+def _ipc_problem(base_url, error, model):
+    """A server's answer to an IPC update, with the fix where the cause is known."""
+    port = base_url.rsplit(":", 1)[1]
+    if "IPC handle not found for GPU UUID" in error:  # the server's worker is on another GPU than trainer rank 0
+        mine = f"GPU-{torch.cuda.get_device_properties(torch.cuda.current_device()).uuid}"
+        return _ipc_elsewhere(base_url, mine, model, port, "answered 'IPC handle not found for GPU UUID': it runs")
+    if "VLLM_ALLOW_INSECURE_SERIALIZATION" in error:
+        return f"the server at {base_url} was started without VLLM_ALLOW_INSECURE_SERIALIZATION=1. {_restart(model, 'ipc')}"
+    return error
 
 
 def completions_request(model_id, prompt_ids, n, fields):
@@ -407,7 +582,8 @@ def setup_problems():
 
 def start(args, model_path, max_prompt_length):
     """Build the generator `args.vllm_mode` asks for; returns a dict handed back to generate / sync_weights. Server
-    mode joins the NCCL group at the first sync_weights, once the model has been compared with the served one."""
+    mode checks the layout its weight transfer needs (check_transport) and, over NCCL, joins the group at the first
+    sync_weights, once the model has been compared with the served one."""
     vllm_version(None, who="this trainer")
     engine = {"mode": args.vllm_mode, "fields": sampling_fields(args), "n": args.num_generations, "model": model_path}
     max_len = max_prompt_length + args.max_completion_length
@@ -427,7 +603,7 @@ def start(args, model_path, max_prompt_length):
         raise ValueError(f"{longest} {args.max_completion_length} exceeds the server's --max-model-len {limit}")
     engine.update({key: getattr(args, key, default) for key, default in SERVER_OPTIONS.items()})
     if os.environ.get("RANK", "0") == "0":  # with torchrun every rank generates over HTTP, rank 0 alone syncs
-        check_gpu_not_shared(base_url)
+        check_transport(base_url, server, model_path)
         # the server's workers connect to this address: loopback for a local server, else this host's routable IP
         # (vLLM's get_ip honours VLLM_HOST_IP, the override for hosts with several interfaces)
         from vllm.utils.network_utils import get_ip
@@ -478,12 +654,15 @@ def sync_weights(engine, model):
         if os.environ.get("RANK", "0") == "0":
             sync = {"version": engine["server"]["version"], "timeout": engine["vllm_weight_sync_timeout"]}
             sync["buffer_bytes"] = engine["vllm_weight_sync_buffer_mb"] << 20
-            if engine.get("group") is None:
-                where = engine["vllm_group_port"], engine["master_address"]
-                engine["group"] = server_init_weight_sync(engine["base_url"], *where, **sync)
-            group = engine.pop("group")  # a failed update leaves it unusable: a retry forms a new one
-            server_sync_weights(engine["base_url"], group, model, name=engine["model"], **sync)
-            engine["group"] = group
+            if engine["server"]["backend"] == "ipc":  # no group: each chunk's handle goes over HTTP
+                server_sync_weights_ipc(engine["base_url"], model, name=engine["model"], **sync)
+            else:
+                if engine.get("group") is None:
+                    where = engine["vllm_group_port"], engine["master_address"]
+                    engine["group"] = server_init_weight_sync(engine["base_url"], *where, **sync)
+                group = engine.pop("group")  # a failed update leaves it unusable: a retry forms a new one
+                server_sync_weights(engine["base_url"], group, model, name=engine["model"], **sync)
+                engine["group"] = group
         else:  # take part in each parameter's FSDP2 gather, in rank 0's order, and drop the result
             for _ in named_weights(model):
                 pass

@@ -13,6 +13,9 @@ MODES = {
     "async": ("ours_async", "trl_server", "server"),
     "async_gradient_checkpointing": ("ours_lean", "trl_server", "server"),
     "colocate": ("ours_colocate", "trl_colocate", "colocate"),
+    # one GPU (benchmarks/one_gpu.sh): the server on the trainer's GPU, against TRL's only one-GPU mode
+    "server_1gpu": ("ours_server1gpu", "trl_colocate", "colocate"),
+    "async_1gpu": ("ours_async1gpu", "trl_colocate", "colocate"),
 }
 
 

@@ -159,6 +159,8 @@ def _routes(weight_transfer="nccl", version=None, logprobs_mode="processed_logpr
         "/health": (200, {}),
         "/version": (200, {"version": version or vllm.__version__}),
         "/is_paused": (200, {"is_paused": False}),
+        "/is_sleeping": (200, {"is_sleeping": False}),
+        "/get_world_size": (200, {"world_size": 1}),
         "/v1/models": (200, {"data": [{"id": "served-model", "max_model_len": 2048}]}),
         "/server_info": (
             200,
@@ -222,7 +224,7 @@ def test_vllm_version_refuses_outside_the_range_and_names_it(version, ok):
 def test_a_server_left_paused_by_a_dead_trainer_is_resumed(serve):
     server = serve({**_routes(), "/is_paused": (200, {"is_paused": True}), "/resume": (200, {"status": "resumed"})})
     vllm_utils.check_server(server.url, "m")
-    assert server.paths()[-2:] == ["/resume", "/v1/models"]
+    assert server.paths()[-4:] == ["/resume", "/is_sleeping", "/v1/models", "/get_world_size"]
 
 
 def test_an_engine_stuck_behind_a_healthy_api_is_reported_within_seconds(serve):
@@ -376,8 +378,9 @@ def test_every_rank_generates_through_the_server_and_only_rank_0_joins_the_weigh
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(vllm_utils, "wait_for_server", lambda *a: None)
     server = {"model_id": "served-model", "max_model_len": 2048, "version": "0.26.0", "model_config": {}}
+    server["backend"] = "nccl"
     monkeypatch.setattr(vllm_utils, "check_server", lambda *a: server)
-    monkeypatch.setattr(vllm_utils, "check_gpu_not_shared", lambda *a: None)
+    monkeypatch.setattr(vllm_utils, "check_transport", lambda *a: None)
     monkeypatch.setattr(vllm_utils, "check_same_model", lambda *a: None)
     joined, synced, sent = [], [], []
     monkeypatch.setattr(vllm_utils, "server_init_weight_sync", lambda *a, **k: joined.append((a, k)) or "group")
@@ -796,7 +799,7 @@ def test_a_failed_sync_forms_a_new_nccl_group_on_the_next_one(monkeypatch):
         "model_checked": True,
         "model": "m",
         "master_address": "h",
-        "server": {"version": "0.26.0"},
+        "server": {"version": "0.26.0", "backend": "nccl"},
         **vllm_utils.SERVER_OPTIONS,
     }
     with pytest.raises(RuntimeError, match="the weight update failed"):
@@ -907,3 +910,218 @@ def test_moe_experts_are_sent_under_the_names_and_values_save_pretrained_writes(
         assert torch.equal(sent[name], tensor), name
     meta = vllm_utils.weight_metadata(model)
     assert meta["names"] == list(sent) and meta["shapes"] == [list(t.shape) for t in sent.values()]
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# CUDA IPC weight transfer (a server on the trainer's GPU): the messages, the chunks, the request sequence, the layouts
+
+
+# 0.27.0 and 0.33.0 wheels, vllm/distributed/weight_transfer/ipc_engine.py: IPCWeightTransferInitInfo has `packed`
+# (default False); IPCWeightTransferUpdateInfo has names, dtype_names, shapes (required) and ipc_handles,
+# ipc_handles_pickled, tensor_sizes (optional), and no `packed` (0.26.0's has it: the installed vLLM parses that one).
+IPC_UPDATE_FIELDS_027_033 = ({"names", "dtype_names", "shapes"}, {"ipc_handles", "ipc_handles_pickled", "tensor_sizes"})
+
+
+class FakeIPC:
+    """Plays CUDA IPC on the CPU: ipc_handle() keeps a copy of the chunk under a key (the server reads it at the
+    moment the trainer would have it mapped); the stand-in /update_weights rebuilds the tensors from that key and the
+    message's tensor_sizes, as vLLM's packed_ipc_consumer does."""
+
+    def __init__(self, monkeypatch):
+        self.chunks, self.received, self.updates = {}, {}, []
+        monkeypatch.setattr(vllm_utils, "ipc_handle", self.handle)
+
+    def handle(self, buffer):
+        key = len(self.chunks)
+        self.chunks[key] = buffer.clone()
+        return {"GPU-0": ("fake", key)}
+
+    def update_weights(self, body):
+        import base64
+        import pickle
+
+        info = body["update_info"]
+        self.updates.append(info)
+        key = pickle.loads(base64.b64decode(info["ipc_handles_pickled"]))["GPU-0"][1]
+        data = self.chunks[key]
+        assert sum(info["tensor_sizes"]) == data.numel()
+        for name, dtype, shape, part in zip(
+            info["names"], info["dtype_names"], info["shapes"], data.split(info["tensor_sizes"])
+        ):
+            self.received[name] = part.view(getattr(torch, dtype)).view(shape).clone()
+        return 200, {}
+
+
+@pytest.mark.parametrize("version", ["0.26.0", "0.27.1", "0.33.0"])
+def test_an_ipc_push_sends_every_weight_in_bounded_chunks_paused_and_resumed(serve, monkeypatch, version):
+    """The exact request sequence (0.27+: the init with `packed` first); every bf16 weight arrives intact, in chunks
+    that fit the buffer, one handle each; the update messages have exactly the fields of that version's class (0.26:
+    parsed by the installed vLLM's own IPCWeightTransferUpdateInfo)."""
+    ipc = FakeIPC(monkeypatch)
+    server = serve(_sync_routes(**{"/update_weights": ipc.update_weights, "/init_weight_transfer_engine": (200, {})}))
+    model = _tiny_llama()
+    buffer_bytes = 4096  # the embedding (64 x 16 bf16 = 2048 bytes) fits; several chunks in all
+    vllm_utils.server_sync_weights_ipc(server.url, model, version, buffer_bytes, timeout=5, name="m")
+    chunks = len(ipc.updates)
+    init = ["/init_weight_transfer_engine"] if version >= "0.27" else []
+    assert server.paths() == [
+        *init,
+        "/is_paused",
+        "/pause",
+        "/start_weight_update",
+        *["/update_weights"] * chunks,
+        "/finish_weight_update",
+        "/reset_prefix_cache",
+        "/resume",
+    ]
+    assert chunks > 1 and all(sum(update["tensor_sizes"]) <= buffer_bytes for update in ipc.updates)
+    sent = dict(vllm_utils.named_weights(model))
+    assert ipc.received.keys() == sent.keys()
+    assert all(
+        torch.equal(ipc.received[name], tensor) and tensor.dtype == torch.bfloat16 for name, tensor in sent.items()
+    )
+    if version >= "0.27":
+        assert server.calls[0][2] == {"init_info": {"packed": True}}
+        required, optional = IPC_UPDATE_FIELDS_027_033
+        assert all(required <= update.keys() <= required | optional for update in ipc.updates)
+    else:
+        monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+        from vllm.distributed.weight_transfer.ipc_engine import IPCWeightTransferUpdateInfo
+
+        for update in ipc.updates:
+            parsed = IPCWeightTransferUpdateInfo(**update)
+            assert parsed.packed is True and parsed.ipc_handles["GPU-0"][0] == "fake"
+
+
+def test_a_tensor_larger_than_the_buffer_goes_alone_from_its_own_storage():
+    weights = [("a", torch.ones(4, dtype=torch.bfloat16)), ("big", torch.arange(64.0).bfloat16()), ("c", torch.ones(2))]
+    chunks = [(data.clone(), meta) for data, meta in vllm_utils.packed_chunks(iter(weights), 16)]
+    assert [meta["names"] for _, meta in chunks] == [["a"], ["big"], ["c"]]
+    assert chunks[1][0].numel() == 128 and chunks[2][1]["dtype_names"] == ["float32"]
+
+
+def test_a_failed_ipc_update_restores_the_server_and_names_the_fix(serve, monkeypatch):
+    """The server's answers to a wrong layout become the one-line fix; the server is restored and resumed."""
+    FakeIPC(monkeypatch)
+    _layout(monkeypatch, None)
+    answers = {
+        "IPC handle not found for GPU UUID 1234. Available UUIDs: ['abcd']": "not on trainer rank 0's GPU GPU-abcd",
+        "Refusing to deserialize `ipc_handles_pickled` without VLLM_ALLOW_INSECURE_SERIALIZATION=1": "started without",
+    }
+    for answer, fix in answers.items():
+        server = serve(_sync_routes(**{"/update_weights": _vllm_error(answer)}))
+        with pytest.raises(RuntimeError, match="The server was restored") as error:
+            vllm_utils.server_sync_weights_ipc(server.url, _tiny_llama(), "0.26.0", 1 << 20, timeout=5, name="my/m")
+        assert fix in str(error.value) and "VLLM_ALLOW_INSECURE_SERIALIZATION=1 vllm serve my/m" in str(error.value)
+        assert server.paths()[-2:] == ["/finish_weight_update", "/resume"]
+
+
+def _layout(monkeypatch, gpus, host="127.0.0.1", env=None):
+    """check_transport's view: trainer on GPU-abcd (CUDA_VISIBLE_DEVICES=3), the server's GPUs from nvidia-smi."""
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda *a: SimpleNamespace(uuid="abcd"))
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
+    monkeypatch.setattr(vllm_utils, "server_gpus", lambda port: gpus)
+    for key, value in (env or {}).items():
+        monkeypatch.setenv(key, value)
+    return f"http://{host}:8001"
+
+
+@pytest.mark.parametrize(
+    "backend, gpus, host, workers, env, message, command",
+    [
+        ("nccl", {"GPU-abcd"}, "127.0.0.1", 1, None, "NCCL cannot put two ranks on one GPU", "CUDA_VISIBLE_DEVICES=3 "),
+        (
+            "ipc",
+            {"GPU-ef01"},
+            "127.0.0.1",
+            1,
+            None,
+            "runs on GPU-ef01, not on trainer rank 0's GPU",
+            "VISIBLE_DEVICES=3 ",
+        ),
+        ("ipc", None, "10.1.2.3", 1, None, "runs on 10.1.2.3", "CUDA_VISIBLE_DEVICES=1 VLLM_SERVER_DEV_MODE=1 vllm"),
+        ("ipc", {"GPU-abcd"}, "127.0.0.1", 2, None, "with 2 workers", '{"backend": "nccl"}'),
+        (
+            "ipc",
+            {"GPU-abcd"},
+            "localhost",
+            1,
+            {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"},
+            "cannot be exported as a CUDA IPC handle",
+            "Unset it",
+        ),
+    ],
+)
+def test_a_layout_the_transport_cannot_serve_is_refused_with_the_command_that_works(
+    monkeypatch, backend, gpus, host, workers, env, message, command
+):
+    url = _layout(monkeypatch, gpus, host, env)
+    with pytest.raises(RuntimeError, match=message) as error:
+        vllm_utils.check_transport(url, {"backend": backend, "workers": workers}, "my/m")
+    assert command in str(error.value)
+    if backend == "nccl" or gpus == {"GPU-ef01"}:  # both remedies, each a full command
+        assert '{"backend": "ipc"}' in str(error.value) and '{"backend": "nccl"}' in str(error.value)
+
+
+@pytest.mark.parametrize(
+    "backend, gpus", [("ipc", {"GPU-abcd"}), ("ipc", None), ("nccl", {"GPU-ef01"}), ("nccl", None)]
+)
+def test_layouts_each_transport_serves_pass(monkeypatch, backend, gpus):
+    """IPC with the server seen on the trainer's GPU, or not seen at all (a container: its first answer decides);
+    NCCL with the server on another GPU or not seen."""
+    vllm_utils.check_transport(_layout(monkeypatch, gpus), {"backend": backend, "workers": 1}, "my/m")
+
+
+def test_the_server_gpus_are_found_through_the_vllm_serve_ancestor_and_its_port(monkeypatch, tmp_path):
+    """nvidia-smi lists the engine core (renamed VLLM::EngineCore): its parent `vllm serve ... --port 8001` says
+    which server it belongs to; another server's engine (port 8002) and other processes are not this one."""
+    procs = {
+        10: (b"vllm\0serve\0m\0--port\0008001\0", 1),
+        11: (b"VLLM::EngineCore\0", 10),
+        20: (b"python3\0-m\0vllm.entrypoints.cli.main\0serve\0m\0--port=8002\0", 1),
+        21: (b"VLLM::EngineCore\0", 20),
+        30: (b"python3\0train.py\0", 1),
+    }
+    real_open = open
+
+    def fake_open(path, mode="r", *a, **k):
+        parts = str(path).split("/")
+        if len(parts) == 4 and parts[1] == "proc" and int(parts[2]) in procs:
+            cmdline, parent = procs[int(parts[2])]
+            data = cmdline if parts[3] == "cmdline" else f"{parts[2]} (x y) S {parent} 0"
+            path = tmp_path / f"{parts[2]}_{parts[3]}"
+            path.write_bytes(data) if isinstance(data, bytes) else path.write_text(data)
+        return real_open(path, mode, *a, **k)
+
+    monkeypatch.setattr("builtins.open", fake_open)
+    out = "GPU-aa, 11\nGPU-bb, 21\nGPU-cc, 30\n"
+    monkeypatch.setattr(vllm_utils.subprocess, "run", lambda *a, **k: SimpleNamespace(stdout=out))
+    assert vllm_utils.server_gpus(8001) == {"GPU-aa"} and vllm_utils.server_gpus(8002) == {"GPU-bb"}
+    assert vllm_utils.server_gpus(8000) is None
+
+
+def test_a_sleeping_server_is_refused_at_start_up(serve):
+    server = serve({**_routes(weight_transfer="ipc"), "/is_sleeping": (200, {"is_sleeping": True})})
+    with pytest.raises(RuntimeError, match="is asleep"):
+        vllm_utils.check_server(server.url, "m")
+
+
+def test_check_server_reports_the_backend_and_refuses_an_unknown_one(serve):
+    assert vllm_utils.check_server(serve(_routes(weight_transfer="ipc")).url, "m")["backend"] == "ipc"
+    with pytest.raises(RuntimeError, match="transfers weights by sparse_nccl"):
+        vllm_utils.check_server(serve(_routes(weight_transfer="sparse_nccl")).url, "m")
+
+
+def test_sync_weights_takes_the_transport_the_server_reports(monkeypatch):
+    """An IPC server gets server_sync_weights_ipc and no NCCL group; a NCCL one the group and the broadcast."""
+    calls = []
+    monkeypatch.setattr(vllm_utils, "server_sync_weights_ipc", lambda *a, **k: calls.append("ipc"))
+    monkeypatch.setattr(vllm_utils, "server_init_weight_sync", lambda *a, **k: calls.append("init") or "group")
+    monkeypatch.setattr(vllm_utils, "server_sync_weights", lambda *a, **k: calls.append("nccl"))
+    for backend in ("ipc", "nccl"):
+        engine = {"mode": "server", "base_url": "u", "model": "m", "model_checked": True, "master_address": "a"}
+        engine["server"] = {"version": "0.26.0", "backend": backend}
+        vllm_utils.sync_weights({**engine, **vllm_utils.SERVER_OPTIONS}, _tiny_llama())
+    assert calls == ["ipc", "init", "nccl"]

@@ -4,7 +4,8 @@ again. Prints a RESULT line of JSON and records it ($GPU_RESULTS_DIR).
 
     python tests/gpu/real_model_run.py colocate MODEL        # 1 GPU, no sleep mode; then also e895bb7's load path
     python tests/gpu/real_model_run.py colocate_sleep MODEL  # 1 GPU, sleep level 2 between sync and generation
-    python tests/gpu/real_model_run.py server MODEL URL      # a `vllm serve MODEL` on another GPU, trainer on GPU 0
+    python tests/gpu/real_model_run.py server MODEL URL      # a `vllm serve MODEL` on another GPU (NCCL), or on this
+                                                             # one (--weight-transfer-config ipc), trainer on GPU 0
     torchrun --standalone --nproc_per_node 2 tests/gpu/real_model_run.py tp2 MODEL   # TP 2 colocated, sleep mode
 """
 
@@ -114,7 +115,15 @@ def main():
         url = sys.argv[3]
         server = vllm_utils.check_server(url, model_path)
         vllm_utils.check_same_model(server, model, model_path)
-        group = vllm_utils.server_init_weight_sync(url, None, version=server["version"])
+        result["backend"] = server["backend"]
+        if server["backend"] == "ipc":  # a server on this GPU: no group to form
+            vllm_utils.check_transport(url, server, model_path)
+            result["server_gpus_seen"] = sorted(vllm_utils.server_gpus(int(url.rsplit(":", 1)[1])) or [])
+        group = (
+            vllm_utils.server_init_weight_sync(url, None, version=server["version"])
+            if result["backend"] == "nccl"
+            else None
+        )
         result["init_s"] = time.perf_counter() - t0
         engine = {"mode": "server", "base_url": url, "server": server, "fields": FIELDS, "n": 4, "model": model_path}
         engine.update(vllm_utils.SERVER_OPTIONS, group=group, master_address="127.0.0.1", model_checked=True)
@@ -158,6 +167,7 @@ def main():
         attempt(result, "e895bb7_round", lambda: e895bb7_round(result, llm, model, sample, prompt_ids))
     after = result.get("after_sync")
     result["ok"] = bool(after and after["mean"] < BOUND and result["control"]["mean"] > BOUND)
+    mode = "server_ipc" if result.get("backend") == "ipc" else mode
     emit(f"real_{mode}_{os.path.basename(model_path)}{suffix}" + (f"_rank{rank}" if mode == "tp2" else ""), result)
     if mode == "tp2":
         torch.distributed.barrier()

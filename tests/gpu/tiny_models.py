@@ -80,19 +80,23 @@ def parse_result(stdout):
     return json.loads(lines[-1]) if lines else None
 
 
-def serve_args(model, port, memory="0.3", eager=EAGER):
-    """`vllm serve` as the scripts' serve command starts it (vllm_utils.serve_command), on a short context."""
+def serve_args(model, port, memory="0.3", eager=EAGER, backend="nccl", kv_bytes=None):
+    """`vllm serve` as the scripts' serve command starts it (vllm_utils.serve_command), on a short context. `kv_bytes`:
+    a fixed KV cache instead of one sized from the GPU's free memory, for a server that starts beside other processes
+    on its GPU (their allocations would skew vLLM's memory profile)."""
     args = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", model, "--port", str(port)]
-    args += ["--weight-transfer-config", '{"backend": "nccl"}', "--logprobs-mode", "processed_logprobs"]
+    args += ["--weight-transfer-config", f'{{"backend": "{backend}"}}', "--logprobs-mode", "processed_logprobs"]
     args += "--max-logprobs -1 --api-server-count 4 --max-model-len 1024 --gpu-memory-utilization".split() + [memory]
+    args += ["--kv-cache-memory-bytes", str(kv_bytes)] if kv_bytes else []
     return args + (["--enforce-eager"] if eager else [])
 
 
 class Servers:
-    """One `vllm serve` at a time on GPU 1 (CUDA_VISIBLE_DEVICES=1), started on demand, shared by the tests."""
+    """One `vllm serve` at a time on GPU 1 (CUDA_VISIBLE_DEVICES=1), started on demand, shared by the tests; with
+    backend "ipc", on the trainer's GPU 0 (one GPU), with the pickled IPC handles allowed and a fixed KV cache."""
 
-    def __init__(self, port=PORT, log_dir=None):
-        self.port, self.proc, self.model = port, None, None
+    def __init__(self, port=PORT, log_dir=None, backend="nccl"):
+        self.port, self.proc, self.model, self.backend = port, None, None, backend
         self.log_dir = log_dir or os.environ.get("GPU_RESULTS_DIR", "/tmp")
         self.url = f"http://127.0.0.1:{port}"
         self.started = None
@@ -103,11 +107,15 @@ class Servers:
             return
         self.stop()
         env = {**os.environ, "CUDA_VISIBLE_DEVICES": "1", "VLLM_SERVER_DEV_MODE": "1"}
+        args = serve_args(model, self.port)
+        if self.backend == "ipc":
+            env.update(CUDA_VISIBLE_DEVICES="0", VLLM_ALLOW_INSECURE_SERIALIZATION="1")
+            args = serve_args(model, self.port, memory="0.1", backend="ipc", kv_bytes=2 << 30)
         name = os.path.basename(model)
         self.log_path = os.path.join(self.log_dir, f"serve_{name}_{int(time.time())}.log")
         log = open(self.log_path, "w")
         self.proc = subprocess.Popen(  # its own process group: stop() ends the engine-core children with it
-            serve_args(model, self.port), env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            args, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
         )
         self.model, self.started = model, time.perf_counter()
         with open(os.path.join(self.log_dir, "server.pid"), "w") as f:  # run_issue14.sh kills it if pytest was

@@ -1,0 +1,84 @@
+#!/usr/bin/env bash
+# Server mode on ONE GPU (a `vllm serve --weight-transfer-config '{"backend": "ipc"}'` beside the trainer on its own
+# GPU, weights pushed as CUDA IPC handles), on a 1 x H200 host prepared by ../shared/gpu/README.md (source
+# .gpu/setup.sh first; TRL 1.16 on the path). Each phase fits one 10-minute device call.
+# Usage: bash benchmarks/one_gpu.sh check|bench OUT_DIR; then python benchmarks/ratios.py OUT_DIR
+#   check: starts the compiled bench-0.5b IPC server (port 8001, kept up for `bench`), the learning runs (the addition
+#          task with SmolLM2-135M-Instruct, 100 steps: grpo.py, rloo.py, online_dpo.py, each with and without
+#          --async-generation, each against its own eager IPC server: six servers and six trainers share the GPU),
+#          and tests/gpu/test_server_ipc.py (the sync check for the two tiny MoE models, then bench-0.5b once its
+#          server is up).
+#   bench: bench-0.5b side by side, PAIR=1: TRL colocate, ours colocate, ours one-GPU server, ours one-GPU server
+#          --async-generation; PAIR=2 the same in reverse order. Writes OUT_DIR/vs_trl.json (ratios.py, $COMMIT).
+set -u
+PHASE=$1; OUT=$2; mkdir -p "$OUT"
+python3 benchmarks/make_tasks.py /tmp/tasks > /dev/null
+export WANDB_MODE=offline PYTHONUNBUFFERED=1 CUDA_VISIBLE_DEVICES=0
+BENCH="--model-name-or-path /tmp/bench-qwen05b --dataset-name /tmp/tasks/bench.jsonl --prompt-column prompt
+       --answer-column '' --no-use-chat-template --reward-funcs keyword_reward --prompts-per-step 32 --num-generations 8
+       --max-completion-length 256 --beta 0 --learning-rate 1e-6 --max-steps 8 --use-vllm"
+ADD="--model-name-or-path /tmp/smol --dataset-name /tmp/tasks/addition.jsonl --prompt-column prompt --answer-column answer
+     --reward-funcs gsm8k_accuracy --max-completion-length 32 --learning-rate 1e-5 --max-steps 100 --use-vllm
+     --vllm-mode server"
+
+serve_ipc() {  # serve_ipc MODEL PORT [ARGS]: an IPC `vllm serve` on this GPU, in its own session (outlives the call)
+  local model=$1 port=$2; shift 2
+  pgrep -f "serve $model --port $port" > /dev/null && return
+  VLLM_SERVER_DEV_MODE=1 VLLM_ALLOW_INSECURE_SERIALIZATION=1 setsid python3 -m vllm.entrypoints.cli.main serve "$model" \
+    --port "$port" --weight-transfer-config '{"backend": "ipc"}' --logprobs-mode processed_logprobs --max-logprobs -1 \
+    "$@" > "$OUT/server_$port.log" 2>&1 &
+}
+wait_server() { python3 -c "import vllm_utils; vllm_utils.wait_for_server('http://127.0.0.1:$1', ${2:-600}, 'server')"; }
+ours() {  # ours NAME TIMEOUT SCRIPT ARGS...
+  local name=$1 limit=$2 script=$3; shift 3
+  echo "== $name: python $script $*" > "$OUT/$name.log"
+  eval timeout "$limit" python3 "$script" --output-dir "$OUT/$name" "$@" >> "$OUT/$name.log" 2>&1
+  echo "== $name exit $?" | tee -a "$OUT/$name.log"
+  find "$OUT/$name" -mindepth 1 ! -name metrics.jsonl -delete  # a device call returns at most 8 files: keep this one
+}
+trl() {  # trl NAME TIMEOUT
+  echo "== $1: trl_bench.py colocate" > "$OUT/$1.log"
+  timeout "$2" python3 benchmarks/trl_bench.py colocate "$OUT/$1" >> "$OUT/$1.log" 2>&1
+  echo "== $1 exit $?" | tee -a "$OUT/$1.log"
+}
+
+if [ "$PHASE" = check ]; then
+  # the bench server first, compiled as a user's would be; a fixed KV cache because the GPU fills up beside it
+  serve_ipc /tmp/bench-qwen05b 8001 --gpu-memory-utilization 0.35 --kv-cache-memory-bytes 17179869184 \
+    --max-model-len 2048 --api-server-count 4
+  EAGER_SMALL="--gpu-memory-utilization 0.04 --kv-cache-memory-bytes 2147483648 --max-model-len 1024 --enforce-eager
+               --api-server-count 1"
+  i=0
+  for s in grpo rloo online_dpo; do
+    for a in sync async; do
+      port=$((8100 + i)); i=$((i + 1)); serve_ipc /tmp/smol $port $EAGER_SMALL
+      [ "$s" = online_dpo ] && n="--prompts-per-step 64 --num-generations 4" || n="--prompts-per-step 16 --num-generations 8"
+      [ "$a" = async ] && n="$n --async-generation"
+      (sleep 5; OMP_NUM_THREADS=2 ours "${s}_ipc_$a" 540 "$s.py" $ADD $n --vllm-server-port $port \
+        --vllm-server-timeout 400) &
+    done
+  done
+  python3 tests/gpu/make_tiny_models.py /tmp/tiny-models > "$OUT/make_tiny.log" 2>&1
+  GPU_RESULTS_DIR=$OUT VLLM_TEST_BENCH_URL=http://127.0.0.1:8001 timeout 500 python3 -m pytest -x -q -rs \
+    tests/gpu/test_server_ipc.py 2>&1 | tee "$OUT/pytest_ipc.log"
+  wait
+  python3 benchmarks/summarize.py "$OUT" > "$OUT/learn_summary.txt" 2>&1; cat "$OUT/learn_summary.txt"
+fi
+if [ "$PHASE" = bench ]; then
+  serve_ipc /tmp/bench-qwen05b 8001 --gpu-memory-utilization 0.35 --max-model-len 2048 --api-server-count 4
+  wait_server 8001
+  S="--vllm-mode server --vllm-server-port 8001"
+  P=${PAIR:-1}
+  if [ "$P" = 1 ]; then
+    trl trl_colocate_1 200
+    ours ours_colocate_1 180 grpo.py $BENCH --vllm-mode colocate
+    ours ours_server1gpu_1 150 grpo.py $BENCH $S
+    ours ours_async1gpu_1 150 grpo.py $BENCH $S --async-generation
+  else
+    ours ours_async1gpu_2 150 grpo.py $BENCH $S --async-generation
+    ours ours_server1gpu_2 150 grpo.py $BENCH $S
+    ours ours_colocate_2 180 grpo.py $BENCH --vllm-mode colocate
+    trl trl_colocate_2 200
+  fi
+  python3 benchmarks/ratios.py "$OUT" --commit "${COMMIT:-unknown}"
+fi
