@@ -882,7 +882,8 @@ def eval_source(args):
 def read_dataset(args, evaluation=False):
     """The training dataset (with `evaluation`, the eval dataset of eval_source) as {column: list of values}, read
     with `datasets` before any model loads: a hub dataset, or a local .json / .jsonl / .parquet file. Its errors
-    become one line naming the file (and, for a malformed JSON line, the line)."""
+    become one line naming the file and, in a .jsonl file, the first line that is not a JSON object with the first
+    line's keys (`datasets` reads the file as one table: a missing value is null, not a missing key)."""
     from datasets import load_dataset
 
     source = eval_source(args) if evaluation else (args.dataset_name, args.dataset_config, args.dataset_split)
@@ -894,12 +895,26 @@ def read_dataset(args, evaluation=False):
         else:
             dataset = load_dataset(name, config, split=split).to_dict()
     except Exception as error:  # noqa: BLE001 - any failure to read the data is the flag's problem
-        where, message = (f", split {split}" if not is_local(name) else ""), str(error)
+        where, message, keys = (f", split {split}" if not is_local(name) else ""), repr(error), None
+        if os.path.isfile(name) and not open(name, "rb").read().strip():
+            where, message = "", "the file is empty: it holds no records"
         for number, line in enumerate(open(name, encoding="utf-8") if name.endswith(".jsonl") else [], 1):
+            if not line.strip():
+                continue
             try:
-                line.strip() and json.loads(line)
+                record = json.loads(line)
             except json.JSONDecodeError as bad:
-                where, message = f", line {number}", f"not valid JSON ({bad.msg}, column {bad.colno}): {line[:120]}"
+                where, message = (
+                    f", line {number}",
+                    f"not valid JSON ({bad.msg}, column {bad.colno}): {line.strip()[:120]}",
+                )
+                break
+            keys = keys or (sorted(record) if isinstance(record, dict) else None)
+            if not isinstance(record, dict) or sorted(record) != keys:
+                where, message = (
+                    f", line {number}",
+                    f"a JSON object with the keys {keys} expected, got {line.strip()[:120]}",
+                )
                 break
         raise SystemExit(f"error: {flag} {name}{where}: {message}") from None
     if not dataset or not next(iter(dataset.values())):
@@ -924,18 +939,12 @@ def check_dataset(args, dataset, reward_fns, evaluation=False):
     if args.answer_column and args.answer_column != "answer":
         given = given - {args.answer_column} | {"answer"}
     given |= {"completions", "prompts", "completion_ids", "max_completion_length", *args.reward_kwargs}
-    missing = rewards.missing_argument(reward_fns, given)
-    if missing and missing[1] == "answer":
-        raise SystemExit(
-            f"error: reward function '{missing[0].__name__}' needs the reference answer, and --answer-column "
-            f"'{args.answer_column}' gives none: pass --answer-column with the column of {name} that holds it "
-            f"(its columns: {columns})"
-        )
-    if missing:
-        raise SystemExit(
-            f"error: reward function '{missing[0].__name__}' (--reward-funcs) needs a column '{missing[1]}', which "
-            f"{flag} {name} does not have (its columns: {columns})"
-        )
+    if missing := rewards.missing_argument(reward_fns, given):
+        fn, needed = missing[0].__name__, missing[1]
+        what, fix = f"a column '{needed}', which {flag} {name} does not have", "pass other --reward-funcs or data"
+        if needed == "answer":
+            what, fix = f"the reference answer, and --answer-column '{args.answer_column}' gives none", "pass one"
+        raise SystemExit(f"error: reward function '{fn}' (--reward-funcs) needs {what} (its columns: {columns}): {fix}")
 
 
 def collate(prompt_ids, completion_ids, device, pad_id):
@@ -1440,6 +1449,8 @@ def claim_run_dir(args):
                 f"error: --output-dir {out} is in use by a run that is still going ({holder}). Wait for it to end, "
                 f"or pass another --output-dir."
             ) from None
+        except OSError as error:  # a file system without flock (some network mounts): run, but say so
+            print(f"warning: cannot lock {lock_path} ({error}): nothing keeps a second run out of this directory")
         os.ftruncate(lock, 0)
         os.pwrite(lock, f"{script}, pid {os.getpid()} on {socket.gethostname()}, since {time.ctime()}".encode(), 0)
         if checkpoint == "latest":
@@ -1457,12 +1468,14 @@ def claim_run_dir(args):
                 )
             identity = {"run_id": uuid.uuid4().hex[:12], "run_name": stamp}
         else:
-            identity = read_json(os.path.join(checkpoint, "run.json"))
-            if identity is None:
+            try:
+                with open(os.path.join(checkpoint, "run.json")) as f:
+                    identity = json.load(f)
+            except (OSError, ValueError):
                 raise SystemExit(
                     f"error: --resume-from-checkpoint {checkpoint} has no run.json, so its script and run are unknown: "
                     f"start a new run from its weights with --model-name-or-path {checkpoint}"
-                )
+                ) from None
             if identity.get("script") != script:
                 raise SystemExit(
                     f"error: --resume-from-checkpoint {checkpoint} is a checkpoint of {identity.get('script')}: "
@@ -1496,15 +1509,6 @@ def remove_unstarted(output_dir):
         if os.listdir(output_dir) == [".lock"]:
             os.remove(os.path.join(output_dir, ".lock"))
             os.rmdir(output_dir)
-
-
-def read_json(path):
-    """The JSON value in the file `path`, or None if there is none (or it is unreadable)."""
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except (OSError, ValueError):
-        return None
 
 
 def on_sigterm():

@@ -151,7 +151,17 @@ BAD_INPUTS = [  # (script, extra arguments (a function of tmp_path), what the me
     (
         "grpo.py",
         lambda t: ["--dataset-name", write_jsonl(t / "d.jsonl", [])],
-        ["--dataset-name", "d.jsonl"],
+        ["--dataset-name", "d.jsonl", "holds no records"],
+    ),
+    (
+        "grpo.py",
+        lambda t: ["--dataset-name", write_jsonl(t / "d.jsonl", [{"prompt": "a", "keyword": "the"}, {"prompt": "b"}])],
+        ["--dataset-name", "d.jsonl, line 2", "a JSON object with the keys ['keyword', 'prompt']"],
+    ),
+    (
+        "rloo.py",
+        lambda t: ["--reward-funcs", "gsm8k_accuracy"],
+        ["gsm8k_accuracy", "reference answer", "--answer-column"],
     ),
 ]
 
