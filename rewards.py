@@ -10,7 +10,6 @@ columns, checking their signatures against those columns) is at the end of the f
 
 import inspect
 import re
-import sys
 import threading
 
 import math_verify
@@ -149,7 +148,7 @@ def is_reward(fn) -> bool:
 
 def functions(names) -> list:
     """The reward functions that --reward-funcs names, in order; exits with the valid names on an unknown one."""
-    found = {name: fn for name, fn in vars(sys.modules[__name__]).items() if is_reward(fn)}
+    found = {name: fn for name, fn in globals().items() if is_reward(fn)}
     for name in names:
         if name not in found:
             raise SystemExit(
