@@ -7,6 +7,7 @@ A change to the block is made in grpo.py, then copied into the other two by
 and this test fails, with a diff, whenever one copy differs from grpo.py's."""
 
 import difflib
+import re
 import sys
 from pathlib import Path
 
@@ -24,10 +25,12 @@ def split(text, name="script"):
 
 
 def block_diff(master_text, copy_text, copy_name):
-    """The unified diff of copy_name's block against grpo.py's ('' when they are equal)."""
-    master, copy = split(master_text, MASTER)[1], split(copy_text, copy_name)[1]
+    """The unified diff of copy_name's block against grpo.py's ('' when they are equal), with the files' line numbers."""
+    (master_above, master), (copy_above, copy) = split(master_text, MASTER), split(copy_text, copy_name)
     lines = difflib.unified_diff(master.splitlines(True), copy.splitlines(True), MASTER, copy_name, n=2)
-    return "".join(lines)
+    offsets = master_above.count("\n"), copy_above.count("\n")
+    renumber = lambda m: f"@@ -{int(m[1]) + offsets[0]}{m[2]} +{int(m[3]) + offsets[1]}{m[4]} @@"
+    return "".join(re.sub(r"^@@ -(\d+)(,\d+)? \+(\d+)(,\d+)? @@", renumber, line) for line in lines)
 
 
 def test_the_block_is_identical_in_the_three_scripts():
@@ -44,6 +47,8 @@ def test_an_edited_copy_fails_with_a_diff():
     assert edited != master
     diff = block_diff(master, edited, "rloo.py")
     assert "-def clock(device):\n" in diff and "+def clock(device):  # edited\n" in diff
+    line = master.splitlines().index("def clock(device):") + 1  # the hunk names the files' own line numbers
+    assert re.search(rf"^@@ -{line - 2},\d+ \+{line - 2},\d+ @@", diff, re.MULTILINE), diff
     assert block_diff(master, master, "rloo.py") == ""
     # a script without its banner is an error, not an empty block that matches nothing
     try:
