@@ -1352,7 +1352,7 @@ def save_checkpoint(run, global_step, prompts_consumed, **counters):
 def stop_preempted(run, global_step):
     """After SIGTERM's checkpoint: say how to continue, and exit with 143 (128 + SIGTERM: stopped, not finished)."""
     if run.is_main:
-        tip = "the same command with --resume-from-checkpoint latest continues the run"
+        tip = f"the same command with --output-dir {run.output_dir} --resume-from-checkpoint latest continues the run"
         print(f"SIGTERM: wrote checkpoint-{global_step} and stopped; {tip}", flush=True)
         if run.wandb:
             run.wandb.mark_preempting()
@@ -1518,8 +1518,8 @@ def remove_unstarted(output_dir):
 
 def on_sigterm():
     """Preemption: a cluster scheduler sends SIGTERM, then SIGKILL after a grace period. SIGTERM sets the returned
-    event; the loop then writes a checkpoint at the end of the current step and exits (resume with
-    --resume-from-checkpoint latest). A second SIGTERM ends the process at once."""
+    event; the loop then writes a checkpoint at the end of the current step and exits (resume with the run's
+    --output-dir and --resume-from-checkpoint latest). A second SIGTERM ends the process at once."""
     requested = threading.Event()
 
     def handler(signum, frame):
