@@ -947,6 +947,10 @@ def check_dataset(args, dataset, reward_fns, evaluation=False):
         raise SystemExit(f"error: reward function '{fn}' (--reward-funcs) needs {what} (its columns: {columns}): {fix}")
 
 
+# ------------------------------------------------------------------------------------------------------------------
+# Log-probabilities (chunked, at the sampling temperature, with the model's own logit transform)
+
+
 def collate(prompt_ids, completion_ids, device, pad_id):
     """Left-pad prompts and right-pad completions into one (B, P + C) batch.
 
