@@ -3,13 +3,17 @@
 `completions` holds strings or chat messages (the last message's content is scored). Dataset columns arrive as
 keyword lists aligned with `completions`; the trainer also passes `prompts`, `completion_ids`,
 `max_completion_length` and any `--reward-kwargs`, so every reward takes `**kwargs`. None means "cannot score this
-sample" (e.g. unparseable gold) and the trainer skips it. Public names are rewards; helpers start with `_`.
+sample" (e.g. unparseable gold) and the trainer skips it. A reward is a public function whose first parameter is
+`completions` (--reward-funcs names it); the trainer's side (functions by name, calling them with the dataset's
+columns, checking their signatures against those columns) is at the end of the file.
 """
 
+import inspect
 import re
 import threading
 
 import math_verify
+import torch
 
 # Seconds per math_verify parse / comparison. math_verify enforces it with signal.alarm, which only works in the
 # main thread (elsewhere it raises ValueError): off the main thread we pass None, i.e. no timeout, as math_verify
@@ -129,3 +133,56 @@ def keyword_reward(completions, keyword, **kwargs) -> list[float]:
         pattern = rf"(?<!\w){re.escape(str(word).strip())}(?!\w)"
         rewards.append(float(re.search(pattern, _text(completion), re.IGNORECASE) is not None))
     return rewards
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# The trainer's side: the reward functions that --reward-funcs names, their arguments, their scores
+
+
+def is_reward(fn) -> bool:
+    """A reward is a public function of this module whose first parameter is `completions`."""
+    if not inspect.isfunction(fn) or fn.__module__ != __name__ or fn.__name__.startswith("_"):
+        return False
+    return list(inspect.signature(fn).parameters)[:1] == ["completions"]
+
+
+def functions(names) -> list:
+    """The reward functions that --reward-funcs names, in order; exits with the valid names on an unknown one."""
+    found = {name: fn for name, fn in globals().items() if is_reward(fn)}
+    for name in names:
+        if name not in found:
+            raise SystemExit(
+                f"error: unknown reward function '{name}'. --reward-funcs takes names from rewards.py: {sorted(found)}"
+            )
+    return [found[name] for name in names]
+
+
+def missing_argument(reward_fns, given):
+    """(function, parameter) of the first required parameter that no name in `given` (the keywords the trainer passes:
+    the dataset's columns and its own) fills, or None if every reward function gets all it requires."""
+    for fn in reward_fns:
+        for p in inspect.signature(fn).parameters.values():
+            required = p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+            if required and p.name not in given:
+                return fn, p.name
+    return None
+
+
+def score(reward_fns, completions, columns):
+    """Call each reward function with the completions and, by name, the keyword `columns`; returns the scores
+    (num_completions, num_funcs) with NaN where a function gave None."""
+    scores = torch.full((len(completions), len(reward_fns)), float("nan"))
+    for k, fn in enumerate(reward_fns):
+        try:
+            values = fn(completions=completions, **columns)
+        except Exception as error:
+            raise RuntimeError(
+                f"reward function '{fn.__name__}' raised {type(error).__name__}: {error}. It receives completions and "
+                f"the keyword columns {sorted(columns)}; fix the function or the dataset columns it reads."
+            ) from error
+        if len(values) != len(completions):
+            raise ValueError(
+                f"reward function '{fn.__name__}' returned {len(values)} values for {len(completions)} completions"
+            )
+        scores[:, k] = torch.tensor([float("nan") if v is None else float(v) for v in values])
+    return scores

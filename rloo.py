@@ -5,30 +5,30 @@ Ahmadian et al. 2024, "Back to Basics: Revisiting REINFORCE Style Optimization f
 LLMs" (arXiv 2402.14740): sample k completions per prompt and use, as each completion's baseline, the mean reward of
 the other k - 1. The whole completion is one action: sequence-level log-probabilities, the KL penalty to the frozen
 reference model folded into the reward (k1, as in the paper; --no-kl-in-reward puts a k3 KL in the loss instead), and a
-PPO-style clipped sequence ratio when a batch is reused (--num-iterations > 1). The options are grouped as in
-README.md's table (grpo.py); a run writes its model, checkpoints and metrics.jsonl to --output-dir, which it keeps
-to itself.
+PPO-style clipped sequence ratio when a batch is reused (--num-iterations > 1). A run writes its model, checkpoints
+and metrics.jsonl to a directory of its own: runs/{exp_name}__{seed}__{unix time}, or --output-dir.
 
 Example, on the CPU (about 25 seconds on 2 CPU cores, no download): the bundled 260K-parameter TinyStories model is
 rewarded for the word "play" and, within a few steps, writes little else ("play play play ..."):
   OMP_NUM_THREADS=1 python rloo.py --model-name-or-path tests/assets/stories260K \\
       --dataset-name tests/assets/stories_prompts.jsonl --prompt-column prompt --answer-column "" \\
       --reward-funcs keyword_reward --no-use-chat-template --num-generations 4 --beta 0 --learning-rate 3e-3 \\
-      --max-completion-length 24 --max-steps 30 --no-bf16 --output-dir runs/quickstart-rloo
+      --max-completion-length 24 --max-steps 30 --no-bf16
 
 More examples:
   # one GPU, vLLM inside the training process
   python rloo.py --use-vllm --vllm-mode colocate --vllm-enable-sleep-mode
   # trainer on GPU 0, a stock vLLM server on GPU 1 (README.md, "Using vLLM")
   python rloo.py --use-vllm --vllm-mode server
+
+Reading order: Args, ALGO LOGIC (the leave-one-out advantages, the KL in the reward, the clipped sequence loss),
+train() and its metrics, then the PLUMBING block that all three scripts share (grpo.py holds its master copy).
 """
 
-import ast
 import atexit
-import dataclasses
+import contextlib
 import fcntl
 import functools
-import inspect
 import itertools
 import json
 import os
@@ -42,13 +42,13 @@ import textwrap
 import threading
 import time
 import uuid
-from collections import defaultdict, namedtuple
+from collections import defaultdict
 from concurrent.futures import Future
 from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
-from functools import partial
-from typing import Annotated, Literal
+from types import SimpleNamespace
+from typing import Literal, NamedTuple
 
 import numpy as np
 import torch
@@ -63,8 +63,8 @@ import vllm_utils
 @dataclass
 class Args:
     # Experiment
-    exp_name: str = "rloo"
-    """name of this experiment (used in the run name)"""
+    exp_name: str = os.path.basename(__file__)[: -len(".py")]
+    """name of this experiment (the run directory is runs/{exp_name}__{seed}__{unix time})"""
     seed: int = 1
     """seed of the experiment: prompt order, sampling and initialisation"""
     track: bool = False
@@ -73,8 +73,9 @@ class Args:
     """the wandb project name"""
     wandb_entity: str | None = None
     """the wandb entity (team)"""
-    output_dir: str = "runs/rloo"
-    """where checkpoints, metrics.jsonl and the final model + tokenizer are written"""
+    output_dir: str | None = None
+    """where checkpoints, metrics.jsonl and the final model + tokenizer are written (None: a new
+    runs/{exp_name}__{seed}__{unix time}); a new run refuses a directory that holds files"""
 
     # Model
     model_name_or_path: str = "Qwen/Qwen2.5-0.5B-Instruct"
@@ -227,10 +228,8 @@ class Args:
     save_total_limit: int | None = 2
     """keep only the newest this many checkpoints"""
     resume_from_checkpoint: str | None = None
-    """a checkpoint directory, or "latest" for this run's newest one in output_dir"""
-    overwrite_output_dir: bool = False
-    """start a new run in an output_dir that holds another run's files (its metrics.jsonl and final model are replaced;
-    its checkpoints are kept, and never resumed or deleted by this run)"""
+    """a checkpoint directory, whose run continues in its directory; or "latest": the newest complete checkpoint in
+    --output-dir"""
 
     # Evaluation (README.md, "Evaluation")
     eval_steps: int = 0
@@ -268,10 +267,10 @@ def rloo_advantages(rewards, num_generations):
     return advantages.view(-1)
 
 
-def normalize_advantages(advantages, scored, world_size=1, device="cpu"):
+def normalize_advantages(advantages, scored, world_size=1):
     """--normalize-advantages: (A - mean) / (std + 1e-4) over the scored completions of every rank. An unscorable one
     (NaN reward) keeps advantage 0 and stays out of the statistics (as in TRL). advantages, scored: (N,)."""
-    everyone = gather_rows(torch.where(scored, advantages, torch.nan).to(device), world_size).cpu()
+    everyone = torch.cat(gather_objects(torch.where(scored, advantages, torch.nan), world_size))
     everyone = everyone[~everyone.isnan()]
     std = everyone.std() if everyone.numel() > 1 else torch.tensor(0.0)
     return torch.where(scored, (advantages - everyone.mean()) / (std + 1e-4), torch.zeros_like(advantages))
@@ -338,56 +337,40 @@ def rloo_loss(args, logprobs, old_logprobs, ref_logprobs, sampling_logprobs, adv
     return loss, ratio, is_ratio, logp_difference
 
 
+# the algorithm's flags for the start-up checks (check_args, with the shared ones): (field, true for a valid value,
+# what it must be); None (an option left unset) is always valid
+RULES = [
+    ("num_generations", lambda v: v >= 2, "at least 2: the leave-one-out baseline needs another completion"),
+    ("epsilon", lambda v: v >= 0, ">= 0"),
+    ("epsilon_high", lambda v: v >= 0, ">= 0"),
+    ("beta", lambda v: v >= 0, ">= 0"),
+    ("reward_clip_range", lambda v: v[0] < v[1], "LOW HIGH with LOW < HIGH"),
+    ("num_iterations", lambda v: v >= 1, "at least 1"),
+    ("steps_per_generation", lambda v: v >= 1, "at least 1"),
+]
+
+
 def train(args):
     """One run: the start-up (every check before any model loads), then one generation round per pass of the loop:
     generate -> score -> (old / reference log-probs) -> advantages -> loss and optimizer steps -> sync the weights
     to vLLM -> evaluate, log, save. On several processes (torchrun) each rank takes an equal share of every round's
     prompts, whole groups, and FSDP2 shards the weights."""
-    # TRY NOT TO MODIFY: start-up. Every mistake in the flags or the data stops the run here, before any model loads
-    world_size, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
-    is_main = rank == 0
-    check_args(args, world_size)
-    reward_fns = reward_functions(args.reward_funcs)
-    dataset = read_dataset(args, reward_fns)  # each dataset checked against the column flags and the reward functions
-    eval_dataset = read_dataset(args, reward_fns, evaluation=True) if args.eval_steps or args.max_steps == 0 else None
-    device = start_processes(world_size)
-    warn_truncated_sampling(args)
-    # the output directory is this run's alone (a lock); another run's files are refused; only this run's checkpoints
-    run, checkpoint_dir, output_lock = claim_output_dir(args, "rloo.py") if is_main else (None, None, None)
-    checkpoint_dir = from_rank_0(checkpoint_dir, world_size)  # rank 0 decided which checkpoint to resume
-    preemption = on_sigterm()  # SIGTERM: a checkpoint at the end of the step, then exit
-    # seeding: the same on every rank until sampling, so that all ranks hold the same weights
-    random.seed(args.seed)
-    np.random.seed(args.seed)
-    torch.manual_seed(args.seed)
-    # no weight cache: each weight is cast once per forward anyway, and the cache would outlive gradient checkpointing
-    autocast = dict(device_type=device.type, dtype=torch.bfloat16, enabled=args.bf16 and device.type == "cuda")
-    autocast["cache_enabled"] = False
-    model_path = checkpoint_dir or args.model_name_or_path
-    model, ref_model, tokenizer, pad_id, eos_ids = load_models(args, model_path, device, world_size)
-    max_context = getattr(model.config, "max_position_embeddings", None) or 10**9
-    train_set = load_prompts(args, dataset, tokenizer, max_context)
-    eval_set = load_prompts(args, eval_dataset, tokenizer, max_context) if eval_dataset is not None else None
-    reward_weights = torch.tensor(args.reward_weights or [1.0] * len(reward_fns))
-    optimizer, scheduler = make_optimizer(args, model, device)
-    global_step, prompts_consumed = 0, 0
-    torch.manual_seed(args.seed + rank)  # from here on each rank samples its own completions
-    if checkpoint_dir:
-        global_step, prompts_consumed = load_checkpoint(
-            checkpoint_dir, model, optimizer, scheduler, device, rank, world_size
-        )
-    prompts = prompt_stream(len(train_set.prompt_ids), args.seed, start=prompts_consumed)
-    engine, generate = make_generator(args, model, model_path, train_set, eval_set, pad_id, eos_ids, world_size)
-    metrics_file, wandb = open_metrics(args, run, checkpoint_dir, global_step) if is_main else (None, None)  # rank 0's
-    progress = tqdm(total=args.max_steps, initial=global_step, desc="rloo", dynamic_ncols=True, disable=not is_main)
-    epsilon_high = args.epsilon_high if args.epsilon_high is not None else args.epsilon
+    # TRY NOT TO MODIFY: start-up (the PLUMBING block's set_up): every mistake in the flags or the data stops the run
+    # before any model loads; then the run directory, the models, the prompts, the optimizer, a resume, the generator
+    steps = dict(steps_per_generation=args.steps_per_generation, num_iterations=args.num_iterations)
+    run = set_up(args, RULES, reference_model=args.beta > 0, **steps)
+    model, optimizer, device, world_size, ref_model = (
+        run.model,
+        run.optimizer,
+        run.device,
+        run.world_size,
+        run.ref_model,
+    )
+    global_step, epsilon_high = run.global_step, args.epsilon_high if args.epsilon_high is not None else args.epsilon
     steps_per_round = args.steps_per_generation * args.num_iterations  # optimizer steps per generation round
-    weights_version = global_step  # the optimizer step whose weights the generator holds
     next_round = None  # --async-generation: the round generating in the background while this one trains
-    evaluation = (eval_set, generate, tokenizer, reward_fns, reward_weights, device, rank, world_size)
-    run_eval = partial(evaluate, args, *evaluation)  # the eval/... metrics of the generator's current weights
-    if eval_set is not None and (global_step == 0 or args.max_steps == 0):  # the model before training
-        log_metrics(metrics_file, wandb, {"step": global_step, **run_eval()}, show=True)
+    if run.eval_set is not None and (global_step == 0 or args.max_steps == 0):  # the model before training
+        log_metrics(run, {"step": global_step, **evaluate(run)}, show=True)
 
     while global_step < args.max_steps:
         round_start = time.perf_counter()
@@ -395,26 +378,22 @@ def train(args):
         # ALGO LOGIC: 1. generate: sample prompts and num_generations completions each. --async-generation: this
         # step's round was generated during the last step, by the weights before it; the next round starts now, from
         # the current weights, and generates while we train
-        if next_round is None:
-            next_round = start_round(args, prompts, train_set, generate, weights_version, rank, world_size)
-            prompts_consumed += args.prompts_per_step
-        (rows, version, generation), next_round = next_round, None
+        (rows, version, generation), next_round = next_round or start_round(run), None
         if args.async_generation and global_step + steps_per_round < args.max_steps:
-            next_round = start_round(args, prompts, train_set, generate, weights_version, rank, world_size)
-            prompts_consumed += args.prompts_per_step
+            next_round = start_round(run)
         t0 = time.perf_counter()
         (completion_ids, sampling_logprobs), timing["timing/generation"] = generation.result()
         timing["timing/generation_wait"] = time.perf_counter() - t0  # what generation costs the trainer
         staleness = global_step - version  # optimizer steps between the sampling and the trained weights
         if args.use_vllm:
-            vllm_utils.sleep(engine)  # sleep mode: vLLM's memory goes to training until the next generation
-        prompt_ids = [train_set.prompt_ids[i] for i in rows for _ in range(args.num_generations)]
+            vllm_utils.sleep(run.engine)  # sleep mode: vLLM's memory goes to training until the next generation
+        prompt_ids = [run.train_set.prompt_ids[i] for i in rows for _ in range(args.num_generations)]
         N = len(prompt_ids)
 
         # 2. score: reward functions see the decoded completions and this row's dataset columns by name
         t0 = time.perf_counter()
-        scores = score(args, tokenizer, reward_fns, train_set, rows, completion_ids, args.num_generations)  # (N, funcs)
-        rewards = (scores * reward_weights).nansum(-1).masked_fill(scores.isnan().all(-1), float("nan"))  # (N,)
+        scores = score(run, run.train_set, rows, completion_ids, args.num_generations)  # (N, funcs)
+        rewards = (scores * run.reward_weights).nansum(-1).masked_fill(scores.isnan().all(-1), float("nan"))  # (N,)
         if args.reward_clip_range is not None:
             rewards = rewards.clamp(*args.reward_clip_range)
         timing["timing/scoring"] = time.perf_counter() - t0
@@ -423,15 +402,11 @@ def train(args):
         # weights change before the batch's last use, or for the KL; else the training pass's (detached) are the same
         t0 = clock(device)
         prompt_lengths, completion_lengths = [len(p) for p in prompt_ids], [len(c) for c in completion_ids]
-        truncated = torch.tensor([not (c and c[-1] in eos_ids) for c in completion_ids])  # no EOS: hit the limit
+        truncated = torch.tensor([not (c and c[-1] in run.eos_ids) for c in completion_ids])  # no EOS: hit the limit
         C = max(max(completion_lengths), 1)
         completion_mask = (torch.arange(C)[None] < torch.tensor(completion_lengths)[:, None]).float()  # (N, C)
         need_old = args.num_iterations > 1 or args.steps_per_generation > 1 or ref_model is not None
-        old_logprobs = ref_logprobs = None  # (N, C) on the CPU
-        if need_old:
-            old_logprobs, ref_logprobs = no_grad_logprobs(
-                args, model, ref_model, prompt_ids, completion_ids, C, device, pad_id, autocast, world_size
-            )
+        old_logprobs, ref_logprobs = old_and_ref_logprobs(run, prompt_ids, completion_ids, need_old)  # (N, C) or None
 
         # 4. the KL in the reward (k1 per token, once: for the penalty and the metric), then leave-one-out advantages
         if ref_model is not None:
@@ -441,7 +416,7 @@ def train(args):
             rewards = penalised if args.kl_in_reward else rewards
         advantages = rloo_advantages(rewards, args.num_generations)  # groups are whole on each rank
         if args.normalize_advantages:  # over every rank's scorable completions
-            advantages = normalize_advantages(advantages, ~rewards.isnan(), world_size, device)
+            advantages = normalize_advantages(advantages, ~rewards.isnan(), world_size)
         use_vllm_is = args.use_vllm and args.vllm_importance_sampling_correction and sampling_logprobs is not None
         if use_vllm_is:  # vLLM's log-probs of the sampled tokens, (N, C), NaN where it gave none
             sampling_logprobs = torch.tensor(
@@ -469,10 +444,10 @@ def train(args):
                 padding_pass = mb is None  # only to keep FSDP's collectives in step with the other ranks
                 mb = [step_rows[0]] if padding_pass else mb
                 ids, attn, pos, cmask, P = collate(
-                    [prompt_ids[i] for i in mb], [completion_ids[i] for i in mb], device, pad_id
+                    [prompt_ids[i] for i in mb], [completion_ids[i] for i in mb], device, run.pad_id
                 )
                 Cm = cmask.shape[1]
-                with torch.autocast(**autocast):
+                with torch.autocast(**run.autocast):
                     logprobs, entropy = per_token_logprobs(
                         model, ids, attn, pos, cmask, P, args.temperature, with_entropy=True, into_grad=True
                     )
@@ -500,9 +475,9 @@ def train(args):
             grad_norm = clip_gradients(model, args.max_grad_norm)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)  # now: the weight sync and generation get the memory
-            scheduler.step()
+            run.scheduler.step()
             global_step += 1
-            progress.update(1)
+            run.progress.update(1)
             timing["timing/forward_backward"] += t1 - t0
             timing["timing/optimizer"] += clock(device) - t1
 
@@ -516,212 +491,214 @@ def train(args):
                     dist.barrier()
             t1 = time.perf_counter()
             timing["timing/generation_wait"] += t1 - t0
-            vllm_utils.sync_weights(engine, model)
+            vllm_utils.sync_weights(run.engine, model)
             timing["timing/weight_sync"] = time.perf_counter() - t1
-        weights_version = global_step  # (without vLLM, `generate` samples from the trained model itself)
+        run.weights_version = global_step  # (without vLLM, `generate` samples from the trained model itself)
 
         # 7. evaluate every --eval-steps steps and after the last one. Here the generator holds this step's weights and
         # no request is in flight (--async-generation: step 6 waited for the next round before the push, and the round
         # after it starts only at the top of the loop), so evaluation samples the current policy
-        evaluated = eval_set is not None and (global_step % args.eval_steps == 0 or global_step >= args.max_steps)
-        eval_results = run_eval() if evaluated else {}
+        evaluated = run.eval_set is not None and (global_step % args.eval_steps == 0 or global_step >= args.max_steps)
+        eval_results = evaluate(run) if evaluated else {}
 
         # TRY NOT TO MODIFY: logging (TRL's metric names, over all ranks) and checkpoints
-        metrics.update(step=global_step, grad_norm=grad_norm.item(), learning_rate=scheduler.get_last_lr()[0])
+        metrics.update(step=global_step, grad_norm=grad_norm.item(), learning_rate=run.scheduler.get_last_lr()[0])
         batch = (scores, prompt_lengths, completion_lengths, truncated, advantages)
-        metrics |= round_metrics(args, batch, step_loss, train_stats, is_stats, reward_fns, reward_weights, world_size)
+        metrics |= round_metrics(run, batch, step_loss, train_stats)
         metrics.update({**timing, "sampling/staleness": staleness, "step_time": time.perf_counter() - round_start})
-        if device.type == "cuda":
-            metrics["memory/peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
-        metrics.update(eval_results)
-        if is_main:
-            kl, length = metrics.get("kl/k1_token_mean", 0), metrics["completions/mean_length"]
-            progress.set_postfix(reward=f"{metrics['reward']:.3f}", kl=f"{kl:.4f}", len=f"{length:.0f}")
-            if args.log_completions and global_step % args.logging_steps == 0:  # rank 0's rows
-                total = (scores * reward_weights).nansum(-1)
-                log_completions(args, wandb, tokenizer, prompt_ids, completion_ids, total, global_step)
-        log_metrics(metrics_file, wandb, metrics, show=global_step % args.logging_steps == 0 or evaluated)
-        preempted = global_sum(preemption.is_set(), world_size, device) > 0 and global_step < args.max_steps  # SIGTERM
+        metrics |= sampling_metrics(run, is_stats) | eval_results
+        kl, length = metrics.get("kl/k1_token_mean", 0), metrics["completions/mean_length"]
+        run.progress.set_postfix(reward=f"{metrics['reward']:.3f}", kl=f"{kl:.4f}", len=f"{length:.0f}")
+        if run.is_main and args.log_completions and global_step % args.logging_steps == 0:  # rank 0's rows
+            total = (scores * run.reward_weights).nansum(-1)
+            log_completions(run, prompt_ids, completion_ids, total, global_step)
+        log_metrics(run, metrics, show=global_step % args.logging_steps == 0 or evaluated)
+        preempted = global_sum(run.preemption.is_set(), world_size, device) > 0 and global_step < args.max_steps
         if preempted or (args.save_steps and global_step % args.save_steps == 0 and global_step < args.max_steps):
             # a round generated in the background is not trained yet: a resume generates it again
-            consumed = prompts_consumed - (args.prompts_per_step if next_round else 0)
-            save_checkpoint(args, run, model, tokenizer, optimizer, scheduler, global_step, consumed, world_size)
+            save_checkpoint(run, global_step, run.prompts_consumed - (args.prompts_per_step if next_round else 0))
         if preempted:
-            stop_preempted(wandb, global_step, world_size)  # exit status 143
-
-    # final model + tokenizer, loadable with from_pretrained(output_dir); --max-steps 0 only evaluated: nothing to save
-    progress.close()
-    finish(args, wandb, model, tokenizer, metrics_file, output_lock, world_size)
+            stop_preempted(run, global_step)  # exit status 143
+    finish(run)  # the final model + tokenizer, loadable with from_pretrained(output_dir)
 
 
-# ======================================================================================================================
-# TRY NOT TO MODIFY: plumbing. Start-up, generation, scoring and logging of the loop's phases, then data loading,
-# log-probs, FSDP2 helpers, `generate`, evaluation, checkpoints and the start-up checks
-# ======================================================================================================================
+def round_metrics(run, batch, step_loss, train_stats):
+    """The round's metrics over every rank (TRL's names): rewards, completion lengths, advantages, loss, tokens, each
+    reward function's mean and std, and the micro-batches' entropy and clip ratios.
+    batch: (scores, prompt lengths, completion lengths, truncated, advantages) of this rank's rows."""
+    scores, prompt_lengths, completion_lengths, truncated, advantages = batch
+    world_size, reward_weights = run.world_size, run.reward_weights
+    num_tokens = global_sum(sum(prompt_lengths) + sum(completion_lengths), world_size, step_loss.device)
+    completion_lengths = torch.tensor(completion_lengths, dtype=torch.float)
+    train_means = {k: torch.stack(v).mean() for k, v in train_stats.items() if v}
+    abs_advantages = advantages.abs()
+    if world_size > 1:
+        gathered = gather_objects((scores, completion_lengths, truncated, abs_advantages), world_size)
+        scores, completion_lengths, truncated, abs_advantages = (torch.cat([g[i] for g in gathered]) for i in range(4))
+        for value in [step_loss, *train_means.values()]:
+            dist.all_reduce(value)
+            value /= world_size
+    total = (scores * reward_weights).nansum(-1)
+    metrics = {
+        "reward": total.mean().item(),
+        "reward_std": total.std().item(),
+        "frac_reward_zero_std": (total.view(-1, run.args.num_generations).std(1) < 1e-6).float().mean().item(),
+        "completions/mean_length": completion_lengths.mean().item(),
+        "completions/min_length": int(completion_lengths.min()),
+        "completions/max_length": int(completion_lengths.max()),
+        "completions/clipped_ratio": truncated.float().mean().item(),  # TRL's name for the truncated share
+        "advantages/mean_abs": abs_advantages.mean().item(),
+        "loss": step_loss.item(),
+        "num_tokens": num_tokens,
+    }
+    for k, fn in enumerate(run.reward_fns):
+        column = scores[:, k][~scores[:, k].isnan()]
+        metrics[f"rewards/{fn.__name__}/mean"] = column.mean().item() if column.numel() else float("nan")
+        metrics[f"rewards/{fn.__name__}/std"] = column.std().item() if column.numel() > 1 else 0.0
+    return {**metrics, **{k: v.item() for k, v in train_means.items()}}
 
 
-# ------------------------------------------------------------------------------------------------------------------
-# The loop's set-up and phases
+# ==== PLUMBING: identical in grpo.py, rloo.py and online_dpo.py (tests/test_plumbing.py) ====
+# TRY NOT TO MODIFY: set-up, data and prompts, log-probs, FSDP2, generation, evaluation, checkpoints and run
+# directories, start-up checks. Change it in grpo.py, then copy it to the others: python tests/test_plumbing.py --write
 
 
-def start_processes(world_size):
-    """This process's device (torchrun: the GPU of LOCAL_RANK) and, with several processes, the process group."""
-    device = torch.device(f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if torch.cuda.is_available() else "cpu")
+def set_up(args, rules, problems=(), reference_model=False, steps_per_generation=1, num_iterations=1):
+    """Everything before the first round, as one namespace: the checks of the flags (the shared ones, the algorithm's
+    `rules` and `problems`) and of the data, before any model loads or anything is written; the run directory;
+    seeding; the policy and, with reference_model, a frozen copy of the initial model; the prompts; the optimizer (and
+    a resumed checkpoint's state); the generator and the logs. A generation round is steps_per_generation x
+    num_iterations optimizer steps (checkpoints and evaluations fall between rounds)."""
+    # several processes (torchrun): each rank takes an equal share of every step's prompts, whole groups
+    world_size, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
+    run = SimpleNamespace(args=args, world_size=world_size, rank=rank, is_main=rank == 0)
+    run.prompts_per_rank = args.prompts_per_step // world_size
+    # every mistake in the flags or the data stops the run here: before any model loads or anything is written
+    check_args(args, world_size, rules, problems, steps_per_generation * num_iterations, steps_per_generation)
+    run.reward_fns = rewards.functions(args.reward_funcs)
+    run.reward_weights = torch.tensor(args.reward_weights or [1.0] * len(run.reward_fns))
+    dataset = read_dataset(args)
+    check_dataset(args, dataset, run.reward_fns)
+    eval_dataset = None  # --eval-steps / --max-steps 0: the eval prompts, read and checked like the training ones
+    if args.eval_steps or args.max_steps == 0:
+        eval_dataset = {c: v[: args.eval_max_samples] for c, v in read_dataset(args, evaluation=True).items()}
+        check_dataset(args, eval_dataset, run.reward_fns, evaluation=True)
+    run.device = device = torch.device(
+        f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if torch.cuda.is_available() else "cpu"
+    )
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if world_size > 1:
         # rank 0 alone may spend minutes writing a checkpoint while the others wait in the next collective
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timedelta(hours=1))
-    return device
+    # the run directory, locked for the life of rank 0's process, and the checkpoint to resume: rank 0 decides
+    claimed = claim_run_dir(args) if run.is_main else (None,) * 4
+    run.output_dir, checkpoint_dir, run.identity = gather_objects(claimed[:3], world_size)[0]
+    run.lock = claimed[3]
+    run.preemption = on_sigterm()  # SIGTERM: a checkpoint at the end of the step, then exit
 
+    # seeding: the same on every rank until sampling, so that all ranks hold the same weights
+    random.seed(args.seed)
+    np.random.seed(args.seed)
+    torch.manual_seed(args.seed)
+    # no weight cache: each weight is cast once per forward anyway, and the cache would outlive gradient checkpointing
+    run.autocast = dict(device_type=device.type, dtype=torch.bfloat16, enabled=args.bf16 and device.type == "cuda")
+    run.autocast["cache_enabled"] = False
 
-def warn_truncated_sampling(args):
-    truncated_sampling = args.top_p < 1 or args.top_k > 0 or args.min_p > 0 or args.repetition_penalty != 1
-    if args.use_vllm and args.vllm_importance_sampling_correction and truncated_sampling:
-        print(
-            "warning: with top_p / top_k / min_p / repetition_penalty, vLLM's processed log-probs come from a truncated "
-            "distribution that the trainer does not model: the importance ratio is biased below 1, and at the sequence "
-            "level (product over tokens) it shrinks the updates of long completions. Prefer neutral values, or "
-            "--vllm-importance-sampling-mode sequence_truncate with a --vllm-importance-sampling-clip-min (e.g. 0.5) "
-            "that bounds the shrinking."
-        )
+    # model, tokenizer, reference model
+    from transformers import AutoModelForCausalLM, AutoTokenizer, get_scheduler
 
-
-def from_rank_0(value, world_size):
-    """Rank 0's value of a picklable object, on every rank."""
-    if world_size == 1:
-        return value
-    shared = [value]
-    dist.broadcast_object_list(shared, src=0)
-    return shared[0]
-
-
-def load_models(args, model_path, device, world_size):
-    """The policy (from model_path: the model, or the checkpoint to resume), the frozen reference model (--beta > 0),
-    the tokenizer, the padding id and the EOS ids; FSDP2-sharded with several processes."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tokenizer, dtype = AutoTokenizer.from_pretrained(model_path), getattr(torch, args.param_dtype)
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(device)
+    model_path = checkpoint_dir or args.model_name_or_path
+    run.tokenizer = tokenizer = AutoTokenizer.from_pretrained(model_path)
+    dtype = getattr(torch, args.param_dtype)
+    run.model = model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(device)
     for module in model.modules():  # dropout would make two passes over the same tokens disagree (ratio != 1)
         if isinstance(module, torch.nn.Dropout):
             module.p = 0.0
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    ref_model = None
-    if args.beta > 0:  # the starting model, also when resuming, in the policy's dtype and compute: KL 0 at step 1
-        ref_model = AutoModelForCausalLM.from_pretrained(args.model_name_or_path, dtype=dtype)
-        ref_model = ref_model.to(device).eval().requires_grad_(False)
+    run.ref_model = None
+    if reference_model:  # the initial model, also when resuming, in the policy's dtype and compute: KL 0 at step 1
+        run.ref_model = AutoModelForCausalLM.from_pretrained(args.model_name_or_path, dtype=dtype)
+        run.ref_model.to(device).eval().requires_grad_(False)
+    models = [model] + ([run.ref_model] if reference_model else [])
     if args.torch_compile and device.type == "cuda" and args.use_vllm and world_size == 1:  # one graph per layer type
-        for layer in (layer for each in (model, ref_model) if each is not None for layer in decoder_layers(each)):
+        for layer in (layer for each in models for layer in decoder_layers(each)):
             layer.forward = torch.compile(layer.forward, dynamic=True)
     if world_size > 1:  # FSDP2: every rank keeps 1/world_size of the weights, gradients and AdamW states
-        for m in (model, ref_model) if ref_model is not None else (model,):
-            shard_model(m, mixed_precision=args.bf16 and device.type == "cuda")
+        for each in models:
+            shard_model(each, mixed_precision=args.bf16 and device.type == "cuda")
     # a forward that transforms its logits in a way the trainer does not model fails now, not after training on them
     sentence = "The quick brown fox jumps over the lazy dog, and then it ran away."
     check_logprobs(model, tokenizer(sentence)["input_ids"], device, world_size)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    run.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     eos_ids = model.generation_config.eos_token_id
-    eos_ids = sorted((set(eos_ids if isinstance(eos_ids, list) else [eos_ids]) | {tokenizer.eos_token_id}) - {None})
-    return model, ref_model, tokenizer, pad_id, eos_ids
+    run.eos_ids = sorted((set(eos_ids if isinstance(eos_ids, list) else [eos_ids]) | {tokenizer.eos_token_id}) - {None})
 
+    # prompts: token ids, the columns the reward functions get, whether the dataset's prompts are chat messages
+    max_context = getattr(model.config, "max_position_embeddings", None) or 10**9
+    run.train_set = load_prompts(args, dataset, tokenizer, max_context)
+    run.eval_set = None if eval_dataset is None else load_prompts(args, eval_dataset, tokenizer, max_context)
 
-def make_optimizer(args, model, device):
-    """AdamW and the learning-rate schedule."""
-    from transformers import get_scheduler
-
-    # fused: one kernel for all parameters on CUDA, with no full-size temporaries (the foreach default allocates them)
+    # optimizer and schedule; fused: one CUDA kernel for all parameters, without foreach's full-size temporaries
     adamw = dict(lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2), weight_decay=args.weight_decay)
-    optimizer = torch.optim.AdamW(model.parameters(), **adamw, fused=device.type == "cuda")
-    return optimizer, get_scheduler(args.lr_scheduler_type, optimizer, args.warmup_steps, args.max_steps)
+    run.optimizer = torch.optim.AdamW(model.parameters(), **adamw, fused=device.type == "cuda")
+    run.scheduler = get_scheduler(args.lr_scheduler_type, run.optimizer, args.warmup_steps, args.max_steps)
+    torch.manual_seed(args.seed + rank)  # from here on each rank samples its own completions
+    run.counters = load_checkpoint(run, checkpoint_dir) if checkpoint_dir else {}  # global_step, prompts_consumed, ...
+    run.global_step, run.prompts_consumed = run.counters.get("global_step", 0), run.counters.get("prompts_consumed", 0)
+    if checkpoint_dir:
+        print(f"resumed from {checkpoint_dir} at step {run.global_step}")
+    run.prompts = prompt_stream(len(run.train_set.prompt_ids), args.seed, start=run.prompts_consumed)
+    run.weights_version = run.global_step  # the optimizer step whose weights the generator holds
 
+    # generator: Hugging Face generate, or vLLM (colocated engine or a `vllm serve` server)
+    run.engine = None
+    if args.use_vllm:
+        longest = max(len(p) for p in run.train_set.prompt_ids + (run.eval_set.prompt_ids if run.eval_set else []))
+        run.engine = vllm_utils.start_with_weights(args, model, model_path, longest)
 
-def load_checkpoint(checkpoint_dir, model, optimizer, scheduler, device, rank, world_size):
-    """Load a checkpoint's optimizer, schedule and random states (its weights are loaded as the model); returns
-    (global_step, prompts_consumed)."""
-    # mmap: pages of the full optimizer state are read as used, not all into every rank's memory (copy-on-write)
-    state = torch.load(os.path.join(checkpoint_dir, "trainer_state.pt"), weights_only=False, mmap=True)
-    if world_size == 1 and all(isinstance(key, int) for key in state["optimizer"]["state"]):  # written by one rank
-        # directly: torch's set_optimizer_state_dict first builds a throw-away AdamW state, 2x the weights' memory
-        optimizer.load_state_dict(state["optimizer"])
-    else:  # written by several ranks (by parameter name), or resumed on several (sharded like the weights). Not strict:
-        # a parameter that never had a gradient (a multimodal model's unused tower) has no AdamW state
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
-
-        full = StateDictOptions(full_state_dict=world_size > 1, strict=False)
-        set_optimizer_state_dict(model, optimizer, state["optimizer"], options=full)
-    scheduler.load_state_dict(state["scheduler"])
-    torch.set_rng_state(state["torch_rng"][rank])
-    if device.type == "cuda" and state.get("cuda_rng") is not None:  # GPU sampling; older checkpoints have none
-        torch.cuda.set_rng_state(state["cuda_rng"][rank])
-    # optimizer tensors left on the CPU (AdamW's step counts; all of them on a CPU run) still point into the mapped
-    # file: copy them, so that --save-total-limit can delete that checkpoint and its disk space is freed
-    for per_param in optimizer.state.values():
-        per_param.update({k: v.clone() for k, v in per_param.items() if torch.is_tensor(v) and v.device.type == "cpu"})
-    print(f"resumed from {checkpoint_dir} at step {state['global_step']}")
-    return state["global_step"], state["prompts_consumed"]
-
-
-def make_generator(args, model, model_path, train_set, eval_set, pad_id, eos_ids, world_size):
-    """(engine, generate): Hugging Face generate (engine None), or vLLM, a colocated engine or a `vllm serve` server.
-    generate(prompt_ids, num_generations=None, temperature=None) returns (completion ids, vLLM's log-probs or None),
-    prompt-major; num_generations and temperature None: the training ones."""
-    if not args.use_vllm:
-
-        def generate(prompt_ids, num_generations=None, temperature=None):
-            with unsharded(model, world_size):  # FSDP2: full weights while decoding, ranks stop at different steps
-                return hf_generate(model, prompt_ids, args, eos_ids, pad_id, num_generations, temperature)
-
-        return None, generate
-    longest = max(len(p) for p in train_set.prompt_ids + (eval_set.prompt_ids if eval_set else []))
-    engine = vllm_utils.start(args, model_path, longest)
-    if args.vllm_mode == "server":  # the server may hold other weights (an earlier run, or this one before a resume)
-        vllm_utils.sync_weights(engine, model)
-    return engine, partial(vllm_utils.generate, engine)
-
-
-def open_metrics(args, run, checkpoint_dir, global_step):
-    """Rank 0: start wandb (--track; a resumed run continues its wandb run) and open metrics.jsonl for appending, once
-    the lines of the steps after a resumed checkpoint are dropped (they are done again). Returns (the open file, the
-    wandb module with --track, else None)."""
-    wandb = None
-    if args.track:
+    # logs: wandb (a resumed run continues its wandb run), metrics.jsonl (rank 0), the progress bar
+    run.wandb = None  # with --track, rank 0's wandb module
+    if args.track and run.is_main:
         import wandb
 
-        identity = dict(name=run["run_name"], id=run["run_id"], resume="allow")  # resumed: continued
+        identity = dict(name=run.identity["run_name"], id=run.identity["run_id"], resume="allow")
         wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, config=asdict(args), **identity)
-    path = os.path.join(args.output_dir, "metrics.jsonl")
-    if checkpoint_dir and os.path.exists(path):
-        kept = [line for line in open(path) if json.loads(line)["step"] <= global_step]
-        with open(path, "w") as f:
+        run.wandb = wandb
+    metrics_path = os.path.join(run.output_dir, "metrics.jsonl")
+    if checkpoint_dir and run.is_main and os.path.exists(metrics_path):  # steps logged after the checkpoint are redone
+        kept = [line for line in open(metrics_path) if json.loads(line)["step"] <= run.global_step]
+        with open(metrics_path, "w") as f:
             f.writelines(kept)
-    return open(path, "a"), wandb
+    run.metrics_file = open(metrics_path, "a") if run.is_main else None
+    name = os.path.basename(__file__).removesuffix(".py")
+    run.progress = tqdm(total=args.max_steps, initial=run.global_step, desc=name, dynamic_ncols=True, disable=rank > 0)
+    return run
 
 
-def log_metrics(metrics_file, wandb, metrics, show):
-    """Rank 0 (metrics_file None elsewhere): print the line if `show`, append it to metrics.jsonl, log it to wandb."""
-    if metrics_file is None:
-        return
-    if show:
-        tqdm.write(" | ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in metrics.items()))
-    print(json.dumps(metrics), file=metrics_file, flush=True)
-    if wandb:
-        wandb.log(metrics, step=metrics["step"])
+def generate(run, prompt_ids, num_generations=None, temperature=None):
+    """(completion ids, vLLM log-probs or None), prompt-major; None: training's G / temperature (0: greedy)."""
+    if run.engine is not None:
+        return vllm_utils.generate(run.engine, prompt_ids, num_generations, temperature)
+    with unsharded(run.model, run.world_size):  # FSDP2: full weights while decoding, ranks stop at different steps
+        return hf_generate(run.model, prompt_ids, run.args, run.eos_ids, run.pad_id, num_generations, temperature)
 
 
-def start_round(args, prompts, prompt_set, generate, weights_version, rank, world_size):
+def start_round(run):
     """Draw the next prompts_per_step prompts (the same on every rank), keep this rank's share and start generating
     them: in the background with --async-generation, else now. Returns (rows, the optimizer step of the weights that
     generate them, a Future of ((completion ids, vLLM log-probs), seconds))."""
-    per_rank = args.prompts_per_step // world_size
-    rows = [next(prompts) for _ in range(args.prompts_per_step)][rank * per_rank : (rank + 1) * per_rank]
+    args = run.args
+    rows = [next(run.prompts) for _ in range(args.prompts_per_step)]
+    rows = rows[run.rank * run.prompts_per_rank : (run.rank + 1) * run.prompts_per_rank]
+    run.prompts_consumed += args.prompts_per_step
 
     def work():
         t0 = time.perf_counter()
-        return generate([prompt_set.prompt_ids[i] for i in rows]), time.perf_counter() - t0
+        return generate(run, [run.train_set.prompt_ids[i] for i in rows]), time.perf_counter() - t0
 
-    return rows, weights_version, future_of(work, background=args.async_generation)
+    return rows, run.weights_version, future_of(work, background=args.async_generation)
 
 
 def clock(device):
@@ -731,68 +708,51 @@ def clock(device):
     return time.perf_counter()
 
 
-def score(args, tokenizer, reward_fns, prompt_set, rows, completion_ids, num_generations):
-    """The reward functions' scores (len(rows) * num_generations, num_funcs) of num_generations completions per prompt
-    row (prompt-major): each function gets the decoded completions and, by name, the rows' dataset columns (training
-    set, or eval set). The completions are chat messages only when the dataset's prompts are (TRL's rule): a plain-text
-    prompt that the chat template wraps still gets plain-text completions."""
-    texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+def score(run, prompt_set, rows, completion_ids, num_generations):
+    """The reward functions' scores (len(rows) * num_generations, num_funcs) of the completions of each prompt row of
+    `prompt_set` (prompt-major): each function gets the decoded completions (chat messages when the dataset's prompts
+    are, else strings, as in TRL) and, by name, the rows' dataset columns, the prompts, the completion ids,
+    --max-completion-length and --reward-kwargs (rewards.score)."""
+    texts = run.tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
     completions = [[{"role": "assistant", "content": t}] for t in texts] if prompt_set.prompts_are_messages else texts
     repeated = lambda values: [values[i] for i in rows for _ in range(num_generations)]
-    reward_columns = {c: repeated(v) for c, v in prompt_set.columns.items()}
-    prompts = repeated({i: tokenizer.decode(prompt_set.prompt_ids[i]) for i in rows})
-    passed = dict(prompts=prompts, completion_ids=completion_ids, max_completion_length=args.max_completion_length)
-    reward_columns.update(**passed, **args.reward_kwargs)  # a --reward-kwargs key that repeats one: a TypeError
-    return score_completions(reward_fns, completions, reward_columns)
+    columns = {c: repeated(v) for c, v in prompt_set.columns.items()}
+    prompts = repeated({i: run.tokenizer.decode(prompt_set.prompt_ids[i]) for i in rows})
+    passed = dict(prompts=prompts, completion_ids=completion_ids, max_completion_length=run.args.max_completion_length)
+    columns.update(**passed, **run.args.reward_kwargs)  # a --reward-kwargs key that repeats one: a TypeError
+    return rewards.score(run.reward_fns, completions, columns)
 
 
-def no_grad_logprobs(args, model, ref_model, prompt_ids, completion_ids, C, device, pad_id, autocast, world_size):
-    """The old and (with a reference model, else None) reference log-probs of the round's completions, (N, C) on the
-    CPU: forward passes without gradient over token-budget micro-batches."""
-    N = len(prompt_ids)
+def old_and_ref_logprobs(run, prompt_ids, completion_ids, need_old):
+    """The policy's log-probs before any update (if need_old) and the reference model's (if there is one), (N, C) on
+    the CPU or None, in token-budget micro-batches without gradient."""
+    if not need_old and run.ref_model is None:
+        return None, None
+    args, model, ref_model, world_size = run.args, run.model, run.ref_model, run.world_size
     prompt_lengths, completion_lengths = [len(p) for p in prompt_ids], [len(c) for c in completion_ids]
-    old_logprobs = torch.zeros(N, C)
-    ref_logprobs = torch.zeros(N, C) if ref_model is not None else None
+    shape = (len(completion_ids), max(max(completion_lengths), 1))
+    old_logprobs = torch.zeros(shape) if need_old else None
+    ref_logprobs = torch.zeros(shape) if ref_model is not None else None
     model.eval()
-    ref_unsharded = unsharded(ref_model, world_size) if ref_model is not None else nullcontext()
-    with torch.no_grad(), torch.autocast(**autocast), unsharded(model, world_size), ref_unsharded:
-        for mb in token_budget_batches(range(N), prompt_lengths, completion_lengths, args.micro_batch_tokens):
-            batch = collate([prompt_ids[i] for i in mb], [completion_ids[i] for i in mb], device, pad_id)
+    with (
+        torch.no_grad(),
+        torch.autocast(**run.autocast),
+        unsharded(model, world_size),
+        unsharded(ref_model, world_size) if ref_model is not None else nullcontext(),
+    ):
+        for mb in token_budget_batches(range(shape[0]), prompt_lengths, completion_lengths, args.micro_batch_tokens):
+            batch = collate([prompt_ids[i] for i in mb], [completion_ids[i] for i in mb], run.device, run.pad_id)
             for net, logprobs in ((model, old_logprobs), (ref_model, ref_logprobs)):
-                if net is not None:
+                if logprobs is not None:  # (None: not asked for)
                     logprobs[mb, : batch[3].shape[1]] = per_token_logprobs(net, *batch, args.temperature).cpu()
     return old_logprobs, ref_logprobs
 
 
-def round_metrics(args, batch, step_loss, train_stats, is_stats, reward_fns, reward_weights, world_size):
-    """The round's metrics over every rank (TRL's names): rewards, completion lengths, advantages, loss, tokens, the
-    importance-sampling ratio, each reward function's mean and std, and the micro-batches' entropy and clip ratios.
-    batch: (scores, prompt lengths, completion lengths, truncated, advantages) of this rank's rows."""
-    scores, prompt_lengths, completion_lengths, truncated, advantages = batch
-    num_tokens = global_sum(sum(prompt_lengths) + sum(completion_lengths), world_size, step_loss.device)
-    completion_lengths = torch.tensor(completion_lengths, dtype=torch.float)
-    train_means = {k: torch.stack(v).mean() for k, v in train_stats.items() if v}
-    abs_advantages = advantages.abs()
-    if world_size > 1:
-        gathered = [None] * world_size
-        dist.all_gather_object(gathered, (scores, completion_lengths, truncated, abs_advantages))
-        scores, completion_lengths, truncated, abs_advantages = (torch.cat([g[i] for g in gathered]) for i in range(4))
-        for value in [step_loss, *train_means.values()]:
-            dist.all_reduce(value)
-            value /= world_size
-    total = (scores * reward_weights).nansum(-1)
-    metrics = {
-        "reward": total.mean().item(),
-        "reward_std": total.std().item(),
-        "frac_reward_zero_std": (total.view(-1, args.num_generations).std(1) < 1e-6).float().mean().item(),
-        "completions/mean_length": completion_lengths.mean().item(),
-        "completions/min_length": int(completion_lengths.min()),
-        "completions/max_length": int(completion_lengths.max()),
-        "completions/clipped_ratio": truncated.float().mean().item(),  # TRL's name for the truncated share
-        "advantages/mean_abs": abs_advantages.mean().item(),
-        "loss": step_loss.item(),
-        "num_tokens": num_tokens,
-    }
+def sampling_metrics(run, is_stats):
+    """This rank's peak GPU memory and the vLLM importance-sampling correction's log-prob differences and ratios."""
+    metrics = {}
+    if run.device.type == "cuda":
+        metrics["memory/peak_gib"] = torch.cuda.max_memory_allocated(run.device) / 2**30
     if is_stats:
         logp_difference, ratio = torch.cat(is_stats["logp_difference"]), torch.cat(is_stats["ratio"])
         metrics["sampling/sampling_logp_difference/mean"] = logp_difference.mean().item()
@@ -800,42 +760,91 @@ def round_metrics(args, batch, step_loss, train_stats, is_stats, reward_fns, rew
         metrics["sampling/importance_sampling_ratio/min"] = ratio.min().item()
         metrics["sampling/importance_sampling_ratio/mean"] = ratio.mean().item()
         metrics["sampling/importance_sampling_ratio/max"] = ratio.max().item()
-    for k, fn in enumerate(reward_fns):
-        column = scores[:, k][~scores[:, k].isnan()]
-        metrics[f"rewards/{fn.__name__}/mean"] = column.mean().item() if column.numel() else float("nan")
-        metrics[f"rewards/{fn.__name__}/std"] = column.std().item() if column.numel() > 1 else 0.0
-    return {**metrics, **{k: v.item() for k, v in train_means.items()}}
+    return metrics
+
+
+def evaluate(run):
+    """Greedy (temperature 0) and, with --eval-num-generations k > 1, k sampled completions of every eval prompt,
+    from the run's generator (which must hold the current weights: the loop calls this right after the weight push),
+    scored by the reward functions. Each rank generates its share of the prompts, in calls of one training round's
+    size; the scores are gathered, so every rank returns the eval/... metrics of all prompts."""
+    t0 = time.perf_counter()
+    args, device, world_size = run.args, run.device, run.world_size
+    rows, real = rank_share(len(run.eval_set.prompt_ids), run.rank, world_size)
+    k = args.eval_num_generations
+    round_size = run.prompts_per_rank * args.num_generations  # completions per generate call
+
+    def complete(num_generations, temperature):  # this rank's rows, num_generations completions each, prompt-major
+        size, ids = max(1, round_size // num_generations), []
+        for start in range(0, len(rows), size):
+            batch = [run.eval_set.prompt_ids[i] for i in rows[start : start + size]]
+            ids += generate(run, batch, num_generations, temperature)[0]
+        return ids
+
+    # HF sampling draws from the global RNG: fork it, so that training samples what it would without evaluation
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.manual_seed(args.seed + run.rank)
+        greedy_ids = complete(1, 0.0)
+        sampled_ids = complete(k, args.temperature) if k > 1 else None
+    greedy = score(run, run.eval_set, rows, greedy_ids, 1)[:real]  # (real, num_funcs)
+    sampled = score(run, run.eval_set, rows, sampled_ids, k).view(len(rows), k, -1)[:real] if k > 1 else None
+    lengths = torch.tensor([len(c) for c in greedy_ids[:real]], dtype=torch.float)
+    parts = gather_objects((greedy, sampled, lengths), world_size)  # every rank's, in rank order: the prompts in order
+    greedy, lengths = torch.cat([p[0] for p in parts]), torch.cat([p[2] for p in parts])
+    sampled = torch.cat([p[1] for p in parts]) if k > 1 else None
+    metrics = eval_metrics(greedy, sampled, run.reward_weights, [fn.__name__ for fn in run.reward_fns])
+    metrics.update({"eval/num_prompts": len(greedy), "eval/completions/mean_length": lengths.mean().item()})
+    return {**metrics, "timing/eval": time.perf_counter() - t0}
+
+
+def log_metrics(run, metrics, show):
+    """Rank 0: print the metrics line if `show`, append it to metrics.jsonl and log it to wandb."""
+    if not run.is_main:
+        return
+    if show:
+        tqdm.write(" | ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in metrics.items()))
+    print(json.dumps(metrics), file=run.metrics_file, flush=True)
+    if run.wandb:
+        run.wandb.log(metrics, step=metrics["step"])
 
 
 # ------------------------------------------------------------------------------------------------------------------
 # Data
 
 
-PromptSet = namedtuple("PromptSet", "prompt_ids columns prompts_are_messages")
+class PromptSet(NamedTuple):
+    """A dataset's prompts, tokenized by load_prompts."""
+
+    prompt_ids: list  # token ids per row
+    prompts: list  # each prompt as chat messages (when a chat template was applied) or text
+    columns: dict  # the other columns (the answer column renamed to `answer`) that reward functions receive by name
+    prompts_are_messages: bool  # the dataset's prompts are chat messages (then so are the completions rewards get)
 
 
 def load_prompts(args, dataset, tokenizer, max_context):
-    """Tokenize the prompts of `dataset` ({column: values}, from read_dataset) and return a PromptSet: token ids per
-    row, the other columns (answer column renamed to `answer`) that reward functions receive by name, and whether the
-    dataset's prompts are chat messages (lists of {"role", "content"}; not when the chat template wraps plain text)."""
-    prompts = dataset[args.prompt_column]
-    prompts_are_messages = isinstance(prompts[0], list)
+    """Tokenize the prompts of `dataset` ({column: values}, from read_dataset): a PromptSet. A plain-text prompt is
+    wrapped as a user message when the chat template is applied, but prompts_are_messages stays False: only the
+    dataset's own chat messages make the reward functions' completions messages (TRL's rule)."""
+    raw = dataset[args.prompt_column]
+    prompts_are_messages = isinstance(raw[0], list)
     use_template = prompts_are_messages or (args.use_chat_template and tokenizer.chat_template is not None)
-    system = [{"role": "system", "content": args.system_prompt}] if args.system_prompt else []
-    prompt_ids = []
-    for prompt in prompts:
+    prompt_ids, prompts = [], []
+    for prompt in raw:
         if use_template:
-            messages = system + (prompt if prompts_are_messages else [{"role": "user", "content": prompt}])
+            messages = prompt if prompts_are_messages else [{"role": "user", "content": prompt}]
+            if args.system_prompt:
+                messages = [{"role": "system", "content": args.system_prompt}] + messages
             ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-            ids = ids["input_ids"] if hasattr(ids, "keys") else ids  # a dict or BatchEncoding
+            ids = ids["input_ids"] if hasattr(ids, "keys") else ids  # a dict or a BatchEncoding
+            prompts.append(messages)
         else:
             text = f"{args.system_prompt}\n\n{prompt}" if args.system_prompt else prompt
             ids = tokenizer(text)["input_ids"]
+            prompts.append(text)
         prompt_ids.append(list(ids))
     columns = {c: values for c, values in dataset.items() if c != args.prompt_column}
     if args.answer_column and args.answer_column != "answer":
         columns["answer"] = columns.pop(args.answer_column)
-
     keep = list(range(len(prompt_ids)))
     if args.max_prompt_length is not None:
         keep = [i for i in keep if len(prompt_ids[i]) <= args.max_prompt_length]
@@ -850,8 +859,8 @@ def load_prompts(args, dataset, tokenizer, max_context):
             f"--max-prompt-length {max_context - args.max_completion_length} to drop such prompts, or lower "
             f"--max-completion-length."
         )
-    kept_columns = {c: [v[i] for i in keep] for c, v in columns.items()}
-    return PromptSet([prompt_ids[i] for i in keep], kept_columns, prompts_are_messages)
+    pick = lambda values: [values[i] for i in keep]
+    return PromptSet(pick(prompt_ids), pick(prompts), {c: pick(v) for c, v in columns.items()}, prompts_are_messages)
 
 
 def prompt_stream(num_prompts, seed, start=0):
@@ -860,32 +869,92 @@ def prompt_stream(num_prompts, seed, start=0):
     yield from itertools.islice(itertools.chain.from_iterable(map(order, itertools.count())), start, None)
 
 
-def score_completions(reward_fns, completions, columns):
-    """Call each reward function; returns rewards (num_completions, num_funcs) with NaN where a function gave None."""
-    scores = torch.full((len(completions), len(reward_fns)), float("nan"))
-    for k, fn in enumerate(reward_fns):
-        try:
-            values = fn(completions=completions, **columns)
-        except Exception as error:
-            raise RuntimeError(
-                f"reward function '{fn.__name__}' raised {type(error).__name__}: {error}. It receives completions and "
-                f"the keyword columns {sorted(columns)}; fix the function or the dataset columns it reads."
-            ) from error
-        if len(values) != len(completions):
-            raise ValueError(
-                f"reward function '{fn.__name__}' returned {len(values)} values for {len(completions)} completions"
+def eval_source(args):
+    """(name, config, split) of the eval dataset: --eval-dataset, else the training dataset's --eval-dataset-split if it
+    is a hub dataset (a local file has no splits); None if there is none."""
+    if not args.eval_dataset and is_local(args.dataset_name):
+        return None
+    name = args.eval_dataset or args.dataset_name
+    config = args.eval_dataset_config or (args.dataset_config if name == args.dataset_name else None)
+    return name, config, args.eval_dataset_split
+
+
+def read_dataset(args, evaluation=False):
+    """The training dataset (with `evaluation`, the eval dataset of eval_source) as {column: list of values}, read
+    with `datasets` before any model loads: a hub dataset, or a local .json / .jsonl / .parquet file. Its errors
+    become one line naming the file and, in a .jsonl file, the first line that is not a JSON object with the first
+    line's keys (`datasets` reads the file as one table: a missing value is null, not a missing key)."""
+    from datasets import load_dataset
+
+    source = eval_source(args) if evaluation else (args.dataset_name, args.dataset_config, args.dataset_split)
+    flag, (name, config, split) = "--eval-dataset" if evaluation else "--dataset-name", source
+    try:
+        if name.endswith((".json", ".jsonl", ".parquet")):
+            builder = "parquet" if name.endswith(".parquet") else "json"
+            dataset = load_dataset(builder, data_files=name, split="train").to_dict()
+        else:
+            dataset = load_dataset(name, config, split=split).to_dict()
+    except Exception as error:  # noqa: BLE001 - any failure to read the data is the flag's problem
+        where, message, keys = (f", split {split}" if not is_local(name) else ""), repr(error), None
+        if os.path.isfile(name) and not open(name, "rb").read().strip():
+            where, message = "", "the file is empty: it holds no records"
+        for number, line in enumerate(open(name, encoding="utf-8") if name.endswith(".jsonl") else [], 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as bad:
+                where, message = (
+                    f", line {number}",
+                    f"not valid JSON ({bad.msg}, column {bad.colno}): {line.strip()[:120]}",
+                )
+                break
+            keys = keys or (sorted(record) if isinstance(record, dict) else None)
+            if not isinstance(record, dict) or sorted(record) != keys:
+                where, message = (
+                    f", line {number}",
+                    f"a JSON object with the keys {keys} expected, got {line.strip()[:120]}",
+                )
+                break
+        raise SystemExit(f"error: {flag} {name}{where}: {message}") from None
+    if not dataset or not next(iter(dataset.values())):
+        raise SystemExit(f"error: {flag} {name} holds no records")
+    return dataset
+
+
+def check_dataset(args, dataset, reward_fns, evaluation=False):
+    """The columns that the flags name exist in the dataset (training, or with `evaluation` the eval one), and each
+    reward function finds every argument it requires among the dataset's columns and what the trainer passes."""
+    flag, name = ("--eval-dataset", eval_source(args)[0]) if evaluation else ("--dataset-name", args.dataset_name)
+    columns = list(dataset)
+    for option, column in (("--prompt-column", args.prompt_column), ("--answer-column", args.answer_column)):
+        if (column or option == "--prompt-column") and column not in columns:
+            raise SystemExit(
+                f"error: dataset {name} has no column '{column}' (its columns: {columns}). "
+                f"Pass {option} with one of those"
+                + (', or --answer-column "" if it has none.' if "answer" in option else ".")
             )
-        scores[:, k] = torch.tensor([float("nan") if v is None else float(v) for v in values])
-    return scores
+    # what reward functions receive (load_prompts: the answer column as `answer`)
+    given = set(columns) - {args.prompt_column}
+    if args.answer_column and args.answer_column != "answer":
+        given = given - {args.answer_column} | {"answer"}
+    given |= {"completions", "prompts", "completion_ids", "max_completion_length", *args.reward_kwargs}
+    if missing := rewards.missing_argument(reward_fns, given):
+        fn, needed = missing[0].__name__, missing[1]
+        what, fix = f"a column '{needed}', which {flag} {name} does not have", "pass other --reward-funcs or data"
+        if needed == "answer":
+            what, fix = f"the reference answer, and --answer-column '{args.answer_column}' gives none", "pass one"
+        raise SystemExit(f"error: reward function '{fn}' (--reward-funcs) needs {what} (its columns: {columns}): {fix}")
 
 
 # ------------------------------------------------------------------------------------------------------------------
-# Log-probabilities: chunked, temperature-scaled, the model's own logit transform
+# Log-probabilities (chunked, at the sampling temperature, with the model's own logit transform)
 
 
 def collate(prompt_ids, completion_ids, device, pad_id):
-    """Left-pad prompts and right-pad completions into one batch: input_ids, attention_mask, position_ids (B, P + C),
-    completion_mask (B, C) and P."""
+    """Left-pad prompts and right-pad completions into one (B, P + C) batch.
+
+    Returns input_ids, attention_mask, position_ids (B, P + C), completion_mask (B, C) and P."""
     P = max(len(p) for p in prompt_ids)
     C = max(max(len(c) for c in completion_ids), 1)
     input_ids = torch.full((len(prompt_ids), P + C), pad_id, dtype=torch.long)
@@ -981,9 +1050,7 @@ def fused(fn, like):
     return compiled(fn) if like.is_cuda else fn
 
 
-@functools.cache
-def compiled(fn):
-    return torch.compile(fn, dynamic=True)
+compiled = functools.cache(functools.partial(torch.compile, dynamic=True))  # one compiled function per fn
 
 
 def add_matmul(out, a, b):
@@ -1069,8 +1136,7 @@ def token_budget_batches(rows, prompt_lengths, completion_lengths, budget):
 
 
 def decoder_layers(model):
-    """The model's repeated blocks (LlamaDecoderLayer, GPT2Block, ...: transformers' _no_split_modules), the units FSDP2
-    shards and --torch-compile compiles."""
+    """The model's repeated blocks (_no_split_modules): the units FSDP2 shards and --torch-compile compiles."""
     return [module for module in model.modules() if type(module).__name__ in (model._no_split_modules or ())]
 
 
@@ -1117,13 +1183,13 @@ def same_count_on_all_ranks(micro_batches, world_size, device):
     return micro_batches + [None] * (int(count) - len(micro_batches))
 
 
-def gather_rows(tensor, world_size):
-    """Concatenate a tensor's rows from every rank, in rank order (all ranks hold the same shape)."""
+def gather_objects(value, world_size):
+    """Every rank's `value` (any picklable object), in rank order."""
     if world_size == 1:
-        return tensor
-    parts = [torch.empty_like(tensor) for _ in range(world_size)]
-    dist.all_gather(parts, tensor.contiguous())
-    return torch.cat(parts)
+        return [value]
+    parts = [None] * world_size
+    dist.all_gather_object(parts, value)
+    return parts
 
 
 def global_sum(value, world_size, device):
@@ -1136,19 +1202,21 @@ def global_sum(value, world_size, device):
 
 
 # ------------------------------------------------------------------------------------------------------------------
-# Generation with Hugging Face `generate` (the vLLM paths live in vllm_utils.py)
+# Generation with Hugging Face `generate` (the vLLM paths live in vllm_utils.py), evaluation, sample completions
 
 
 @torch.no_grad()
 def hf_generate(model, prompt_ids, args, eos_ids, pad_id, num_generations=None, temperature=None):
-    """Sample num_generations completions per prompt (None: --num-generations) at `temperature` (None: the training one;
-    0: greedy); returns their token ids, prompt-major, each cut after its first EOS (kept as the last token)."""
+    """Sample num_generations completions per prompt (None: --num-generations) at `temperature` (None: the training
+    one; 0: greedy, for evaluation); returns completion token ids (prompt-major), each cut after its first EOS (the EOS
+    is kept as the last token), and None (no sampler log-probs)."""
     from transformers import GenerationConfig
 
+    num_generations = num_generations or args.num_generations
     temperature = args.temperature if temperature is None else temperature
-    repeated = [p for p in prompt_ids for _ in range(num_generations or args.num_generations)]
-    input_ids, attention_mask, _, _, P = collate(repeated, [[]] * len(repeated), model.device, pad_id)
-    input_ids, attention_mask = input_ids[:, :P], attention_mask[:, :P]  # the prompts, left-padded
+    repeated = [p for p in prompt_ids for _ in range(num_generations)]
+    input_ids, attention_mask, _, _, P = collate(repeated, [[]] * len(repeated), model.device, pad_id)  # left-padded
+    input_ids, attention_mask = input_ids[:, :P], attention_mask[:, :P]
     sampling = dict(do_sample=True, temperature=temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p)
     decoding = sampling if temperature > 0 else dict(do_sample=False)  # temperature 0: greedy
     stopping = dict(max_new_tokens=args.max_completion_length, eos_token_id=eos_ids, pad_token_id=pad_id)
@@ -1167,7 +1235,7 @@ def hf_generate(model, prompt_ids, args, eos_ids, pad_id, num_generations=None, 
     return [cut_after_eos(row) for row in out[:, P:].tolist()], None
 
 
-def future_of(fn, background=True):
+def future_of(fn, background):
     """fn() as a Future: run in a daemon thread (--async-generation: the trainer trains meanwhile; a daemon never
     holds up the exit after an error), or right now. future.result() returns the value or raises fn's error."""
     future = Future()
@@ -1182,10 +1250,6 @@ def future_of(fn, background=True):
     return future
 
 
-# ------------------------------------------------------------------------------------------------------------------
-# Evaluation and sample completions (README.md, "Evaluation")
-
-
 def rank_share(num_prompts, rank, world_size):
     """This rank's contiguous share of range(num_prompts), padded with prompt 0 to ceil(num_prompts / world_size) rows
     so that every rank makes the same generate calls (FSDP2's unshard and a tensor-parallel engine's gather are
@@ -1193,43 +1257,6 @@ def rank_share(num_prompts, rank, world_size):
     per_rank = -(-num_prompts // world_size)
     rows = list(range(num_prompts))[rank * per_rank : (rank + 1) * per_rank]
     return rows + [0] * (per_rank - len(rows)), len(rows)
-
-
-def evaluate(args, eval_set, generate, tokenizer, reward_fns, reward_weights, device, rank, world_size):
-    """Greedy (temperature 0) and, with --eval-num-generations k > 1, k sampled completions of every eval prompt,
-    from the run's generator (which must hold the current weights: the loop calls this right after the weight push),
-    scored by the reward functions. Each rank generates its share of the prompts, in calls of one training round's
-    size; the scores are gathered, so every rank returns the eval/... metrics of all prompts."""
-    t0 = time.perf_counter()
-    rows, real = rank_share(len(eval_set.prompt_ids), rank, world_size)
-    num_generations = args.eval_num_generations  # the k of mean@k and pass@k
-    round_size = args.prompts_per_step // world_size * args.num_generations  # completions per generate call
-
-    def complete(per_prompt, temperature):  # this rank's rows, per_prompt completions each, prompt-major
-        size, ids = max(1, round_size // per_prompt), []
-        for start in range(0, len(rows), size):
-            ids += generate([eval_set.prompt_ids[i] for i in rows[start : start + size]], per_prompt, temperature)[0]
-        return ids
-
-    # HF sampling draws from the global RNG: fork it, so that training samples what it would without evaluation
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        torch.manual_seed(args.seed + rank)
-        greedy_ids = complete(1, 0.0)
-        sampled_ids = complete(num_generations, args.temperature) if num_generations > 1 else None
-    greedy = score(args, tokenizer, reward_fns, eval_set, rows, greedy_ids, 1)[:real]  # (real, num_funcs)
-    sampled = None  # (real, num_generations, num_funcs)
-    if num_generations > 1:
-        sampled = score(args, tokenizer, reward_fns, eval_set, rows, sampled_ids, num_generations)
-        sampled = sampled.view(len(rows), num_generations, -1)[:real]
-    lengths = torch.tensor([len(c) for c in greedy_ids[:real]], dtype=torch.float)
-    if world_size > 1:  # every rank's scores, in rank order: the prompts in order, as on one rank
-        parts = [None] * world_size
-        dist.all_gather_object(parts, (greedy, sampled, lengths))
-        greedy, lengths = torch.cat([p[0] for p in parts]), torch.cat([p[2] for p in parts])
-        sampled = torch.cat([p[1] for p in parts]) if num_generations > 1 else None
-    metrics = eval_metrics(greedy, sampled, reward_weights, [fn.__name__ for fn in reward_fns])
-    metrics.update({"eval/num_prompts": len(greedy), "eval/completions/mean_length": lengths.mean().item()})
-    return {**metrics, "timing/eval": time.perf_counter() - t0}
 
 
 def eval_metrics(greedy, sampled, reward_weights, names):
@@ -1251,97 +1278,109 @@ def eval_metrics(greedy, sampled, reward_weights, names):
     return metrics
 
 
-def log_completions(args, wandb, tokenizer, prompt_ids, completion_ids, rewards, step):
-    """Print the step's first --log-completions (prompt, completion, reward) rows, one short line each, and with --track
-    log them to wandb as a table (TRL's "completions" table)."""
-    decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
-    count = args.log_completions
+def log_completions(run, prompt_ids, completion_ids, rewards, step):
+    """--log-completions: print that many (prompt, completion, reward) rows of the step, one short line each, and with
+    --track log them to wandb as a table (TRL's "completions" table)."""
+    count = run.args.log_completions
+    decode = lambda ids: run.tokenizer.decode(ids, skip_special_tokens=True)
+    short = lambda text: textwrap.shorten(text, 70, placeholder=" ...") or repr(text)
     rows = [[step, decode(p), decode(c), r] for p, c, r in zip(prompt_ids[:count], completion_ids, rewards.tolist())]
     for _, prompt, completion, reward in rows:
-        short = lambda text: textwrap.shorten(text, 70, placeholder=" ...") or repr(text)  # noqa: E731
         tqdm.write(f"  reward {reward:.3g} | {short(prompt)} => {short(completion)}")
-    if wandb:
-        table = wandb.Table(columns=["step", "prompt", "completion", "reward"], data=rows)
-        wandb.log({"completions": table}, step=step)
+    if run.wandb:
+        table = run.wandb.Table(columns=["step", "prompt", "completion", "reward"], data=rows)
+        run.wandb.log({"completions": table}, step=step)
 
 
 # ------------------------------------------------------------------------------------------------------------------
-# Checkpoints
+# Checkpoints and run directories (CleanRL's convention: runs/{exp_name}__{seed}__{unix time}, one run each)
 
 
-@contextmanager
-def written_atomically(path):
-    """Yield a temporary directory to write into, then rename it to `path`: a crash never leaves `path` half written."""
-    tmp = f"{path}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    yield tmp
-    if os.path.isdir(path):
-        old = f"{path}.old-{os.getpid()}"
-        os.replace(path, old)
-        os.replace(tmp, path)
-        shutil.rmtree(old)
-    else:
-        os.replace(tmp, path)
+def load_checkpoint(run, checkpoint_dir):
+    """Restore a checkpoint's optimizer, schedule and this rank's RNG states (its weights were loaded as the model);
+    returns its counters (global_step, prompts_consumed and the script's own)."""
+    model, optimizer, scheduler, device, rank = run.model, run.optimizer, run.scheduler, run.device, run.rank
+    # mmap: pages of the full optimizer state are read as used, not all into every rank's memory (copy-on-write)
+    state = torch.load(os.path.join(checkpoint_dir, "trainer_state.pt"), weights_only=False, mmap=True)
+    if run.world_size == 1 and all(isinstance(key, int) for key in state["optimizer"]["state"]):  # written by one rank
+        # directly: torch's set_optimizer_state_dict first builds a throw-away AdamW state, 2x the weights' memory
+        optimizer.load_state_dict(state["optimizer"])
+    else:  # written by several ranks (by parameter name), or resumed on several (sharded like the weights). Not strict:
+        # a parameter that never had a gradient (a multimodal model's unused tower) has no AdamW state
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+        full = StateDictOptions(full_state_dict=run.world_size > 1, strict=False)
+        set_optimizer_state_dict(model, optimizer, state["optimizer"], options=full)
+    scheduler.load_state_dict(state["scheduler"])
+    torch.set_rng_state(state["torch_rng"][rank])
+    if device.type == "cuda" and state.get("cuda_rng") is not None:  # GPU sampling; older checkpoints have none
+        torch.cuda.set_rng_state(state["cuda_rng"][rank])
+    # optimizer tensors left on the CPU (AdamW's step counts; all of them on a CPU run) still point into the mapped
+    # file: copy them, so that --save-total-limit can delete that checkpoint and its disk space is freed
+    for per_param in optimizer.state.values():
+        per_param.update({k: v.clone() for k, v in per_param.items() if torch.is_tensor(v) and v.device.type == "cpu"})
+    return {k: v for k, v in state.items() if k not in ("optimizer", "scheduler", "torch_rng", "cuda_rng")}
 
 
-def save_checkpoint(args, run, model, tokenizer, optimizer, scheduler, global_step, prompts_consumed, world_size):
-    """output_dir/checkpoint-<global_step>: weights and tokenizer (save_pretrained), trainer_state.pt (optimizer,
-    schedule, step, prompts consumed, every rank's RNG states) and run.json; then this run's checkpoints beyond
-    --save-total-limit are deleted. Every rank calls it (gathering the state is a collective); rank 0 writes."""
-    model_state, optimizer_state = full_state(model, optimizer)
-    cuda = model.device.type == "cuda"
-    rng = (torch.get_rng_state(), torch.cuda.get_rng_state() if cuda else None)
-    rng_states = [rng] * world_size
-    if world_size > 1:
-        dist.all_gather_object(rng_states, rng)
-    if run is None:
+def save_checkpoint(run, global_step, prompts_consumed, **counters):
+    """output_dir/checkpoint-N: the full weights and tokenizer, trainer_state.pt (optimizer, schedule, every rank's RNG
+    states, the counters) and run.json (the script, the wandb run, the step), written as checkpoint-N.tmp and renamed
+    when complete; then the run's checkpoints beyond --save-total-limit are deleted (the directory is this run's
+    alone). Every rank calls this (gathering the weights is a collective); rank 0 writes."""
+    args, cuda = run.args, run.device.type == "cuda"
+    model_state, optimizer_state = full_state(run.model, run.optimizer)
+    rng_states = gather_objects((torch.get_rng_state(), torch.cuda.get_rng_state() if cuda else None), run.world_size)
+    if not run.is_main:
         return
-    with written_atomically(os.path.join(args.output_dir, f"checkpoint-{global_step}")) as tmp:
-        model.save_pretrained(tmp, state_dict=model_state)
-        tokenizer.save_pretrained(tmp)
-        state = {"optimizer": optimizer_state, "scheduler": scheduler.state_dict(), "global_step": global_step}
-        state.update(prompts_consumed=prompts_consumed, torch_rng=[r[0] for r in rng_states])
-        state["cuda_rng"] = [r[1] for r in rng_states] if cuda else None
-        torch.save(state, os.path.join(tmp, "trainer_state.pt"))
-        write_json(os.path.join(tmp, "run.json"), {**run, "script": "rloo.py", "global_step": global_step})
-    if args.save_total_limit:
-        for old in run_checkpoints(args.output_dir, run["run_id"])[: -args.save_total_limit]:
-            shutil.rmtree(old)  # this run's older checkpoints only, never another run's
+    path = os.path.join(run.output_dir, f"checkpoint-{global_step}")
+    shutil.rmtree(f"{path}.tmp", ignore_errors=True)  # a save of this run that a crash interrupted
+    run.model.save_pretrained(f"{path}.tmp", state_dict=model_state)
+    run.tokenizer.save_pretrained(f"{path}.tmp")
+    counters |= dict(global_step=global_step, prompts_consumed=prompts_consumed)
+    state = {"optimizer": optimizer_state, "scheduler": run.scheduler.state_dict(), **counters}
+    state |= {"torch_rng": [r[0] for r in rng_states], "cuda_rng": [r[1] for r in rng_states] if cuda else None}
+    torch.save(state, os.path.join(f"{path}.tmp", "trainer_state.pt"))
+    with open(os.path.join(f"{path}.tmp", "run.json"), "w") as f:
+        json.dump({**run.identity, "script": os.path.basename(__file__), "global_step": global_step}, f, indent=1)
+    shutil.rmtree(path, ignore_errors=True)  # a step done again after a resume from an earlier checkpoint
+    os.rename(f"{path}.tmp", path)
+    for old in checkpoints(run.output_dir)[: -args.save_total_limit] if args.save_total_limit else []:
+        shutil.rmtree(old)
 
 
-def stop_preempted(wandb, global_step, world_size):
-    """After the SIGTERM checkpoint: say how to continue, and exit with 143 (128 + SIGTERM: stopped, not finished)."""
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        tip = "the same command with --resume-from-checkpoint latest continues the run"
+def stop_preempted(run, global_step):
+    """After SIGTERM's checkpoint: say how to continue, and exit with 143 (128 + SIGTERM: stopped, not finished)."""
+    if run.is_main:
+        tip = f"the same command with --output-dir {run.output_dir} --resume-from-checkpoint latest continues the run"
         print(f"SIGTERM: wrote checkpoint-{global_step} and stopped; {tip}", flush=True)
-        if wandb:
-            wandb.mark_preempting()
-    if world_size > 1:
+        if run.wandb:
+            run.wandb.mark_preempting()
+    if run.world_size > 1:
         dist.destroy_process_group()
     sys.exit(143)
 
 
-def finish(args, wandb, model, tokenizer, metrics_file, output_lock, world_size):
-    """The final model + tokenizer in output_dir (not after --max-steps 0, which only evaluated), then close the
-    metrics, wandb, the output directory's lock and the process group."""
-    model_state = full_state(model, None)[0] if args.max_steps else None
-    if metrics_file is not None:  # rank 0
-        if args.max_steps:
-            save_final(args.output_dir, model, tokenizer, model_state)
-            print(f"saved the final model to {args.output_dir}")
-        metrics_file.close()
-        if wandb:
-            wandb.finish()
-    if output_lock is not None:
-        os.close(output_lock)  # the run is over: the directory is free for the next one
-    if world_size > 1:
+def finish(run):
+    """The final model + tokenizer, loadable with from_pretrained(output_dir) (--max-steps 0 only evaluated: nothing to
+    save); then the logs, the run directory's lock and the process group are released."""
+    run.progress.close()
+    model_state = full_state(run.model, None)[0] if run.args.max_steps else None
+    if run.is_main:
+        if run.args.max_steps:
+            save_final(run.output_dir, run.model, run.tokenizer, model_state)
+            print(f"saved the final model to {run.output_dir}")
+        run.metrics_file.close()
+        if run.wandb:
+            run.wandb.finish()
+        os.close(run.lock)  # the run is over: no process holds its directory now
+    if run.world_size > 1:
         dist.barrier()  # no rank tears down gloo while another is still saving (a rank aborted at exit under load)
         dist.destroy_process_group()
 
 
 def full_state(model, optimizer):
-    """Unsharded weights and optimizer state: on one rank the model's and optimizer's own tensors (torch.save copies GPU
-    tensors one by one); with FSDP2 gathered onto rank 0's CPU by name (a collective; others get empty dicts)."""
+    """Unsharded weights and optimizer state: on one rank their own tensors (torch.save copies GPU tensors one at a
+    time); with FSDP2 gathered onto rank 0's CPU by parameter name (a collective; the other ranks get empty dicts)."""
     if not dist.is_initialized():
         return model.state_dict(), optimizer.state_dict() if optimizer is not None else None
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
@@ -1356,7 +1395,7 @@ def full_state(model, optimizer):
 def save_final(output_dir, model, tokenizer, state_dict=None):
     """save_pretrained into output_dir itself, next to checkpoints and metrics: the files are written to a temporary
     folder, then each is moved in with an atomic rename, config.json last, so a config.json means a complete model."""
-    tmp = os.path.join(output_dir, f".final-tmp-{os.getpid()}")
+    tmp = os.path.join(output_dir, ".final.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp, state_dict=state_dict)
     tokenizer.save_pretrained(tmp)
@@ -1365,69 +1404,201 @@ def save_final(output_dir, model, tokenizer, state_dict=None):
     os.rmdir(tmp)
 
 
+def checkpoints(output_dir):
+    """The complete checkpoint-N directories of a run directory, oldest first (one being written is checkpoint-N.tmp)."""
+    names = (
+        [n for n in os.listdir(output_dir) if re.fullmatch(r"checkpoint-\d+", n)] if os.path.isdir(output_dir) else []
+    )
+    return [os.path.join(output_dir, n) for n in sorted(names, key=lambda n: int(n.split("-")[1]))]
+
+
+def claim_run_dir(args):
+    """Rank 0, before any model loads: (the run directory, the checkpoint to resume or None, the run's identity, the
+    directory's lock). A new run writes to --output-dir, or else to runs/{exp_name}__{seed}__{unix time} (made without
+    exist_ok; a collision appends __2), and refuses a directory that holds files. A resume continues in its
+    checkpoint's directory; `latest` takes --output-dir's newest complete checkpoint. A held flock on DIR/.lock (the
+    kernel drops it however the process ends) keeps a second live process out; a run that fails while starting removes
+    the directory it made. The identity (wandb's run id and name) is new, or the resumed checkpoint's."""
+    script, out, checkpoint = os.path.basename(__file__), args.output_dir, args.resume_from_checkpoint
+    stamp = f"{args.exp_name}__{args.seed}__{int(time.time())}"
+    if checkpoint == "latest" and out is None:
+        raise SystemExit(
+            "error: --resume-from-checkpoint latest needs --output-dir DIR: it resumes DIR's newest checkpoint"
+        )
+    if checkpoint not in (None, "latest"):
+        parent = os.path.dirname(os.path.abspath(checkpoint))
+        if out is not None and os.path.abspath(out) != parent:
+            raise SystemExit(
+                f"error: --resume-from-checkpoint {checkpoint} continues its run in {parent}: pass --output-dir "
+                f"{parent}, or no --output-dir"
+            )
+        out = parent
+    created = out is None or not os.path.isdir(out)
+    if out is None:  # two runs started in the same second: the second gets __2
+        for n in itertools.count(1):
+            out = os.path.join("runs", stamp + (f"__{n}" if n > 1 else ""))
+            with contextlib.suppress(FileExistsError):
+                os.makedirs(out)
+                break
+    os.makedirs(out, exist_ok=True)
+    lock_path = os.path.join(out, ".lock")
+    had_lock = os.path.exists(lock_path)
+    lock = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(lock, 300, 0).decode(errors="replace").strip() or "another process"
+            raise SystemExit(
+                f"error: --output-dir {out} is in use by a run that is still going ({holder}). Wait for it to end, "
+                f"or pass another --output-dir."
+            ) from None
+        except OSError as error:  # a file system without flock (some network mounts): run, but say so
+            print(f"warning: cannot lock {lock_path} ({error}): nothing keeps a second run out of this directory")
+        os.ftruncate(lock, 0)
+        os.pwrite(lock, f"{script}, pid {os.getpid()} on {socket.gethostname()}, since {time.ctime()}".encode(), 0)
+        if checkpoint == "latest":
+            checkpoint = (checkpoints(out) or [None])[-1]
+            if checkpoint is None:
+                raise SystemExit(f"error: --resume-from-checkpoint latest: {out} holds no complete checkpoint-N")
+        if checkpoint is None:
+            files = sorted(set(os.listdir(out)) - {".lock"})
+            if files:
+                listed = ", ".join(files[:5]) + (f" and {len(files) - 5} more" if len(files) > 5 else "")
+                resume = ", or --resume-from-checkpoint latest to continue its run" if checkpoints(out) else ""
+                raise SystemExit(
+                    f"error: --output-dir {out} holds files ({listed}): a new run there would mix its files with "
+                    f"them. Pass another --output-dir, or none (a new runs/{stamp}){resume}."
+                )
+            identity = {"run_id": uuid.uuid4().hex[:12], "run_name": stamp}
+        else:
+            try:
+                with open(os.path.join(checkpoint, "run.json")) as f:
+                    identity = json.load(f)
+            except (OSError, ValueError):
+                raise SystemExit(
+                    f"error: --resume-from-checkpoint {checkpoint} has no run.json, so its script and run are unknown: "
+                    f"start a new run from its weights with --model-name-or-path {checkpoint}"
+                ) from None
+            if identity.get("script") != script:
+                raise SystemExit(
+                    f"error: --resume-from-checkpoint {checkpoint} is a checkpoint of {identity.get('script')}: "
+                    f"continue that run with {identity.get('script')}, not {script}"
+                )
+            if identity["global_step"] >= args.max_steps:
+                raise SystemExit(
+                    f"error: --resume-from-checkpoint {checkpoint} is at step {identity['global_step']} and --max-steps "
+                    f"is {args.max_steps}: there is nothing left to train. Raise --max-steps to train on from it (the "
+                    f"learning-rate schedule follows --max-steps), or load it as a model."
+                )
+            for name in os.listdir(out):  # what a crash of this run left half-written
+                if name.endswith(".tmp"):
+                    shutil.rmtree(os.path.join(out, name))
+                    print(f"{out}: removed {name}, left half-written by a crash")
+        if created:
+            atexit.register(remove_unstarted, os.path.abspath(out))
+        return out, checkpoint, {"run_id": identity["run_id"], "run_name": identity["run_name"]}, lock
+    except BaseException:
+        os.close(lock)
+        if not had_lock:  # refused: leave the directory as it was
+            os.remove(lock_path)
+            if created:
+                os.rmdir(out)
+        raise
+
+
+def remove_unstarted(output_dir):
+    """At exit: remove the run directory this run made if the run failed while starting (it holds only the lock)."""
+    with contextlib.suppress(OSError):
+        if os.listdir(output_dir) == [".lock"]:
+            os.remove(os.path.join(output_dir, ".lock"))
+            os.rmdir(output_dir)
+
+
+def on_sigterm():
+    """Preemption: a cluster scheduler sends SIGTERM, then SIGKILL after a grace period. SIGTERM sets the returned
+    event; the loop then writes a checkpoint at the end of the current step and exits (resume with the run's
+    --output-dir and --resume-from-checkpoint latest). A second SIGTERM ends the process at once."""
+    requested = threading.Event()
+
+    def handler(signum, frame):
+        requested.set()
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+    signal.signal(signal.SIGTERM, handler)
+    return requested
+
+
 # ------------------------------------------------------------------------------------------------------------------
-# Start-up: arguments, data and the output directory, all checked before any model loads
+# Start-up checks of the flags, all before any model loads
+
+COMMON_RULES = [  # (field, true for a valid value, what it must be) of the shared flags; None (unset) is always valid
+    ("prompts_per_step", lambda v: v >= 1, "at least 1"),
+    ("max_prompt_length", lambda v: v >= 1, "at least 1"),
+    ("max_completion_length", lambda v: v >= 1, "at least 1 (new tokens per completion)"),
+    ("temperature", lambda v: v > 0, "> 0"),
+    ("top_p", lambda v: 0 < v <= 1, "in (0, 1]"),
+    ("top_k", lambda v: v >= 0, ">= 0 (0 = off)"),
+    ("min_p", lambda v: 0 <= v <= 1, "in [0, 1] (0 = off)"),
+    ("repetition_penalty", lambda v: v > 0, "> 0 (1 = off)"),
+    ("learning_rate", lambda v: v >= 0, ">= 0"),
+    ("weight_decay", lambda v: v >= 0, ">= 0"),
+    ("adam_beta1", lambda v: 0 <= v < 1, "in [0, 1)"),
+    ("adam_beta2", lambda v: 0 <= v < 1, "in [0, 1)"),
+    ("warmup_steps", lambda v: v >= 0, ">= 0"),
+    ("max_steps", lambda v: v >= 0, ">= 0 (0 = evaluate the model and exit)"),
+    ("micro_batch_tokens", lambda v: v >= 1, "at least 1"),
+    ("logging_steps", lambda v: v >= 1, "at least 1"),
+    ("save_steps", lambda v: v >= 0, ">= 0 (0 = only the final model)"),
+    ("save_total_limit", lambda v: v >= 0, ">= 0"),
+    ("log_completions", lambda v: v >= 0, ">= 0 (0 = off)"),
+    ("eval_steps", lambda v: v >= 0, ">= 0 (0 = no evaluation during training)"),
+    ("eval_max_samples", lambda v: v >= 1, "at least 1"),
+    ("eval_num_generations", lambda v: v >= 1, "at least 1"),
+]
 
 
-def looks_local(path):
-    """A path that cannot be a hub name: absolute, ./ ../ ~, several '/', or its first folder exists here."""
-    return path.startswith(("/", ".", "~")) or path.count("/") > 1 or "\\" in path or os.path.isdir(path.split("/")[0])
+def parse_args(argv=None):
+    """The flags: tyro's plain --help box of Args, every flag with its docstring."""
+    if "--overwrite-output-dir" in (sys.argv[1:] if argv is None else argv):
+        raise SystemExit(
+            "error: --overwrite-output-dir was removed: every run writes to a directory of its own (runs/{exp_name}__"
+            "{seed}__{unix time} by default). Pass another --output-dir, or --resume-from-checkpoint to continue a run."
+        )
+    return tyro.cli(Args, args=argv, description="\n\n".join(__doc__.split("\n\n")[:3]))
 
 
-def check_args(args, world_size=1):
-    """Every check that needs neither a model nor the data: value ranges, flag combinations, and that local paths exist
-    (a missing local model would otherwise surface later, as a hub error); exits with one line per problem."""
-    problems = []
-    floor = args.vllm_importance_sampling_clip_min or 0  # --vllm-importance-sampling-clip-max must exceed it
-    rules = [  # (field, true for a valid value, what it must be); None (an option left unset) is always valid
-        ("num_generations", lambda v: v >= 2, "at least 2: the leave-one-out baseline needs another completion"),
-        ("prompts_per_step", lambda v: v >= 1, "at least 1"),
-        ("max_prompt_length", lambda v: v >= 1, "at least 1"),
-        ("max_completion_length", lambda v: v >= 1, "at least 1 (new tokens per completion)"),
-        ("temperature", lambda v: v > 0, "> 0"),
-        ("top_p", lambda v: 0 < v <= 1, "in (0, 1]"),
-        ("top_k", lambda v: v >= 0, ">= 0 (0 = off)"),
-        ("min_p", lambda v: 0 <= v <= 1, "in [0, 1] (0 = off)"),
-        ("repetition_penalty", lambda v: v > 0, "> 0 (1 = off)"),
-        ("vllm_gpu_memory_utilization", lambda v: 0 < v <= 1, "in (0, 1]"),
-        ("vllm_tensor_parallel_size", lambda v: v >= 1, "at least 1"),
-        ("vllm_max_model_len", lambda v: v >= 1, "at least 1"),
-        ("vllm_server_port", lambda v: 0 < v < 65536, "a TCP port (1-65535)"),
-        ("vllm_server_timeout", lambda v: v > 0, "> 0 seconds"),
-        ("vllm_group_port", lambda v: 0 < v < 65536, "a TCP port (1-65535)"),
-        ("vllm_importance_sampling_clip_min", lambda v: v >= 0, ">= 0"),
-        ("vllm_importance_sampling_clip_max", lambda v: v > floor, "> --vllm-importance-sampling-clip-min (and > 0)"),
-        ("epsilon", lambda v: v >= 0, ">= 0"),
-        ("epsilon_high", lambda v: v >= 0, ">= 0"),
-        ("beta", lambda v: v >= 0, ">= 0"),
-        ("reward_clip_range", lambda v: v[0] < v[1], "LOW HIGH with LOW < HIGH"),
-        ("num_iterations", lambda v: v >= 1, "at least 1"),
-        ("steps_per_generation", lambda v: v >= 1, "at least 1"),
-        ("learning_rate", lambda v: v >= 0, ">= 0"),
-        ("weight_decay", lambda v: v >= 0, ">= 0"),
-        ("adam_beta1", lambda v: 0 <= v < 1, "in [0, 1)"),
-        ("adam_beta2", lambda v: 0 <= v < 1, "in [0, 1)"),
-        ("warmup_steps", lambda v: v >= 0, ">= 0"),
-        ("max_steps", lambda v: v >= 0, ">= 0 (0 = evaluate the model and exit)"),
-        ("micro_batch_tokens", lambda v: v >= 1, "at least 1"),
-        ("logging_steps", lambda v: v >= 1, "at least 1"),
-        ("save_steps", lambda v: v >= 0, ">= 0 (0 = only the final model)"),
-        ("save_total_limit", lambda v: v >= 0, ">= 0"),
-        ("log_completions", lambda v: v >= 0, ">= 0 (0 = off)"),
-        ("eval_steps", lambda v: v >= 0, ">= 0 (0 = no evaluation during training)"),
-        ("eval_max_samples", lambda v: v >= 1, "at least 1"),
-        ("eval_num_generations", lambda v: v >= 1, "at least 1"),
-    ]
-    for name, valid, must in rules:
+def is_local(path):
+    """A model or dataset name that is a local path, not a hub name: a .json / .jsonl / .parquet file, absolute,
+    ./ ../ ~, several '/', or its first folder exists here."""
+    local = path.startswith(("/", ".", "~")) or path.count("/") > 1 or "\\" in path or path.endswith(".parquet")
+    return local or path.endswith((".json", ".jsonl")) or os.path.isdir(path.split("/")[0])
+
+
+def path_problem(flag, path, marker="config.json", kind="model"):
+    """Why a local directory flag is wrong (None if it is not): a directory that is not there, or lacks its marker
+    file, is reported as such, not as a hub name that does not parse."""
+    if path is not None and os.path.isdir(path) and not os.path.exists(os.path.join(path, marker)):
+        return f"{flag} {path}: that directory has no {marker}, so it is not a {kind}"
+    if path is not None and not os.path.isdir(path) and (kind == "checkpoint" or is_local(path)):
+        return f"{flag} {path}: no such directory"
+    return None
+
+
+def check_args(args, world_size, rules=(), problems=(), steps_per_round=1, steps_per_generation=1):
+    """Every check that needs neither a model nor the data: value ranges (the shared flags', the algorithm's `rules`,
+    vLLM's), flag combinations (and the algorithm's own `problems`) and that local paths exist (a missing local model
+    would otherwise surface later, as a hub error). Exits with one line per problem, each naming its flag."""
+    problems = [p for p in problems if p]
+    for name, valid, must in COMMON_RULES + list(rules):
         value = getattr(args, name)
         if value is not None and not valid(value):
             problems.append(f"--{name.replace('_', '-')} must be {must}, got {value}")
-    if args.steps_per_generation >= 1 and args.prompts_per_step % (args.steps_per_generation * world_size):
+    if steps_per_generation >= 1 and args.prompts_per_step % (steps_per_generation * world_size):
         problems.append(
-            f"--prompts-per-step {args.prompts_per_step} must be divisible by --steps-per-generation x the "
-            f"number of processes ({args.steps_per_generation} x {world_size}): whole groups per rank and step"
+            f"--prompts-per-step {args.prompts_per_step} must be divisible by the number of processes ({world_size}) "
+            f"x the optimizer steps per generated batch ({steps_per_generation}): whole groups per rank and step"
         )
-    steps_per_round = args.steps_per_generation * args.num_iterations
     if steps_per_round > 0 and args.save_steps % steps_per_round:
         problems.append(
             f"--save-steps {args.save_steps} must be a multiple of the optimizer steps per generation round "
@@ -1442,27 +1613,14 @@ def check_args(args, world_size=1):
         problems.append(
             f"--reward-weights has {len(args.reward_weights)} values for {len(args.reward_funcs)} --reward-funcs"
         )
-    if args.use_vllm:
-        problems += vllm_utils.setup_problems()
-    if args.async_generation and not (args.use_vllm and args.vllm_mode == "server"):
+    problems += vllm_utils.check_args(args)
+    problems.append(path_problem("--model-name-or-path", args.model_name_or_path))
+    if args.resume_from_checkpoint != "latest":
         problems.append(
-            "--async-generation needs --use-vllm --vllm-mode server: a colocated engine or `generate` share "
-            "the trainer's GPU, so generation cannot overlap training"
+            path_problem("--resume-from-checkpoint", args.resume_from_checkpoint, "trainer_state.pt", "checkpoint")
         )
-    # local paths: a directory that is not there is reported as such, not as a hub name that does not parse
-    for name, marker, kind in (
-        ("model_name_or_path", "config.json", "model"),
-        ("resume_from_checkpoint", "trainer_state.pt", "checkpoint"),
-    ):
-        path = getattr(args, name)
-        if path is None or (name == "resume_from_checkpoint" and path == "latest"):
-            continue
-        if os.path.isdir(path) and not os.path.exists(os.path.join(path, marker)):
-            problems.append(f"--{name.replace('_', '-')} {path}: that directory has no {marker}, so it is not a {kind}")
-        elif not os.path.isdir(path) and (kind == "checkpoint" or looks_local(path)):
-            problems.append(f"--{name.replace('_', '-')} {path}: no such directory")
     for flag, name in (("--dataset-name", args.dataset_name), ("--eval-dataset", args.eval_dataset)):
-        if name is not None and is_local_data(name) and not os.path.exists(name):
+        if name is not None and is_local(name) and not os.path.exists(name):
             problems.append(f"{flag} {name} does not exist (no such file or directory)")
     evaluating = args.eval_steps > 0 or args.max_steps == 0
     if evaluating and eval_source(args) is None:
@@ -1474,335 +1632,10 @@ def check_args(args, world_size=1):
         problems.append(
             "--eval-dataset is evaluated with --eval-steps N (during training) or --max-steps 0 (once): pass one"
         )
-    if os.path.exists(args.output_dir) and not os.path.isdir(args.output_dir):
+    if args.output_dir is not None and os.path.exists(args.output_dir) and not os.path.isdir(args.output_dir):
         problems.append(f"--output-dir {args.output_dir} is a file, not a directory")
-    if problems:
+    if problems := [p for p in problems if p]:
         raise SystemExit("\n".join(["error: " + p for p in problems]))
-
-
-def reward_functions(names):
-    """The functions of rewards.py that --reward-funcs names."""
-    public = sorted(n for n, f in vars(rewards).items() if n[0] != "_" and callable(f) and f.__module__ == "rewards")
-    for name in names:
-        if name not in public:
-            raise SystemExit(
-                f"error: unknown reward function '{name}'. --reward-funcs takes names from rewards.py: {public}"
-            )
-    return [getattr(rewards, name) for name in names]
-
-
-def is_local_data(name):
-    """A dataset name that is a local file (or directory), not a hub dataset."""
-    return name.endswith((".json", ".jsonl", ".parquet")) or looks_local(name)
-
-
-def eval_source(args):
-    """(name, config, split) of the eval dataset: --eval-dataset, else the training dataset's --eval-dataset-split if it
-    is a hub dataset (a local file has no splits); None if there is none."""
-    if not args.eval_dataset and is_local_data(args.dataset_name):
-        return None
-    name = args.eval_dataset or args.dataset_name
-    config = args.eval_dataset_config or (args.dataset_config if name == args.dataset_name else None)
-    return name, config, args.eval_dataset_split
-
-
-def read_dataset(args, reward_fns, evaluation=False):
-    """Read the dataset (with `evaluation`, the eval dataset of eval_source, its first --eval-max-samples records) once,
-    before any model loads, and check it (check_dataset): {column: list of values}. Local .jsonl / .json files are
-    parsed here, so that a malformed record is reported with its file and line; .parquet files and hub datasets
-    through `datasets`."""
-    source = eval_source(args) if evaluation else (args.dataset_name, args.dataset_config, args.dataset_split)
-    flag, (name, config, split) = "--eval-dataset" if evaluation else "--dataset-name", source
-    if name.endswith((".json", ".jsonl")):
-        with open(name, encoding="utf-8") as f:
-            text = f.read()
-        try:  # a .json file may hold one array of records; anything else is read as one record per line
-            array = json.loads(text)
-        except json.JSONDecodeError:
-            array = None
-        where, records = ("record", list(enumerate(array, 1))) if isinstance(array, list) else ("line", [])
-        if where == "line":
-            for number, line in enumerate(text.splitlines(), 1):
-                if not line.strip():
-                    continue
-                try:
-                    records.append((number, json.loads(line)))
-                except json.JSONDecodeError as error:
-                    raise SystemExit(
-                        f"error: {flag} {name}, line {number}: not valid JSON ({error.msg}, column "
-                        f"{error.colno}): {line[:120]}"
-                    ) from None
-        for number, record in records:
-            if not isinstance(record, dict):
-                raise SystemExit(
-                    f"error: {flag} {name}, {where} {number}: a JSON object per record is expected, "
-                    f"got {type(record).__name__}"
-                )
-        columns = dict.fromkeys(column for _, record in records for column in record)  # in order of appearance
-        dataset = {column: [record.get(column) for _, record in records] for column in columns}
-    else:
-        from datasets import load_dataset
-
-        if name.endswith(".parquet"):
-            dataset = load_dataset("parquet", data_files=name, split="train").to_dict()
-        else:
-            try:
-                dataset = load_dataset(name, config, split=split).to_dict()
-            except ValueError as error:  # e.g. no such split
-                raise SystemExit(f"error: {flag} {name}, split {split}: {error}") from None
-    if not dataset or not next(iter(dataset.values())):
-        raise SystemExit(f"error: {flag} {name} holds no records")
-    if evaluation:
-        dataset = {c: v[: args.eval_max_samples] for c, v in dataset.items()}
-    check_dataset(args, dataset, reward_fns, flag, name)
-    return dataset
-
-
-def check_dataset(args, dataset, reward_fns, flag, name):
-    """The columns that the flags name exist in the dataset of `flag` (training or eval), and each reward function
-    finds every argument it requires (its signature against the dataset's columns and what the trainer passes)."""
-    columns = list(dataset)
-    for option, column in (("--prompt-column", args.prompt_column), ("--answer-column", args.answer_column)):
-        if (column or option == "--prompt-column") and column not in columns:
-            raise SystemExit(
-                f"error: dataset {name} has no column '{column}' (its columns: {columns}). "
-                f"Pass {option} with one of those"
-                + (', or --answer-column "" if it has none.' if "answer" in option else ".")
-            )
-    # what reward functions receive (load_prompts: answer column as `answer`)
-    given = set(columns) - {args.prompt_column}
-    if args.answer_column and args.answer_column != "answer":
-        given = given - {args.answer_column} | {"answer"}
-    given |= {"completions", "prompts", "completion_ids", "max_completion_length", *args.reward_kwargs}
-    for fn in reward_fns:
-        for p in inspect.signature(fn).parameters.values():
-            if p.default is not p.empty or p.kind not in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) or p.name in given:
-                continue  # optional, *args / **kwargs, or given by a column or the trainer
-            if p.name == "answer":
-                raise SystemExit(
-                    f"error: reward function '{fn.__name__}' needs the reference answer, and --answer-column "
-                    f"'{args.answer_column}' gives none: pass --answer-column with the column of {name} that "
-                    f"holds it (its columns: {columns})"
-                )
-            raise SystemExit(
-                f"error: reward function '{fn.__name__}' (--reward-funcs) needs a column '{p.name}', which "
-                f"{flag} {name} does not have (its columns: {columns})"
-            )
-
-
-def read_json(path):
-    """The JSON value in the file `path`, or None if there is none (or it is unreadable)."""
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except (OSError, ValueError):
-        return None
-
-
-def write_json(path, value):
-    """Write `value` as JSON through a temporary file and a rename: a reader never sees half a file."""
-    with open(f"{path}.tmp-{os.getpid()}", "w") as f:
-        json.dump(value, f, indent=1)
-    os.replace(f"{path}.tmp-{os.getpid()}", path)
-
-
-def pid_alive(pid):
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's process
-        pass
-    return True
-
-
-CHECKPOINT = r"checkpoint-\d+"  # the name of a checkpoint directory in output_dir (a regular expression)
-
-
-def run_checkpoints(output_dir, run_id):
-    """The checkpoint-N directories in output_dir that belong to run `run_id` (their run.json says so), oldest first.
-    Checkpoints written before runs had ids have no run.json: they match run_id None (a directory without run.json)."""
-    found = []
-    for name in os.listdir(output_dir) if os.path.isdir(output_dir) else []:
-        path = os.path.join(output_dir, name)
-        if re.fullmatch(CHECKPOINT, name) and (read_json(os.path.join(path, "run.json")) or {}).get("run_id") == run_id:
-            found.append((int(name.removeprefix("checkpoint-")), path))
-    return [path for _, path in sorted(found)]
-
-
-def remove_dead_temporaries(output_dir):
-    """Remove what a dead process left while saving: checkpoint-N.tmp-PID (half written), .final-tmp-PID, and
-    checkpoint-N.old-PID (a complete checkpoint moved aside for its replacement: put back if that never arrived)."""
-    for name in sorted(os.listdir(output_dir)):
-        match = re.fullmatch(rf"({CHECKPOINT}|run\.json)\.(tmp|old)-(\d+)|\.final-tmp-(\d+)", name)
-        if not match or pid_alive(int(match[3] or match[4])):
-            continue
-        path = os.path.join(output_dir, name)
-        if match[2] == "old" and not os.path.exists(os.path.join(output_dir, match[1])):
-            os.replace(path, os.path.join(output_dir, match[1]))
-            print(f"{output_dir}: put back {match[1]} from {name}, left by a process that died while replacing it")
-        else:
-            shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
-            print(f"{output_dir}: removed {name}, left by a process that died while saving")
-
-
-def claim_output_dir(args, script):
-    """Make --output-dir this run's (rank 0, before any model loads); returns (run, checkpoint to resume or None, the
-    lock's file descriptor).
-
-    run = {"run_id", "run_name"}: the identity written into output_dir/run.json and into every checkpoint, so that
-    `latest`, --save-total-limit and a resumed wandb run concern this run only.
-    * A lock (flock on output_dir/.lock, held for the life of the process and released by the kernel however it
-      ends, SIGKILL included) keeps a second live run out of the directory.
-    * Temporaries of dead processes (a SIGINT during a save) are removed.
-    * A directory holding another run's files is refused, unless --resume-from-checkpoint continues that run or
-      --overwrite-output-dir starts a new run there (its metrics.jsonl and final model are replaced; its
-      checkpoints stay, never resumed or deleted by this run).
-    * A checkpoint at or past --max-steps is refused: there would be nothing to train."""
-    out, locked = args.output_dir, False
-    created, lock_created = not os.path.isdir(out), not os.path.exists(os.path.join(out, ".lock"))
-    os.makedirs(out, exist_ok=True)
-    lock = os.open(os.path.join(out, ".lock"), os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            locked = True
-        except BlockingIOError:
-            holder = os.pread(lock, 300, 0).decode(errors="replace").strip() or "another process"
-            raise SystemExit(
-                f"error: --output-dir {out} is in use by a run that is still going ({holder}): two runs in "
-                f"one directory overwrite each other's checkpoints and metrics. Wait for it to end, or pass "
-                f"another --output-dir."
-            ) from None
-        except OSError as error:  # a file system without flock (some network mounts): run, but say so
-            print(f"warning: cannot lock {out}/.lock ({error}): nothing keeps a second run out of this directory")
-        os.ftruncate(lock, 0)
-        now = time.strftime("%Y-%m-%d %H:%M:%S")
-        os.pwrite(lock, f"{script}, pid {os.getpid()} on {socket.gethostname()}, since {now}".encode(), 0)
-        remove_dead_temporaries(out)
-        owner = read_json(os.path.join(out, "run.json")) or {}
-        files = sorted(set(os.listdir(out)) - {".lock", "run.json"})
-        checkpoint = args.resume_from_checkpoint
-        if checkpoint == "latest":
-            checkpoint = run_checkpoints(out, owner.get("run_id"))[-1:]
-            if not checkpoint:
-                others = ", ".join(f for f in files if re.fullmatch(CHECKPOINT, f))
-                tip = f" ({others} are another run's: pass one's path to --resume-from-checkpoint to continue that run)"
-                raise SystemExit(
-                    f"error: --resume-from-checkpoint latest: no checkpoint-N directory in {out} of the run that owns "
-                    f"it{tip if others else ''}"
-                )
-            checkpoint = checkpoint[0]
-        resumed = (read_json(os.path.join(checkpoint, "run.json")) or {}) if checkpoint else {}
-        if resumed.get("script", script) != script:
-            raise SystemExit(
-                f"error: --resume-from-checkpoint {checkpoint} is a checkpoint of {resumed['script']}: "
-                f"continue that run with {resumed['script']}, not {script}"
-            )
-        if files and not (checkpoint and resumed.get("run_id") == owner.get("run_id")):
-            if not args.overwrite_output_dir:
-                listed = ", ".join(files[:5]) + (f" and {len(files) - 5} more" if len(files) > 5 else "")
-                whose = f"files that are not this run's ({listed})"
-                if owner.get("script"):
-                    whose = f"another run's files ({listed}; a {owner['script']} run started {owner['started']})"
-                raise SystemExit(
-                    f"error: --output-dir {out} holds {whose}. A new run there would replace its model and mix its "
-                    "metrics and checkpoints with this one's. To continue that run, pass --resume-from-checkpoint "
-                    "latest (or a checkpoint's path); to start a new run there anyway, pass --overwrite-output-dir "
-                    "(its metrics.jsonl and final model are replaced, its checkpoints are kept and never resumed or "
-                    "deleted by the new run); or pass another --output-dir."
-                )
-            for name in ("metrics.jsonl", "config.json"):  # a new metrics file; no complete model until this run's
-                if os.path.exists(os.path.join(out, name)):
-                    os.remove(os.path.join(out, name))
-            print(
-                f"--overwrite-output-dir: a new run in {out}; the earlier run's metrics.jsonl is deleted, its model "
-                f"files are replaced at the end, its checkpoints are left alone"
-            )
-        if checkpoint:
-            step = resumed.get("global_step")
-            if step is None:  # a checkpoint written before run.json existed
-                state = torch.load(os.path.join(checkpoint, "trainer_state.pt"), weights_only=False, mmap=True)
-                step = state["global_step"]
-            if step >= args.max_steps:
-                raise SystemExit(
-                    f"error: --resume-from-checkpoint {checkpoint} is at step {step} and --max-steps is "
-                    f"{args.max_steps}: there is nothing left to train. Raise --max-steps to train on from it "
-                    f"(the learning-rate schedule follows --max-steps), or load it as a model."
-                )
-        if checkpoint and resumed.get("run_id"):
-            run = {"run_id": resumed["run_id"], "run_name": resumed["run_name"]}  # the same run continues
-        else:
-            run = {"run_id": uuid.uuid4().hex[:12], "run_name": f"{args.exp_name}__{args.seed}__{int(time.time())}"}
-            atexit.register(forget_unstarted_run, out, run["run_id"], created)
-        if run["run_id"] != owner.get("run_id"):
-            write_json(os.path.join(out, "run.json"), {**run, "script": script, "started": now, "args": asdict(args)})
-        return run, checkpoint, lock
-    except BaseException:
-        if locked and lock_created:  # refused before writing anything: leave the directory as it was
-            os.remove(os.path.join(out, ".lock"))
-            if created and not os.listdir(out):
-                os.rmdir(out)
-        os.close(lock)  # the lock goes with it
-        raise
-
-
-def forget_unstarted_run(output_dir, run_id, created):
-    """At exit: a run that wrote only run.json (it failed to start) removes it, and the directory if the run made it."""
-    try:
-        only_run_json = set(os.listdir(output_dir)) <= {".lock", "run.json"}
-        if only_run_json and read_json(os.path.join(output_dir, "run.json"))["run_id"] == run_id:
-            os.remove(os.path.join(output_dir, "run.json"))
-            os.remove(os.path.join(output_dir, ".lock"))
-            if created:
-                os.rmdir(output_dir)
-    except (OSError, TypeError, KeyError):
-        pass
-
-
-def on_sigterm():
-    """Preemption: a cluster scheduler sends SIGTERM, then SIGKILL after a grace period. SIGTERM sets the returned
-    event; the loop then writes a checkpoint at the end of the current step and exits (resume with
-    --resume-from-checkpoint latest). A second SIGTERM ends the process at once."""
-    requested = threading.Event()
-
-    def handler(signum, frame):
-        requested.set()
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-
-    signal.signal(signal.SIGTERM, handler)
-    return requested
-
-
-def parse_args(argv=None):
-    """tyro.cli(Args), with --help in the groups of the "# ..." comment headers in Args (those of README.md's option
-    table). tyro groups the options of nested dataclasses, so each header's fields become one nested dataclass whose
-    flags keep their names (OmitArgPrefixes); the parsed groups are merged back into one flat Args."""
-    source = inspect.getsource(Args)
-    body = ast.parse(textwrap.dedent(source)).body[0].body
-    pairs = [(a, b) for a, b in itertools.pairwise(body) if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr)]
-    docs = {a.target.id: " ".join(b.value.value.split()) for a, b in pairs}  # each field's docstring, on one line
-    groups, title = {}, None
-    for line in source.splitlines():
-        if header := re.match(r" {4}# (.+?)(?: \(.*)?$", line):
-            title = header[1]
-        elif name := re.match(r" {4}(\w+):", line):
-            groups.setdefault(title, []).append(name[1])
-    fields = {f.name: f for f in dataclasses.fields(Args)}
-
-    def option(f):  # an Args field as a field of its group, with its docstring as the --help text
-        default = dataclasses.field(default=f.default, default_factory=f.default_factory)
-        return f.name, Annotated[f.type, tyro.conf.arg(help=docs[f.name])], default
-
-    parts = []
-    for title, names in groups.items():
-        group = dataclasses.make_dataclass(title, [option(fields[n]) for n in names])
-        group.__doc__ = ""
-        name = re.sub(r"\W+", "_", title).lower()
-        parts.append((name, tyro.conf.OmitArgPrefixes[group], dataclasses.field(default_factory=group)))
-    description = "\n\n".join(__doc__.split("\n\n")[:3])  # what it does, and the CPU example
-    parsed = tyro.cli(dataclasses.make_dataclass("Args", parts), args=argv, description=description)
-    return Args(**{k: v for part in dataclasses.fields(parsed) for k, v in vars(getattr(parsed, part.name)).items()})
 
 
 if __name__ == "__main__":

@@ -677,3 +677,52 @@ def sync_weights(engine, model):
         engine["weights_asleep"] = False
     colocate_load_weights(llm, named_weights(model))  # streamed: one full parameter at a time
     llm.reset_prefix_cache()
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Start-up: the checks and warnings of the vLLM flags (before any model loads), the generator with the trainer's weights
+
+
+def check_args(args):
+    """The problems of the vLLM flags, one line each naming its flag and fix ([] if none), and the truncated-sampling
+    warning; the scripts ask with their own checks, before any model loads. The importance-sampling flags are checked
+    where a script has them."""
+    problems = setup_problems() if args.use_vllm else []
+    floor = getattr(args, "vllm_importance_sampling_clip_min", None) or 0  # the clip max must exceed it
+    rules = [  # (field, true for a valid value, what it must be); None (an option left unset) is always valid
+        ("vllm_gpu_memory_utilization", lambda v: 0 < v <= 1, "in (0, 1]"),
+        ("vllm_tensor_parallel_size", lambda v: v >= 1, "at least 1"),
+        ("vllm_max_model_len", lambda v: v >= 1, "at least 1"),
+        ("vllm_server_port", lambda v: 0 < v < 65536, "a TCP port (1-65535)"),
+        ("vllm_server_timeout", lambda v: v > 0, "> 0 seconds"),
+        ("vllm_group_port", lambda v: 0 < v < 65536, "a TCP port (1-65535)"),
+        ("vllm_importance_sampling_clip_min", lambda v: v >= 0, ">= 0"),
+        ("vllm_importance_sampling_clip_max", lambda v: v > floor, "> --vllm-importance-sampling-clip-min (and > 0)"),
+    ]
+    for name, valid, must in rules:
+        if (value := getattr(args, name, None)) is not None and not valid(value):
+            problems.append(f"--{name.replace('_', '-')} must be {must}, got {value}")
+    if args.async_generation and not (args.use_vllm and args.vllm_mode == "server"):
+        problems.append(
+            "--async-generation needs --use-vllm --vllm-mode server: only a server (on other GPUs or on the trainer's "
+            "own) generates in another process, so that generation overlaps training"
+        )
+    truncated = args.top_p < 1 or args.top_k > 0 or args.min_p > 0 or args.repetition_penalty != 1
+    if args.use_vllm and getattr(args, "vllm_importance_sampling_correction", False) and truncated:
+        print(
+            "warning: with top_p / top_k / min_p / repetition_penalty, vLLM's processed log-probs come from a truncated "
+            "distribution that the trainer does not model: the importance ratio is biased below 1, and at the sequence "
+            "level (product over tokens) it shrinks the updates of long completions. Prefer neutral values, or a "
+            "*_truncate --vllm-importance-sampling-mode (token_truncate where the script has it; sequence_truncate "
+            "with a --vllm-importance-sampling-clip-min such as 0.5 bounds the shrinking)."
+        )
+    return problems
+
+
+def start_with_weights(args, model, model_path, max_prompt_length):
+    """start(), then a server gets the trainer's weights at once: it may hold others (an earlier run, or this one
+    before a resume), and every round must be sampled by the trained policy."""
+    engine = start(args, model_path, max_prompt_length)
+    if args.vllm_mode == "server":
+        sync_weights(engine, model)
+    return engine

@@ -2,8 +2,10 @@
 # Server mode on ONE GPU (a `vllm serve --weight-transfer-config '{"backend": "ipc"}'` beside the trainer on its own
 # GPU, weights pushed as CUDA IPC handles), on a 1 x H200 host prepared by ../shared/gpu/README.md (source
 # .gpu/setup.sh first; TRL 1.16 on the path). Each phase fits one 10-minute device call.
-# Usage: bash benchmarks/one_gpu.sh check|bench OUT_DIR; then python benchmarks/ratios.py OUT_DIR
-#   check: starts the compiled bench-0.5b IPC server (port 8001, kept up for `bench`), the learning runs (the addition
+# Usage: bash benchmarks/one_gpu.sh serve|check|bench OUT_DIR; then python benchmarks/ratios.py OUT_DIR
+#   serve: starts the compiled bench-0.5b IPC server (port 8001) in its own session: it outlives the call, and boots
+#          while later calls bring the rest of the payload. A fixed KV cache: the GPU fills up beside it.
+#   check: starts the bench-0.5b server unless it runs, the learning runs (the addition
 #          task with SmolLM2-135M-Instruct, 100 steps: grpo.py, rloo.py, online_dpo.py, each with and without
 #          --async-generation, each against its own eager IPC server: six servers and six trainers share the GPU),
 #          and tests/gpu/test_server_ipc.py (the sync check for the two tiny MoE models, then bench-0.5b once its
@@ -42,10 +44,14 @@ trl() {  # trl NAME TIMEOUT
   echo "== $1 exit $?" | tee -a "$OUT/$1.log"
 }
 
-if [ "$PHASE" = check ]; then
-  # the bench server first, compiled as a user's would be; a fixed KV cache because the GPU fills up beside it
+serve_bench() {  # compiled, as a user's server would be
   serve_ipc /tmp/bench-qwen05b 8001 --gpu-memory-utilization 0.35 --kv-cache-memory-bytes 17179869184 \
     --max-model-len 2048 --api-server-count 4
+}
+
+[ "$PHASE" = serve ] && serve_bench
+if [ "$PHASE" = check ]; then
+  serve_bench
   EAGER_SMALL="--gpu-memory-utilization 0.04 --kv-cache-memory-bytes 2147483648 --max-model-len 1024 --enforce-eager
                --api-server-count 1"
   i=0
@@ -54,19 +60,20 @@ if [ "$PHASE" = check ]; then
       port=$((8100 + i)); i=$((i + 1)); serve_ipc /tmp/smol $port $EAGER_SMALL
       [ "$s" = online_dpo ] && n="--prompts-per-step 64 --num-generations 4" || n="--prompts-per-step 16 --num-generations 8"
       [ "$a" = async ] && n="$n --async-generation"
-      (sleep 5; OMP_NUM_THREADS=2 ours "${s}_ipc_$a" 540 "$s.py" $ADD $n --vllm-server-port $port \
-        --vllm-server-timeout 400) &
+      (sleep 5; OMP_NUM_THREADS=2 ours "${s}_ipc_$a" "${LEARN_LIMIT:-420}" "$s.py" $ADD $n --vllm-server-port $port \
+        --vllm-server-timeout 300) &
+      trainers="${trainers:-} $!"
     done
   done
   python3 tests/gpu/make_tiny_models.py /tmp/tiny-models > "$OUT/make_tiny.log" 2>&1
   GPU_RESULTS_DIR=$OUT VLLM_TEST_BENCH_URL=http://127.0.0.1:8001 timeout 500 python3 -m pytest -x -q -rs \
     tests/gpu/test_server_ipc.py 2>&1 | tee "$OUT/pytest_ipc.log"
-  wait
+  wait $trainers  # not the servers: they never end by themselves
+  for pid in $(pgrep -f "serve /tmp/smol"); do kill -- -"$(ps -o sid= -p "$pid" | tr -d ' ')"; done
   python3 benchmarks/summarize.py "$OUT" > "$OUT/learn_summary.txt" 2>&1; cat "$OUT/learn_summary.txt"
 fi
 if [ "$PHASE" = bench ]; then
-  serve_ipc /tmp/bench-qwen05b 8001 --gpu-memory-utilization 0.35 --max-model-len 2048 --api-server-count 4
-  wait_server 8001
+  serve_bench; wait_server 8001
   S="--vllm-mode server --vllm-server-port 8001"
   P=${PAIR:-1}
   if [ "$P" = 1 ]; then

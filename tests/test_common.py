@@ -47,12 +47,9 @@ def test_clip_gradients(script):
 
 
 def _load(script, checkpoint_dir, model, optimizer, scheduler):
-    """Each script's resume of the optimizer, schedule and RNG state from checkpoint_dir/trainer_state.pt."""
-    cpu = torch.device("cpu")
-    if script is grpo:
-        run = dict(model=model, optimizer=optimizer, scheduler=scheduler, device=cpu, rank=0, world_size=1)
-        return grpo.load_checkpoint(type("Run", (), run), checkpoint_dir)
-    return script.load_checkpoint(checkpoint_dir, model, optimizer, scheduler, cpu, 0, 1)
+    """The scripts' (one, shared) resume of the optimizer, schedule and RNG state from checkpoint_dir/trainer_state.pt."""
+    run = dict(model=model, optimizer=optimizer, scheduler=scheduler, device=torch.device("cpu"), rank=0, world_size=1)
+    return script.load_checkpoint(type("Run", (), run), checkpoint_dir)
 
 
 @pytest.mark.parametrize("script", SCRIPTS, ids=lambda m: m.__name__)
@@ -91,7 +88,8 @@ def test_checkpointed_optimizer_state_round_trips_and_saving_never_steps(script,
         torch.save(state, tmp_path / "trainer_state.pt")
         resumed, throwaway_states[:] = make(), []
         counters = _load(script, tmp_path, model, resumed, torch.optim.lr_scheduler.LambdaLR(resumed, lambda s: 1.0))
-        assert counters[:2] == (1, 4) and len(throwaway_states) == throwaway
+        assert counters == {"global_step": 1, "prompts_consumed": 4, "skipped_steps": 0}
+        assert len(throwaway_states) == throwaway
         for param in model["used"].parameters():
             for key in ("exp_avg", "exp_avg_sq", "step"):
                 assert torch.equal(resumed.state[param][key], optimizer.state[param][key]), key

@@ -108,7 +108,8 @@ def test_resume_latest_without_checkpoint_fails(tmp_path, stories_jsonl):
         "--resume-from-checkpoint",
         "latest",
     )
-    assert result.returncode != 0 and "no checkpoint-N directory" in result.stderr
+    assert result.returncode != 0 and "holds no complete checkpoint-N" in result.stderr
+    assert not (tmp_path / "empty").exists()  # refused: the directory it would have made is gone
 
 
 def test_dynamic_sampling_refills_the_batch(tmp_path):

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import grpo
+import rewards
 
 
 def t(rows):
@@ -367,7 +368,7 @@ def test_token_budget_batches_subset_of_rows():
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# score_completions
+# rewards.score (the reward functions called with the dataset columns)
 
 
 def test_score_completions_names_a_failing_reward():
@@ -378,7 +379,7 @@ def test_score_completions_names_a_failing_reward():
         return [1.0 for _ in completions]
 
     with pytest.raises(RuntimeError, match="broken_reward") as info:
-        grpo.score_completions([ok_reward, broken_reward], ["a", "b"], {"answer": ["1", "2"]})
+        rewards.score([ok_reward, broken_reward], ["a", "b"], {"answer": ["1", "2"]})
     assert "KeyError" in str(info.value) and "answer" in str(info.value)
 
 
@@ -389,8 +390,8 @@ def test_score_completions_none_is_nan_and_length_checked():
     def short(completions, **kwargs):
         return [1.0]
 
-    scores = grpo.score_completions([partial], ["a", "b", "c"], {})
+    scores = rewards.score([partial], ["a", "b", "c"], {})
     assert scores.shape == (3, 1)
     assert scores[0, 0].item() == 1.0 and math.isnan(scores[1, 0].item()) and scores[2, 0].item() == 0.5
     with pytest.raises(ValueError, match="short"):
-        grpo.score_completions([short], ["a", "b", "c"], {})
+        rewards.score([short], ["a", "b", "c"], {})

@@ -1,4 +1,3 @@
-import inspect
 import json
 import threading
 import time
@@ -282,14 +281,41 @@ def test_keyword_reward():
 
 # ---------------------------------------------------------------- interface shared by all rewards
 
-REWARDS = ["math_accuracy", "gsm8k_accuracy", "think_format", "soft_overlong_punishment", "keyword_reward"]
+REWARDS = [n for n, f in vars(rewards).items() if rewards.is_reward(f)]  # the rule, not a list of names
 
 
-def test_public_functions_are_exactly_the_rewards():
-    public = {n for n, f in vars(rewards).items() if inspect.isfunction(f) and not n.startswith("_")}
-    assert public == set(REWARDS)
+def test_the_rewards_are_the_public_functions_whose_first_parameter_is_completions():
+    # the module's own rewards, each documented; its helpers (the trainer's side, `_`-prefixed ones) are not rewards
+    assert set(REWARDS) >= {"math_accuracy", "gsm8k_accuracy", "think_format", "soft_overlong_punishment"}
+    assert not {"functions", "missing_argument", "score", "is_reward", "_text"} & set(REWARDS)
     for name in REWARDS:
         assert getattr(rewards, name).__doc__.strip(), name
+    assert [fn.__name__ for fn in rewards.functions(["keyword_reward", "think_format"])] == [
+        "keyword_reward",
+        "think_format",
+    ]
+    with pytest.raises(SystemExit, match="unknown reward function 'score'.*--reward-funcs"):
+        rewards.functions(["score"])  # public, but its first parameter is reward_fns
+
+
+def test_a_fork_adds_a_reward_by_defining_it(monkeypatch):
+    def length_reward(completions, **kwargs):
+        return [float(len(c)) for c in completions]
+
+    length_reward.__module__ = "rewards"
+    monkeypatch.setattr(rewards, "length_reward", length_reward, raising=False)
+    (fn,) = rewards.functions(["length_reward"])
+    assert rewards.score([fn], ["ab", "c"], {}).tolist() == [[2.0], [1.0]]
+
+
+def test_missing_argument_and_score():
+    fns = rewards.functions(["keyword_reward", "gsm8k_accuracy"])
+    assert rewards.missing_argument(fns, {"completions", "keyword", "answer"}) is None
+    assert rewards.missing_argument(fns, {"completions", "answer"}) == (rewards.keyword_reward, "keyword")
+    scores = rewards.score(fns, ["the cat", "1"], {"keyword": ["cat", "dog"], "answer": ["x", "1"]})
+    assert scores[0, 0] == 1 and scores[1, 0] == 0 and scores[0, 1].isnan() and scores[1, 1] == 1  # None -> NaN
+    with pytest.raises(RuntimeError, match="reward function 'keyword_reward' raised"):
+        rewards.score(fns, ["a"], {"answer": ["1"]})
 
 
 @pytest.mark.parametrize("name", REWARDS)

@@ -1,5 +1,6 @@
-"""A run never destroys another run, and every mistake is caught up front with a message that names the flag
-(grpo.py, rloo.py, online_dpo.py).
+"""A run never overwrites, deletes or resumes another run's files, and every mistake is caught up front with a message
+that names the flag (grpo.py, rloo.py, online_dpo.py). Run directories follow CleanRL's convention: a new run writes to
+--output-dir, or else to a new runs/{exp_name}__{seed}__{unix time}, and refuses a directory that holds files.
 
 Checks that come before any model loads run the script itself in this process (runpy), with every from_pretrained
 replaced by a failure: a passing test proves the error came before a model or tokenizer was loaded. What needs real
@@ -145,6 +146,23 @@ BAD_INPUTS = [  # (script, extra arguments (a function of tmp_path), what the me
     ("online_dpo.py", lambda t: ["--learning-rate", -1, "--beta", 0], ["--learning-rate", "--beta"]),
     ("online_dpo.py", lambda t: ["--reward-funcs", "gsm8k_accuracy"], ["--answer-column"]),
     ("online_dpo.py", lambda t: ["--dataset-name", malformed_jsonl(t)], ["--dataset-name", "broken.jsonl, line 3"]),
+    ("grpo.py", lambda t: ["--overwrite-output-dir"], ["--overwrite-output-dir was removed", "another --output-dir"]),
+    ("rloo.py", lambda t: ["--overwrite-output-dir"], ["--overwrite-output-dir was removed"]),
+    (
+        "grpo.py",
+        lambda t: ["--dataset-name", write_jsonl(t / "d.jsonl", [])],
+        ["--dataset-name", "d.jsonl", "holds no records"],
+    ),
+    (
+        "grpo.py",
+        lambda t: ["--dataset-name", write_jsonl(t / "d.jsonl", [{"prompt": "a", "keyword": "the"}, {"prompt": "b"}])],
+        ["--dataset-name", "d.jsonl, line 2", "a JSON object with the keys ['keyword', 'prompt']"],
+    ),
+    (
+        "rloo.py",
+        lambda t: ["--reward-funcs", "gsm8k_accuracy"],
+        ["gsm8k_accuracy", "reference answer", "--answer-column"],
+    ),
 ]
 
 
@@ -188,30 +206,38 @@ def test_a_run_that_fails_while_starting_leaves_no_directory(tmp_path, stories_j
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# --help: grouped as README.md's option table, a description and an example, each default once
+# --help: tyro's plain box of the flat Args, every flag with its docstring, the description and the CPU example
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
-def test_help_is_grouped_like_the_readme(monkeypatch, capsys, script):
+def test_help_is_the_plain_box_with_every_docstring(monkeypatch, capsys, script):
     monkeypatch.setattr(sys, "argv", [script, "--help"])
+    monkeypatch.setenv("COLUMNS", "200")
     with pytest.raises(SystemExit) as exited:
         runpy.run_path(str(ROOT / script), run_name="__main__")
     assert exited.value.code == 0
-    text = capsys.readouterr().out
-    groups = re.findall(r"^\W*(\S+) options\b", text, re.MULTILINE)
-    readme = (ROOT / "README.md").read_text()
-    table = readme[readme.index("### Options") : readme.index("## rloo.py")]
-    readme_groups = [g.lower().replace(" ", "-") for g in re.findall(r"^\| \*\*(.+?)\*\* \|", table, re.MULTILINE)]
-    assert [g for g in readme_groups if g in groups] == groups  # the same order
-    assert len(groups) >= 8 and set(groups) <= set(readme_groups), groups
+    text = " ".join(capsys.readouterr().out.split())  # tyro wraps the help: compare with whitespace collapsed
     assert "Example" in text and f"python {script} --model-name-or-path tests/assets/stories260K" in text
-    for name in importlib.import_module(
-        script[:-3]
-    ).Args.__dataclass_fields__:  # every flag, with its name unchanged, and one default each
+    module = importlib.import_module(script[:-3])
+    docs = {name: " ".join(doc.split()) for name, doc in attribute_docstrings(module.Args).items()}
+    assert set(docs) == set(module.Args.__dataclass_fields__)
+    for name, doc in docs.items():  # every flag, with its name unchanged, and the start of its docstring
         flag = "--" + name.replace("_", "-")
-        assert re.search(rf"{flag}[ ,]", text), flag
-    assert not re.search(r"\(default: [^)]*\)\W*\(default:", text)  # each default printed once
-    assert "(default: all 1)" not in text and "(default: epsilon)" not in text
+        assert re.search(rf"{flag}[ ,{{]", text), flag
+        assert doc[:30] in text, (flag, doc[:30])
+    assert "--overwrite-output-dir" not in text
+
+
+def attribute_docstrings(cls):
+    """{field: its docstring} of a dataclass whose fields are each followed by a string literal (the Args style)."""
+    import ast
+    import inspect
+    import itertools
+    import textwrap
+
+    body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body
+    pairs = itertools.pairwise(body)
+    return {a.target.id: b.value.value for a, b in pairs if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr)}
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
@@ -222,11 +248,11 @@ def test_parsing_gives_the_flat_args(script):
     assert (
         args.learning_rate == 0.5 and args.bf16 is False and args.reward_funcs == ["a", "b"] and args.output_dir == "x"
     )
-    assert module.parse_args([]) == module.Args()
+    assert module.parse_args([]) == module.Args() and module.Args().exp_name == script[:-3]
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# the output directory: another run's files, a live run, dead runs' temporaries, checkpoints of other runs
+# run directories: a new one per run, another run's files refused, one live process per directory, resumes
 
 
 @pytest.fixture(scope="module")
@@ -250,14 +276,41 @@ def snapshot(directory):
     }
 
 
+def test_default_run_directories_are_new_for_every_run(monkeypatch, tmp_path):
+    # CleanRL's runs/{exp_name}__{seed}__{unix time}: two runs started in the same second get different directories
+    import grpo
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(time, "time", lambda: 1700000000.5)
+    claims = [grpo.claim_run_dir(grpo.Args()) for _ in range(2)]
+    try:
+        dirs = [claim[0] for claim in claims]
+        assert dirs == [os.path.join("runs", "grpo__1__1700000000"), os.path.join("runs", "grpo__1__1700000000__2")]
+        assert all(claim[1] is None for claim in claims)  # new runs: nothing resumed
+        assert claims[0][2]["run_id"] != claims[1][2]["run_id"]  # two wandb runs
+        assert sorted(os.listdir(tmp_path / "runs" / "grpo__1__1700000000")) == [".lock"]
+        # `latest` resumes a run: it needs the run's directory
+        with pytest.raises(SystemExit, match="--resume-from-checkpoint latest needs --output-dir DIR"):
+            grpo.claim_run_dir(grpo.Args(resume_from_checkpoint="latest"))
+    finally:
+        for claim in claims:
+            os.close(claim[3])
+    # at exit, a run that failed while starting (its directory holds only the lock) removes the directory it made;
+    # a run that wrote anything keeps it
+    (tmp_path / dirs[1] / "metrics.jsonl").write_text("")
+    for d in dirs:
+        grpo.remove_unstarted(os.path.abspath(d))
+    assert not os.path.exists(dirs[0]) and sorted(os.listdir(dirs[1])) == [".lock", "metrics.jsonl"]
+
+
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_reused_output_dir_is_refused(monkeypatch, earlier_run, stories_jsonl, script):
     before = snapshot(earlier_run)
     message = run_without_models(
         monkeypatch, script, *SMALL, "--dataset-name", stories_jsonl, "--output-dir", earlier_run, "--max-steps", 2
     )
-    assert "holds another run's files" in message and "grpo.py run started" in message, message
-    assert "--resume-from-checkpoint" in message and "--overwrite-output-dir" in message
+    assert f"--output-dir {earlier_run} holds files (" in message and "checkpoint-5" in message, message
+    assert "another --output-dir" in message and "--resume-from-checkpoint latest" in message
     if script != "grpo.py":  # and resuming it with another script is refused too
         message = run_without_models(
             monkeypatch,
@@ -273,6 +326,11 @@ def test_reused_output_dir_is_refused(monkeypatch, earlier_run, stories_jsonl, s
             "latest",
         )
         assert "checkpoint-5 is a checkpoint of grpo.py: continue that run with grpo.py" in message, message
+    # what 26cd7f5's --overwrite-output-dir did to a finished run (it replaced its checkpoints): refused, in one line
+    message = run_without_models(
+        monkeypatch, script, *SMALL, "--output-dir", earlier_run, "--max-steps", 2, "--overwrite-output-dir"
+    )
+    assert message.startswith("error: --overwrite-output-dir was removed") and len(message.splitlines()) == 1
     assert snapshot(earlier_run) == before  # the earlier run is untouched
 
 
@@ -283,94 +341,86 @@ def test_a_directory_of_other_files_is_refused_and_left_as_it_was(monkeypatch, t
     message = run_without_models(
         monkeypatch, "grpo.py", *SMALL, "--dataset-name", stories_jsonl, "--output-dir", out, "--max-steps", 1
     )
-    assert "holds files that are not this run's (notes.txt)" in message and "--overwrite-output-dir" in message
+    assert "holds files (notes.txt)" in message and "another --output-dir" in message, message
+    assert "--resume-from-checkpoint" not in message  # only remedies that work: it holds no checkpoint
     assert os.listdir(out) == ["notes.txt"]  # not even a .lock left behind
 
 
-def test_old_checkpoints_are_neither_deleted_nor_resumed(monkeypatch, tmp_path, earlier_run, stories_jsonl):
+def test_resume_latest_and_save_total_limit_stay_in_the_run(monkeypatch, tmp_path, earlier_run, stories_jsonl):
     out = tmp_path / "run"
     shutil.copytree(earlier_run, out)
-    old = {name: (out / name / "model.safetensors").read_bytes() for name in ("checkpoint-4", "checkpoint-5")}
-    # a new run there, explicitly: its own checkpoints 1-2 are kept (--save-total-limit 2 ignores checkpoint-4/-5)
-    common = [
-        *SMALL,
-        "--dataset-name",
-        stories_jsonl,
-        "--output-dir",
-        out,
-        "--max-steps",
-        3,
-        "--save-steps",
-        1,
-        "--seed",
-        7,
-    ]
-    check(run_script("grpo.py", *common, "--overwrite-output-dir"))
-    assert sorted(d for d in os.listdir(out) if d.startswith("checkpoint")) == [
-        "checkpoint-1",
-        "checkpoint-2",
-        "checkpoint-4",
-        "checkpoint-5",
-    ]
-    assert {name: (out / name / "model.safetensors").read_bytes() for name in old} == old
-    assert [m["step"] for m in read_metrics(out)] == [1, 2, 3]  # a new metrics.jsonl, not appended to the old one
-    # `latest` is this run's checkpoint-2, not the earlier run's checkpoint-5
-    result = check(run_script("grpo.py", *common, "--resume-from-checkpoint", "latest"))
-    assert f"resumed from {out / 'checkpoint-2'} at step 2" in result.stdout
-    assert [m["step"] for m in read_metrics(out)] == [1, 2, 3]
-    # a checkpoint at --max-steps: nothing to train, said before any model loads
-    message = run_without_models(
-        monkeypatch, "grpo.py", *common[:-4], "--max-steps", 2, "--resume-from-checkpoint", "latest"
+    common = [*SMALL, "--dataset-name", stories_jsonl, "--save-steps", 1]
+    # `latest` is the newest complete checkpoint; the run continues in its directory, its older checkpoints go
+    result = check(
+        run_script("grpo.py", *common, "--output-dir", out, "--max-steps", 8, "--resume-from-checkpoint", "latest")
     )
-    assert "checkpoint-2 is at step 2 and --max-steps is 2: there is nothing left to train" in message, message
+    assert f"resumed from {out / 'checkpoint-5'} at step 5" in result.stdout
+    assert sorted(d for d in os.listdir(out) if d.startswith("checkpoint")) == ["checkpoint-6", "checkpoint-7"]
+    assert [m["step"] for m in read_metrics(out)] == list(range(1, 9))
+    # a checkpoint's path: the run continues in that checkpoint's directory (no --output-dir needed)
+    result = check(run_script("grpo.py", *common, "--max-steps", 9, "--resume-from-checkpoint", out / "checkpoint-7"))
+    assert "at step 7" in result.stdout and [m["step"] for m in read_metrics(out)] == list(range(1, 10))
+    # another --output-dir than the checkpoint's run directory, and a checkpoint at --max-steps: refused up front
+    message = run_without_models(
+        monkeypatch,
+        "grpo.py",
+        *common,
+        "--output-dir",
+        tmp_path / "x",
+        "--resume-from-checkpoint",
+        out / "checkpoint-8",
+    )
+    assert f"continues its run in {out}" in message and not (tmp_path / "x").exists(), message
+    message = run_without_models(
+        monkeypatch, "grpo.py", *common, "--output-dir", out, "--max-steps", 8, "--resume-from-checkpoint", "latest"
+    )
+    assert "checkpoint-8 is at step 8 and --max-steps is 8: there is nothing left to train" in message, message
+    # a checkpoint without run.json (its script and wandb run unknown) is refused with a remedy that works
+    shutil.copytree(out / "checkpoint-8", tmp_path / "bare" / "checkpoint-8")
+    os.remove(tmp_path / "bare" / "checkpoint-8" / "run.json")
+    message = run_without_models(
+        monkeypatch,
+        "grpo.py",
+        *common,
+        "--max-steps",
+        9,
+        "--resume-from-checkpoint",
+        tmp_path / "bare" / "checkpoint-8",
+    )
+    assert "has no run.json" in message and "--model-name-or-path" in message, message
 
 
 def test_two_runs_cannot_share_a_directory(monkeypatch, tmp_path, stories_jsonl):
     out = tmp_path / "run"
-    common = [*SMALL, "--dataset-name", stories_jsonl, "--output-dir", out]
+    common = [*SMALL, "--dataset-name", stories_jsonl, "--output-dir", out, "--save-steps", 1]
     first = start_script("grpo.py", *common, "--max-steps", 100000)
     try:
-        wait_for_steps(first, out)
-        for extra in ([], ["--overwrite-output-dir"], ["--resume-from-checkpoint", "latest"]):
-            message = run_without_models(monkeypatch, "grpo.py", *common, "--max-steps", 2, *extra)
+        wait_for_steps(first, out, 2)
+        for extra in ([], ["--resume-from-checkpoint", "latest"]):
+            message = run_without_models(monkeypatch, "grpo.py", *common, "--max-steps", 200000, *extra)
             assert f"--output-dir {out} is in use by a run that is still going" in message, message
             assert f"pid {first.pid}" in message
         assert first.poll() is None  # the first run goes on
     finally:
         first.kill()  # SIGKILL: no clean-up of its own; the kernel releases its lock
         first.wait()
-    check(run_script("grpo.py", *common, "--max-steps", 1, "--overwrite-output-dir"))
-    assert [m["step"] for m in read_metrics(out)] == [1]
+    steps = max(int(d.split("-")[1]) for d in os.listdir(out) if re.fullmatch(r"checkpoint-\d+", d))
+    check(run_script("grpo.py", *common, "--max-steps", steps + 1, "--resume-from-checkpoint", "latest"))
+    assert [m["step"] for m in read_metrics(out)][-1] == steps + 1
 
 
-def test_temporaries_of_dead_runs_are_removed_at_start(tmp_path, earlier_run, stories_jsonl):
+def test_a_save_cut_short_is_never_taken_for_a_checkpoint(tmp_path, earlier_run, stories_jsonl):
     out = tmp_path / "run"
     shutil.copytree(earlier_run, out)
-    dead = subprocess.Popen(["true"])
-    dead.wait()  # its pid names no process now
-    shutil.copytree(out / "checkpoint-5", out / f"checkpoint-6.tmp-{dead.pid}")  # a save interrupted by SIGINT
-    (out / f".final-tmp-{dead.pid}").mkdir()
-    live = out / f"checkpoint-9.tmp-{os.getpid()}"  # this test's own process is alive: never touched
-    live.mkdir()
-    result = check(
-        run_script(
-            "grpo.py",
-            *SMALL,
-            "--dataset-name",
-            stories_jsonl,
-            "--output-dir",
-            out,
-            "--max-steps",
-            6,
-            "--save-steps",
-            1,
-            "--resume-from-checkpoint",
-            "latest",
-        )
-    )
-    assert "at step 5" in result.stdout and f"removed checkpoint-6.tmp-{dead.pid}" in result.stdout
-    assert not (out / f"checkpoint-6.tmp-{dead.pid}").exists() and not (out / f".final-tmp-{dead.pid}").exists()
-    assert live.is_dir()
+    # a save that a crash interrupted: written as checkpoint-N.tmp, renamed only when complete
+    shutil.copytree(out / "checkpoint-5", out / "checkpoint-6.tmp")
+    os.remove(out / "checkpoint-6.tmp" / "model.safetensors")
+    (out / ".final.tmp").mkdir()
+    common = [*SMALL, "--dataset-name", stories_jsonl, "--output-dir", out, "--save-steps", 1]
+    result = check(run_script("grpo.py", *common, "--max-steps", 6, "--resume-from-checkpoint", "latest"))
+    assert "at step 5" in result.stdout and "removed checkpoint-6.tmp" in result.stdout
+    assert not (out / "checkpoint-6.tmp").exists() and not (out / ".final.tmp").exists()
+    assert (out / "config.json").exists()
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -398,6 +448,7 @@ def test_sigterm_leaves_a_resumable_checkpoint(monkeypatch, tmp_path, stories_js
     assert run.returncode == 143, stderr[-3000:]
     steps = [m["step"] for m in read_metrics(out)]
     assert f"SIGTERM: wrote checkpoint-{steps[-1]} and stopped" in stdout
+    assert f"the same command with --output-dir {out} --resume-from-checkpoint latest continues the run" in stdout
     assert os.path.isdir(out / f"checkpoint-{steps[-1]}") and not (out / "config.json").exists()  # no final model
     assert steps == list(range(1, steps[-1] + 1))
 
@@ -405,8 +456,8 @@ def test_sigterm_leaves_a_resumable_checkpoint(monkeypatch, tmp_path, stories_js
     assert f"at step {steps[-1]}" in result.stdout
     assert [m["step"] for m in read_metrics(out)] == list(range(1, steps[-1] + 3))
     assert (out / "config.json").exists()
-    if track:  # both processes logged to the one wandb run named in run.json
-        run_id = json.loads((out / "run.json").read_text())["run_id"]
+    if track:  # both processes logged to the one wandb run that the checkpoint's run.json names
+        run_id = json.loads((out / f"checkpoint-{steps[-1]}" / "run.json").read_text())["run_id"]
         runs = sorted(p.name for p in (tmp_path / "wandb").glob("offline-run-*"))
         assert len(runs) == 2 and all(name.endswith(f"-{run_id}") for name in runs), (runs, run_id)
 

@@ -1125,3 +1125,40 @@ def test_sync_weights_takes_the_transport_the_server_reports(monkeypatch):
         engine["server"] = {"version": "0.26.0", "backend": backend}
         vllm_utils.sync_weights({**engine, **vllm_utils.SERVER_OPTIONS}, _tiny_llama())
     assert calls == ["ipc", "init", "nccl"]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# start-up: the vLLM flags' checks and warnings (all three scripts ask before any model loads), the first weight push
+
+
+def test_check_args_names_each_vllm_flag_and_fits_every_script(monkeypatch, capsys):
+    import grpo
+    import online_dpo
+
+    monkeypatch.setattr(vllm_utils, "setup_problems", lambda: ["--use-vllm needs a CUDA GPU"])
+    bad = dict(vllm_gpu_memory_utilization=1.5, vllm_server_port=0, async_generation=True)
+    problems = vllm_utils.check_args(grpo.Args(use_vllm=True, vllm_importance_sampling_clip_min=4.0, **bad))
+    assert problems[0] == "--use-vllm needs a CUDA GPU"
+    for text in ("--vllm-gpu-memory-utilization must be in (0, 1]", "--vllm-server-port must be a TCP port"):
+        assert any(p.startswith(text) for p in problems), (text, problems)
+    assert any(p.startswith("--vllm-importance-sampling-clip-max must be >") for p in problems)
+    assert any("--async-generation needs --use-vllm --vllm-mode server" in p for p in problems)
+    # online_dpo.py has no importance-sampling flags: its checks skip them
+    assert vllm_utils.check_args(online_dpo.Args(use_vllm=False)) == []
+    assert vllm_utils.check_args(grpo.Args()) == [] and capsys.readouterr().out == ""
+    # truncated sampling with the importance-sampling correction: a warning, not a refusal
+    monkeypatch.setattr(vllm_utils, "setup_problems", lambda: [])
+    assert vllm_utils.check_args(grpo.Args(use_vllm=True, top_p=0.9)) == []
+    assert "warning: with top_p / top_k / min_p / repetition_penalty" in capsys.readouterr().out
+    assert vllm_utils.check_args(online_dpo.Args(use_vllm=True, top_p=0.9)) == []  # no correction: no warning
+    assert capsys.readouterr().out == ""
+
+
+@pytest.mark.parametrize("mode", ["colocate", "server"])
+def test_start_with_weights_pushes_the_trainers_weights_to_a_server_at_once(monkeypatch, mode):
+    pushed = []
+    monkeypatch.setattr(vllm_utils, "start", lambda args, path, longest: {"mode": args.vllm_mode, "path": path})
+    monkeypatch.setattr(vllm_utils, "sync_weights", lambda engine, model: pushed.append((engine["path"], model)))
+    engine = vllm_utils.start_with_weights(SimpleNamespace(vllm_mode=mode), "MODEL", "m", 10)
+    assert engine == {"mode": mode, "path": "m"}
+    assert pushed == ([("m", "MODEL")] if mode == "server" else [])  # a colocated engine loads the checkpoint itself
