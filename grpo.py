@@ -24,7 +24,7 @@ Variants, chosen by flags:
 More examples:
   # one GPU, vLLM inside the training process
   python grpo.py --use-vllm --vllm-mode colocate --vllm-enable-sleep-mode
-  # trainer on GPU 0, a stock vLLM server on GPU 1 (README.md, "Using vLLM")
+  # a stock `vllm serve` beside the trainer, on its own GPU or on others (docs/vllm.md, "Server mode")
   python grpo.py --use-vllm --vllm-mode server
 
 Reading order: Args (the options), ALGO LOGIC (advantages, the loss, the KL and importance-sampling terms, each with
@@ -138,7 +138,8 @@ class Args:
     use_vllm: bool = False
     """generate with vLLM instead of Hugging Face `generate`"""
     vllm_mode: Literal["colocate", "server"] = "colocate"
-    """colocate: a vllm.LLM inside this process; server: a separate `vllm serve` reached over HTTP + NCCL"""
+    """colocate: a vllm.LLM inside this process; server: a separate `vllm serve` reached over HTTP, on other GPUs
+    (weights over NCCL) or on this one GPU (weights as CUDA IPC handles): its --weight-transfer-config decides"""
     vllm_gpu_memory_utilization: float = 0.3
     """colocate: share of the GPU's memory vLLM may take (weights + KV cache)"""
     vllm_tensor_parallel_size: int = 1
@@ -162,7 +163,8 @@ class Args:
     vllm_weight_sync_timeout: float = 300.0
     """server: seconds the NCCL group setup, and each weight update, may take"""
     vllm_weight_sync_buffer_mb: int = 1024
-    """server: size of each packed NCCL broadcast chunk (two in flight on each side: lower it if memory is short)"""
+    """server: size of each packed weight chunk (NCCL: two in flight on each side; IPC: one, reused; lower it if
+    memory is short)"""
     async_generation: bool = False
     """server: generate the next round while training on this one (a step costs about max(generation, training)
     instead of their sum). Each round is sampled by weights one optimizer round behind the ones it trains; the

@@ -17,7 +17,7 @@ rewarded for the word "play", puts it into almost every story:
 More examples:
   # one GPU, vLLM inside the training process
   python online_dpo.py --reward-funcs gsm8k_accuracy --use-vllm --vllm-mode colocate --vllm-enable-sleep-mode
-  # trainer on GPU 0, a stock vLLM server on GPU 1 (README.md, "Using vLLM"), scored by a reward model
+  # a stock `vllm serve` on the trainer's GPU or on others (docs/vllm.md), scored by a reward model
   python online_dpo.py --reward-model-path Skywork/Skywork-Reward-V2-Qwen3-0.6B --use-vllm --vllm-mode server
 
 Reading order: Args, ALGO LOGIC (pairs, the DPO / IPO loss), train() and the reward model's scoring, then the PLUMBING
@@ -131,7 +131,8 @@ class Args:
     use_vllm: bool = False
     """generate with vLLM instead of Hugging Face `generate`"""
     vllm_mode: Literal["colocate", "server"] = "colocate"
-    """colocate: a vllm.LLM inside this process; server: a separate `vllm serve` reached over HTTP + NCCL"""
+    """colocate: a vllm.LLM inside this process; server: a separate `vllm serve` reached over HTTP, on other GPUs
+    (weights over NCCL) or on this one GPU (weights as CUDA IPC handles): its --weight-transfer-config decides"""
     vllm_gpu_memory_utilization: float = 0.3
     """colocate: share of the GPU's memory vLLM may take (weights + KV cache)"""
     vllm_tensor_parallel_size: int = 1
@@ -155,7 +156,8 @@ class Args:
     vllm_weight_sync_timeout: float = 300.0
     """server: seconds the NCCL group setup, and each weight update, may take"""
     vllm_weight_sync_buffer_mb: int = 1024
-    """server: size of each packed NCCL broadcast chunk (two in flight on each side: lower it if memory is short)"""
+    """server: size of each packed weight chunk (NCCL: two in flight on each side; IPC: one, reused; lower it if
+    memory is short)"""
     async_generation: bool = False
     """server: generate the next round while training on this one (a step costs about max(generation, training)
     instead of their sum). Each round is sampled by the weights one step behind the ones it trains: the DPO loss

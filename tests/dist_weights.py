@@ -1,9 +1,13 @@
 """Run under `torchrun --nproc_per_node 2` (gloo): weight sync from an FSDP2-sharded policy. In server mode rank 0
 streams the weights to the server from a side thread (as server_sync_weights does) while rank 1 takes part in every
-parameter's gather; in colocate mode every rank loads the full weights into its own engine. Both must deliver exactly
+parameter's gather; over CUDA IPC (a server on rank 0's GPU) rank 0 packs them into chunks, one /update_weights each,
+the real server_sync_weights_ipc with the HTTP and the IPC export played here; in colocate mode every rank loads the
+full weights into its own engine. Both must deliver exactly
 the unsharded model's weights, in the order and shapes that weight_metadata announced before anything was gathered."""
 
+import base64
 import os
+import pickle
 import sys
 import threading
 from types import SimpleNamespace
@@ -52,7 +56,7 @@ engine = {
     "group": "joined",
     "model_checked": True,
     "model": "m",
-    "server": {"version": "0.26.0"},
+    "server": {"version": "0.26.0", "backend": "nccl"},
     "vllm_weight_sync_timeout": 1,
     "vllm_weight_sync_buffer_mb": 1,
 }
@@ -61,6 +65,31 @@ if rank == 0:
     check(received, "server")
 else:
     assert received == {}
+
+# server mode over CUDA IPC: the stand-in /update_weights rebuilds each chunk's tensors (vLLM's packed_ipc_consumer)
+exported, ipc_received = [], {}
+
+
+def fake_post(base_url, path, timeout, **kwargs):
+    if path == "/update_weights":
+        info = kwargs["json"]["update_info"]
+        data = exported[pickle.loads(base64.b64decode(info["ipc_handles_pickled"]))["GPU-0"]]
+        for name, dtype, shape, part in zip(
+            info["names"], info["dtype_names"], info["shapes"], data.split(info["tensor_sizes"])
+        ):
+            ipc_received[name] = part.view(getattr(torch, dtype)).view(shape).clone()
+    return {}
+
+
+vllm_utils._post, vllm_utils.probe_server = fake_post, lambda *a: False
+vllm_utils.ipc_handle = lambda buffer: exported.append(buffer.clone()) or {"GPU-0": len(exported) - 1}
+vllm_utils.sync_weights(
+    {**engine, "server": {"version": "0.26.0", "backend": "ipc"}, "vllm_weight_sync_buffer_mb": 1}, model
+)
+if rank == 0:
+    check(ipc_received, "server over IPC")
+else:
+    assert ipc_received == {} and exported == []
 
 # colocate mode: every rank's engine loads every full weight
 loaded = {}
