@@ -752,8 +752,8 @@ def test_server_generation_waits_out_a_paused_server(serve):
 
 @pytest.mark.parametrize("script", ["grpo.py", "rloo.py", "online_dpo.py"])
 def test_every_script_has_the_server_options_with_the_same_defaults_and_docs(script):
-    """vllm_utils reads these Args fields (with these defaults for older Args); each script and the README's option
-    table must offer them, documented alike."""
+    """vllm_utils reads these Args fields (with these defaults for older Args); each script must offer them, documented
+    alike, and docs/vllm.md must explain each (the README leaves the options to `--help`)."""
     import ast
     from pathlib import Path
 
@@ -774,10 +774,10 @@ def test_every_script_has_the_server_options_with_the_same_defaults_and_docs(scr
         for i, node in enumerate(grpo_args.body)
         if isinstance(node, ast.AnnAssign)
     }
-    readme = (root / "README.md").read_text()
+    docs = (root / "docs" / "vllm.md").read_text()
     for name, (_, doc) in fields.items():
         assert doc == grpo_docs[name]
-        assert f"| `--{name.replace('_', '-')}` |" in readme
+        assert f"`--{name.replace('_', '-')}`" in docs
 
 
 def test_a_failed_sync_forms_a_new_nccl_group_on_the_next_one(monkeypatch):
@@ -1162,3 +1162,28 @@ def test_start_with_weights_pushes_the_trainers_weights_to_a_server_at_once(monk
     engine = vllm_utils.start_with_weights(SimpleNamespace(vllm_mode=mode), "MODEL", "m", 10)
     assert engine == {"mode": mode, "path": "m"}
     assert pushed == ([("m", "MODEL")] if mode == "server" else [])  # a colocated engine loads the checkpoint itself
+
+
+@pytest.mark.parametrize(
+    "failing", ["/start_weight_update", "/update_weights", "/finish_weight_update", "/reset_prefix_cache"]
+)
+def test_an_ipc_push_that_fails_at_any_step_leaves_the_server_resumed(serve, monkeypatch, failing):
+    """Whichever request of the push fails, the error is raised and the server ends resumed (not paused forever); a
+    failure after /start_weight_update also finishes the update first, so that the layers get their weights back."""
+    FakeIPC(monkeypatch)
+    server = serve(_sync_routes(**{failing: _vllm_error("boom")}))
+    with pytest.raises(RuntimeError, match="boom"):
+        vllm_utils.server_sync_weights_ipc(server.url, _tiny_llama(), "0.26.0", 1 << 20, timeout=5, name="m")
+    paths = server.paths()
+    assert paths[-1] == "/resume" and paths.count("/pause") == 1
+    if failing in ("/update_weights", "/finish_weight_update"):
+        assert "/finish_weight_update" in paths[paths.index(failing) + 1 :]  # restored before resuming
+
+
+def test_an_ipc_init_that_fails_pauses_nothing(serve, monkeypatch):
+    """0.27+: /init_weight_transfer_engine comes before /pause, so a server that refuses it is left serving."""
+    FakeIPC(monkeypatch)
+    server = serve(_sync_routes(**{"/init_weight_transfer_engine": _vllm_error("boom")}))
+    with pytest.raises(RuntimeError, match="boom"):
+        vllm_utils.server_sync_weights_ipc(server.url, _tiny_llama(), "0.33.0", 1 << 20, timeout=5, name="m")
+    assert server.paths() == ["/init_weight_transfer_engine"]

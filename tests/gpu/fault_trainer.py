@@ -4,6 +4,11 @@ log-probs of its own samples with its own. With --die it SIGKILLs itself at a ch
 
     --die after-start     right after POST /start_weight_update answered (the server paused, its layers waiting)
     --die mid-broadcast   after half the tensors of the packed broadcast went out (1 MiB chunks: many broadcasts)
+    --die mid-update      IPC: while the server is inside the /update_weights of the middle chunk (1 MiB chunks):
+                          the memory its handle points at vanishes with this process
+
+Against an IPC server (--weight-transfer-config '{"backend": "ipc"}' on this GPU) there is no group: the weights go as
+CUDA IPC handles, vllm_utils.server_sync_weights_ipc.
 
 The MoE experts go under the checkpoint's per-expert names (tiny_models.unfused_weights; --fused: the trainer's own
 fused ones, as vllm_utils sends them), so that the faults are tested apart from the fused-expert naming.
@@ -21,6 +26,7 @@ import sys
 import time
 
 T_START = time.perf_counter()
+MIDDLE_CHUNK = 0  # --die mid-update: the /update_weights (chunk) to die inside, set once the model's size is known
 
 import torch  # noqa: E402
 
@@ -62,13 +68,28 @@ def arm(mode):
                 yield item
 
         vllm_utils.named_weights = half_then_die
+    elif mode == "mid-update":
+        import threading
+
+        post, calls = vllm_utils._post, []
+
+        def post_and_die_inside(base_url, path, timeout, **kwargs):
+            if path == "/update_weights" and len(calls) >= 1 and len(calls) == MIDDLE_CHUNK:
+                threading.Thread(target=post, args=(base_url, path, timeout), kwargs=kwargs, daemon=True).start()
+                time.sleep(0.02)  # the request is in and the server is opening the handle / copying from it
+                die("inside /update_weights of the middle chunk")
+            if path == "/update_weights":
+                calls.append(path)
+            return post(base_url, path, timeout, **kwargs)
+
+        vllm_utils._post = post_and_die_inside
 
 
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("url")
     parser.add_argument("model")
-    parser.add_argument("--die", choices=["after-start", "mid-broadcast"])
+    parser.add_argument("--die", choices=["after-start", "mid-broadcast", "mid-update"])
     parser.add_argument("--name", default="fault_trainer")
     parser.add_argument("--fused", action="store_true", help="send the trainer's own (fused MoE) names")
     args = parser.parse_args()
@@ -89,15 +110,24 @@ def main():
 
             send_unfused()
         result["stage"] = "init_weight_sync"
-        buffer_bytes = (1 << 20) if args.die == "mid-broadcast" else (1 << 30)
-        group = vllm_utils.server_init_weight_sync(args.url, None, version=server["version"], timeout=60)
+        result["backend"], ipc = server["backend"], server["backend"] == "ipc"
+        buffer_bytes = (1 << 20) if args.die in ("mid-broadcast", "mid-update") else (1 << 30)
+        if ipc:  # the layout first: the server must run on this GPU
+            vllm_utils.check_transport(args.url, server, args.model)
+            global MIDDLE_CHUNK
+            MIDDLE_CHUNK = sum(2 * t.numel() for t in model.parameters()) // buffer_bytes // 2
+        else:
+            group = vllm_utils.server_init_weight_sync(args.url, None, version=server["version"], timeout=60)
         result["init_s"] = time.perf_counter() - t0
         perturb(model, 2.0, seed=1)
         arm(args.die)
         result["stage"] = "sync"
         t1 = time.perf_counter()
         sync = {"version": server["version"], "buffer_bytes": buffer_bytes, "timeout": 300.0, "name": args.model}
-        vllm_utils.server_sync_weights(args.url, group, model, **sync)
+        if ipc:
+            vllm_utils.server_sync_weights_ipc(args.url, model, **sync)
+        else:
+            vllm_utils.server_sync_weights(args.url, group, model, **sync)
         result["sync_s"] = time.perf_counter() - t1
         result["stage"] = "compare"
         engine = {"mode": "server", "base_url": args.url, "server": server, "fields": FIELDS, "n": 4}

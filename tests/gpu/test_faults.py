@@ -30,10 +30,10 @@ SCRIPT = os.path.join(os.path.dirname(__file__), "fault_trainer.py")
 SERVED = MODELS["dsv2"]
 
 
-def trainer(url, model, die=None, name="fault_trainer", timeout=180):
+def trainer(url, model, die=None, name="fault_trainer", timeout=180, gpus="0,1"):
     cmd = [sys.executable, SCRIPT, url, model, "--name", name, *(["--die", die] if die else [])]
     t0 = time.perf_counter()
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "0,1"}
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": gpus}
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     except subprocess.TimeoutExpired as error:  # reported as an outcome: the trainer hung past `timeout`
