@@ -12,6 +12,9 @@
 #          server is up).
 #   bench: bench-0.5b side by side, PAIR=1: TRL colocate, ours colocate, ours one-GPU server, ours one-GPU server
 #          --async-generation; PAIR=2 the same in reverse order. Writes OUT_DIR/vs_trl.json (ratios.py, $COMMIT).
+#          BENCH_MODEL=/tmp/bench-qwen15b (../shared/gpu/make_bench_model.py TOK OUT 1.5b) for the 1.5B shape: its
+#          server is started on port 8002 (stop the 0.5b one first: both would not fit beside a trainer).
+#   faults: tests/gpu/test_faults_ipc.py (trainers killed inside a push, the server killed inside one).
 set -u
 PHASE=$1; OUT=$2; mkdir -p "$OUT"
 python3 benchmarks/make_tasks.py /tmp/tasks > /dev/null
@@ -38,14 +41,16 @@ ours() {  # ours NAME TIMEOUT SCRIPT ARGS...
   echo "== $name exit $?" | tee -a "$OUT/$name.log"
   find "$OUT/$name" -mindepth 1 ! -name metrics.jsonl -delete  # a device call returns at most 8 files: keep this one
 }
-trl() {  # trl NAME TIMEOUT
-  echo "== $1: trl_bench.py colocate" > "$OUT/$1.log"
+trl() {  # trl NAME TIMEOUT (BENCH_MODEL reaches trl_bench.py through the environment)
+  echo "== $1: trl_bench.py colocate ${BENCH_MODEL:-}" > "$OUT/$1.log"
   timeout "$2" python3 benchmarks/trl_bench.py colocate "$OUT/$1" >> "$OUT/$1.log" 2>&1
   echo "== $1 exit $?" | tee -a "$OUT/$1.log"
 }
 
+MODEL=${BENCH_MODEL:-/tmp/bench-qwen05b}; PORT=8001; [ "$MODEL" != /tmp/bench-qwen05b ] && PORT=8002
+BENCH="${BENCH/\/tmp\/bench-qwen05b/$MODEL}"
 serve_bench() {  # compiled, as a user's server would be
-  serve_ipc /tmp/bench-qwen05b 8001 --gpu-memory-utilization 0.35 --kv-cache-memory-bytes 17179869184 \
+  serve_ipc "$MODEL" $PORT --gpu-memory-utilization 0.35 --kv-cache-memory-bytes 17179869184 \
     --max-model-len 2048 --api-server-count 4
 }
 
@@ -73,19 +78,23 @@ if [ "$PHASE" = check ]; then
   python3 benchmarks/summarize.py "$OUT" > "$OUT/learn_summary.txt" 2>&1; cat "$OUT/learn_summary.txt"
 fi
 if [ "$PHASE" = bench ]; then
-  serve_bench; wait_server 8001
-  S="--vllm-mode server --vllm-server-port 8001"
+  serve_bench; wait_server $PORT
+  S="--vllm-mode server --vllm-server-port $PORT"
   P=${PAIR:-1}
   if [ "$P" = 1 ]; then
     trl trl_colocate_1 200
-    ours ours_colocate_1 180 grpo.py $BENCH --vllm-mode colocate
+    ours ours_colocate_1 260 grpo.py $BENCH --vllm-mode colocate
     ours ours_server1gpu_1 150 grpo.py $BENCH $S
     ours ours_async1gpu_1 150 grpo.py $BENCH $S --async-generation
   else
     ours ours_async1gpu_2 150 grpo.py $BENCH $S --async-generation
     ours ours_server1gpu_2 150 grpo.py $BENCH $S
-    ours ours_colocate_2 180 grpo.py $BENCH --vllm-mode colocate
+    ours ours_colocate_2 260 grpo.py $BENCH --vllm-mode colocate
     trl trl_colocate_2 200
   fi
   python3 benchmarks/ratios.py "$OUT" --commit "${COMMIT:-unknown}"
+fi
+if [ "$PHASE" = faults ]; then
+  python3 tests/gpu/make_tiny_models.py /tmp/tiny-models > "$OUT/make_tiny.log" 2>&1
+  GPU_RESULTS_DIR=$OUT timeout 560 python3 -m pytest -q -rs tests/gpu/test_faults_ipc.py 2>&1 | tee "$OUT/pytest_faults_ipc.log"
 fi
