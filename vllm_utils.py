@@ -168,6 +168,12 @@ def serve_command(model, host="0.0.0.0", port=8000, gpus="1", backend="nccl"):
     return f"{env} vllm serve {model} --host {host} --port {port} {flags} --api-server-count 4"
 
 
+def _both_commands(model, port, ipc_first="Restart it on this GPU", nccl_then="or keep it on its GPU"):
+    """The two layouts that work, each as the full command: the server on this GPU (IPC) or on others (NCCL)."""
+    ipc = serve_command(model, port=port, gpus=trainer_gpu(), backend="ipc")
+    return f"{ipc_first} (weights by CUDA IPC):\n  {ipc}\n{nccl_then} (weights by NCCL):\n  {serve_command(model, port=port)}"
+
+
 def trainer_gpu():
     """This process's GPU as CUDA_VISIBLE_DEVICES names it (what an IPC server's CUDA_VISIBLE_DEVICES must be)."""
     index = torch.cuda.current_device() if torch.cuda.is_available() else 0
@@ -185,9 +191,7 @@ def wait_for_server(base_url, timeout, model):
         if time.monotonic() > deadline:
             raise ConnectionError(
                 f"no vLLM server answered at {base_url}/health within {timeout:.0f} s (--vllm-server-timeout). "
-                f"Start one on the trainer's GPU (one GPU, weights by CUDA IPC; start it before the trainer):\n  "
-                f"{serve_command(model, port=port, gpus=trainer_gpu(), backend='ipc')}\nor on GPUs the trainer does "
-                f"not use (weights by NCCL):\n  {serve_command(model, port=port)}\n"
+                f"{_both_commands(model, port, "Start one on the trainer's GPU, before the trainer", 'or on others')}\n"
                 f"or point --vllm-server-host / --vllm-server-port at it."
             )
         time.sleep(2)
@@ -297,19 +301,18 @@ def check_transport(base_url, server, model):
     host, port = base_url.split("//")[-1].rsplit(":", 1)
     mine = f"GPU-{torch.cuda.get_device_properties(torch.cuda.current_device()).uuid}"
     gpus = server_gpus(int(port)) if host in LOCAL_HOSTS else None
-    ipc, nccl = (serve_command(model, port=port, gpus=trainer_gpu(), backend="ipc"), serve_command(model, port=port))
     if server["backend"] == "nccl":
         if gpus and mine in gpus:
             raise RuntimeError(
                 f"the server at {base_url} runs on the trainer's GPU {mine} with NCCL weight transfer, and NCCL cannot "
-                f"put two ranks on one GPU. Restart it with CUDA IPC on this GPU:\n  {ipc}\nor on other GPUs:\n  {nccl}"
+                f"put two ranks on one GPU. {_both_commands(model, port, 'Restart it on this GPU', 'or on other GPUs')}"
             )
         return
     if host not in LOCAL_HOSTS or server["workers"] > 1:
         where = f"on {host}" if host not in LOCAL_HOSTS else f"with {server['workers']} workers (tensor/data parallel)"
         raise RuntimeError(
             f"the server at {base_url} runs {where}, and CUDA IPC reaches only one worker on trainer rank 0's GPU. "
-            f"Restart it with NCCL weight transfer, on GPUs the trainer does not use:\n  {nccl}"
+            f"Restart it with NCCL weight transfer, on GPUs the trainer does not use:\n  {serve_command(model, port=port)}"
         )
     if gpus and mine not in gpus:
         raise RuntimeError(_ipc_elsewhere(base_url, mine, model, port, f"runs on {', '.join(sorted(gpus))}"))
@@ -321,11 +324,8 @@ def check_transport(base_url, server, model):
 
 
 def _ipc_elsewhere(base_url, mine, model, port, what):
-    ipc, nccl = (serve_command(model, port=port, gpus=trainer_gpu(), backend="ipc"), serve_command(model, port=port))
-    return (
-        f"the server at {base_url} {what}, not on trainer rank 0's GPU {mine}, which CUDA IPC weight transfer needs. "
-        f"Restart it on this GPU:\n  {ipc}\nor keep it on its GPU with NCCL weight transfer:\n  {nccl}"
-    )
+    where = f"the server at {base_url} {what}, not on trainer rank 0's GPU {mine}, which CUDA IPC weight transfer needs"
+    return f"{where}. {_both_commands(model, port)}"
 
 
 def _post(base_url, path, timeout, **kwargs):
