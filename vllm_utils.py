@@ -27,7 +27,9 @@ PACKED_NUM_BUFFERS = 2  # packed-broadcast chunks in flight on each side; both s
 # server-mode Args fields (README.md, "Options") and their defaults, for a fork whose Args predate them
 SERVER_OPTIONS = dict(vllm_group_port=None, vllm_generation_chunk_size=8, vllm_generation_timeout=1800.0)
 SERVER_OPTIONS.update(vllm_weight_sync_timeout=300.0, vllm_weight_sync_buffer_mb=1024)
-_restart = lambda model, backend="nccl": f"Restart it as:\n  {serve_command(model, backend=backend)}"  # noqa: E731
+_restart = lambda model, backend="nccl": f"Restart it as:\n  {serve_command(model, **_layout(backend))}"  # noqa: E731
+_layout = lambda backend: {"backend": backend, **({"gpus": trainer_gpu()} if backend == "ipc" else {})}  # noqa: E731
+START_HERE = "Start one on the trainer's GPU, before the trainer"
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "0.0.0.0", "::1", socket.gethostname())
 _strip = lambda name: name.replace("_checkpoint_wrapped_module.", "").replace("_fsdp_wrapped_module.", "")
 
@@ -171,7 +173,8 @@ def serve_command(model, host="0.0.0.0", port=8000, gpus="1", backend="nccl"):
 def _both_commands(model, port, ipc_first="Restart it on this GPU", nccl_then="or keep it on its GPU"):
     """The two layouts that work, each as the full command: the server on this GPU (IPC) or on others (NCCL)."""
     ipc = serve_command(model, port=port, gpus=trainer_gpu(), backend="ipc")
-    return f"{ipc_first} (weights by CUDA IPC):\n  {ipc}\n{nccl_then} (weights by NCCL):\n  {serve_command(model, port=port)}"
+    ipc_then = "a vLLM 0.26 server also needs ray, which requirements.txt installs"
+    return f"{ipc_first} (weights by CUDA IPC; {ipc_then}):\n  {ipc}\n{nccl_then} (weights by NCCL):\n  {serve_command(model, port=port)}"
 
 
 def trainer_gpu():
@@ -191,7 +194,7 @@ def wait_for_server(base_url, timeout, model):
         if time.monotonic() > deadline:
             raise ConnectionError(
                 f"no vLLM server answered at {base_url}/health within {timeout:.0f} s (--vllm-server-timeout). "
-                f"{_both_commands(model, port, "Start one on the trainer's GPU, before the trainer", 'or on others')}\n"
+                f"{_both_commands(model, port, START_HERE, 'or on others')}\n"
                 f"or point --vllm-server-host / --vllm-server-port at it."
             )
         time.sleep(2)
@@ -525,7 +528,9 @@ def _ipc_problem(base_url, error, model):
     port = base_url.rsplit(":", 1)[1]
     if "IPC handle not found for GPU UUID" in error:  # the server's worker is on another GPU than trainer rank 0
         mine = f"GPU-{torch.cuda.get_device_properties(torch.cuda.current_device()).uuid}"
-        return _ipc_elsewhere(base_url, mine, model, port, "answered 'IPC handle not found for GPU UUID': it runs")
+        return _ipc_elsewhere(
+            base_url, mine, model, port, "answered 'IPC handle not found for GPU UUID': it runs elsewhere"
+        )
     if "VLLM_ALLOW_INSECURE_SERIALIZATION" in error:
         return f"the server at {base_url} was started without VLLM_ALLOW_INSECURE_SERIALIZATION=1. {_restart(model, 'ipc')}"
     return error

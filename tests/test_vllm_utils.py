@@ -1013,6 +1013,7 @@ def test_a_failed_ipc_update_restores_the_server_and_names_the_fix(serve, monkey
         with pytest.raises(RuntimeError, match="The server was restored") as error:
             vllm_utils.server_sync_weights_ipc(server.url, _tiny_llama(), "0.26.0", 1 << 20, timeout=5, name="my/m")
         assert fix in str(error.value) and "VLLM_ALLOW_INSECURE_SERIALIZATION=1 vllm serve my/m" in str(error.value)
+        assert "CUDA_VISIBLE_DEVICES=3 " in str(error.value)  # the IPC command puts the server on the trainer's GPU
         assert server.paths()[-2:] == ["/finish_weight_update", "/resume"]
 
 
