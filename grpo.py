@@ -1,9 +1,9 @@
-# GRPO and its variants (Dr. GRPO, DAPO, GSPO) in one file. Docs: README.md, section "grpo.py".
+# GRPO and its variants (Dr. GRPO, DAPO, GSPO) in one file. Docs: docs/grpo.md.
 """Group Relative Policy Optimization for language models, with vLLM or Hugging Face `generate` for sampling.
 
 For each prompt, sample G completions, score them with reward functions, and push up the completions that beat
 their group's mean (DeepSeekMath, arXiv 2402.03300); Dr. GRPO, DAPO, GSPO and two-sided clipping are flags (below,
-and README.md). A run writes its model, checkpoints and metrics.jsonl to a directory of its own:
+and docs/grpo.md). A run writes its model, checkpoints and metrics.jsonl to a directory of its own:
 runs/{exp_name}__{seed}__{unix time}, or --output-dir.
 
 Example, on the CPU (about 35 seconds on 2 CPU cores, no download): the bundled 260K-parameter TinyStories model is
@@ -134,7 +134,7 @@ class Args:
     repetition_penalty: float = 1.0
     """repetition penalty (1 = off)"""
 
-    # vLLM (README.md, "Using vLLM")
+    # vLLM (docs/vllm.md)
     use_vllm: bool = False
     """generate with vLLM instead of Hugging Face `generate`"""
     vllm_mode: Literal["colocate", "server"] = "colocate"
@@ -248,7 +248,7 @@ class Args:
     """a checkpoint directory, whose run continues in its directory; or "latest": the newest complete checkpoint in
     --output-dir"""
 
-    # Evaluation (README.md, "Evaluation")
+    # Evaluation (docs/evaluation.md)
     eval_steps: int = 0
     """evaluate at step 0, every this many optimizer steps and after the last step (0 = no evaluation in training)"""
     eval_dataset: str | None = None

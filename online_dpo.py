@@ -1,4 +1,4 @@
-# Online DPO (and online IPO) in one file. Docs: README.md, section "online_dpo.py".
+# Online DPO (and online IPO) in one file. Docs: docs/online_dpo.md.
 """Online Direct Preference Optimization for language models, with vLLM or Hugging Face `generate` for sampling.
 
 Every step: sample G completions per prompt from the current policy, score them (reward functions or a reward model),
@@ -127,7 +127,7 @@ class Args:
     repetition_penalty: float = 1.0
     """repetition penalty (1 = off)"""
 
-    # vLLM (README.md, "Using vLLM")
+    # vLLM (docs/vllm.md)
     use_vllm: bool = False
     """generate with vLLM instead of Hugging Face `generate`"""
     vllm_mode: Literal["colocate", "server"] = "colocate"
@@ -215,7 +215,7 @@ class Args:
     """a checkpoint directory, whose run continues in its directory; or "latest": the newest complete checkpoint in
     --output-dir"""
 
-    # Evaluation (README.md, "Evaluation")
+    # Evaluation (docs/evaluation.md)
     eval_steps: int = 0
     """evaluate at step 0, every this many steps and after the last step (0 = no evaluation in training)"""
     eval_dataset: str | None = None

@@ -1,4 +1,4 @@
-# REINFORCE Leave-One-Out (RLOO) in one file. Docs: README.md, section "rloo.py".
+# REINFORCE Leave-One-Out (RLOO) in one file. Docs: docs/rloo.md.
 """REINFORCE Leave-One-Out for language models, with vLLM or Hugging Face `generate` for sampling.
 
 Ahmadian et al. 2024, "Back to Basics: Revisiting REINFORCE Style Optimization for Learning from Human Feedback in
@@ -126,7 +126,7 @@ class Args:
     repetition_penalty: float = 1.0
     """repetition penalty (1 = off)"""
 
-    # vLLM (README.md, "Using vLLM")
+    # vLLM (docs/vllm.md)
     use_vllm: bool = False
     """generate with vLLM instead of Hugging Face `generate`"""
     vllm_mode: Literal["colocate", "server"] = "colocate"
@@ -233,7 +233,7 @@ class Args:
     """a checkpoint directory, whose run continues in its directory; or "latest": the newest complete checkpoint in
     --output-dir"""
 
-    # Evaluation (README.md, "Evaluation")
+    # Evaluation (docs/evaluation.md)
     eval_steps: int = 0
     """evaluate at step 0, every this many optimizer steps and after the last step (0 = no evaluation in training)"""
     eval_dataset: str | None = None

@@ -1,4 +1,4 @@
-"""vLLM for online RL, shared by grpo.py / rloo.py / online_dpo.py and their forks (README.md, "Using vLLM": the two
+"""vLLM for online RL, shared by grpo.py / rloo.py / online_dpo.py and their forks (docs/vllm.md: the two
 modes, the supported vLLM versions, each failure and its fix). colocate: a `vllm.LLM` in the training process, fed new
 weights through vLLM's reload path; server: a stock `vllm serve`, sent concurrent token-id /v1/completions requests
 and, after each optimizer step, the weights while paused: over NCCL to a server on other GPUs, or as CUDA IPC handles
@@ -22,9 +22,9 @@ import time
 import requests
 import torch
 
-SUPPORTED_VLLM = ((0, 26), (0, 33))  # (major, minor), both ends tested as README.md "Using vLLM" says
+SUPPORTED_VLLM = ((0, 26), (0, 33))  # (major, minor), both ends tested as docs/vllm.md "Supported vLLM versions" says
 PACKED_NUM_BUFFERS = 2  # packed-broadcast chunks in flight on each side; both sides must agree
-# server-mode Args fields (README.md, "Options") and their defaults, for a fork whose Args predate them
+# server-mode Args fields (docs/vllm.md, "Server flags") and their defaults, for a fork whose Args predate them
 SERVER_OPTIONS = dict(vllm_group_port=None, vllm_generation_chunk_size=8, vllm_generation_timeout=1800.0)
 SERVER_OPTIONS.update(vllm_weight_sync_timeout=300.0, vllm_weight_sync_buffer_mb=1024)
 _restart = lambda model, backend="nccl": f"Restart it as:\n  {serve_command(model, **_layout(backend))}"  # noqa: E731
@@ -158,7 +158,7 @@ def colocate_load_weights(llm, weights):
 
 def serve_command(model, host="0.0.0.0", port=8000, gpus="1", backend="nccl"):
     """The command that starts a server this codebase can train against; 4 HTTP front ends, because one alone turns the
-    sampled tokens' log-probs into responses slower than the engine samples them (README.md, "Using vLLM"). backend
+    sampled tokens' log-probs into responses slower than the engine samples them (docs/vllm.md, "HTTP front ends"). backend
     "nccl": on GPUs the trainer does not use; "ipc": on the trainer's own GPU (`gpus`), with a memory share that leaves
     the trainer room, and the pickled CUDA IPC handles allowed (vLLM 0.26's IPC engine also imports ray)."""
     flags = (

@@ -17,7 +17,7 @@
 #   server_gen:  one `vllm serve` of bench-0.5b on GPU ${SERVE_GPU:-1} and benchmarks/server_gen.py: how fast each way of
 #                asking it generates a bench round (a 1-GPU host can run it with SERVE_GPU=0).
 #   stop:        stop the `vllm serve` processes these phases started (colocate and learn_async expect a free GPU 1).
-# The servers run with --api-server-count $API_SERVERS (4 unless set: README.md, "Using vLLM", says why).
+# The servers run with --api-server-count $API_SERVERS (4 unless set: docs/vllm.md, "HTTP front ends", says why).
 # Extra flags for our bench runs (e.g. --gradient-checkpointing) go in $OURS_EXTRA. server and colocate end by writing
 # OUT_DIR/vs_trl.json (benchmarks/ratios.py, commit $COMMIT): a device call returns at most 8 files, so copy that one.
 set -u
