@@ -319,10 +319,12 @@ def check_transport(base_url, server, model):
         )
     if gpus and mine not in gpus:
         raise RuntimeError(_ipc_elsewhere(base_url, mine, model, port, f"runs on {', '.join(sorted(gpus))}"))
-    if "expandable_segments:true" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "").lower().replace(" ", ""):
+    allocator = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "") + os.environ.get("PYTORCH_ALLOC_CONF", "")
+    if "expandable_segments:true" in allocator.lower().replace(" ", ""):
         raise RuntimeError(
-            "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True: memory allocated that way cannot be exported as a CUDA "
-            "IPC handle (pytorch#165685). Unset it for the trainer, or serve with NCCL on other GPUs."
+            "PYTORCH_CUDA_ALLOC_CONF (or PYTORCH_ALLOC_CONF) has expandable_segments:True: memory allocated that way "
+            "cannot be exported as a CUDA IPC handle (pytorch#165685). Unset it for the trainer, or serve with NCCL "
+            "on other GPUs."
         )
 
 
@@ -472,7 +474,8 @@ def packed_chunks(weights, capacity):
     """Pack (name, tensor) pairs into one reused byte buffer of `capacity` bytes; yield (the filled part, its
     names, dtype_names, shapes, tensor_sizes) whenever the next tensor would not fit. The caller must be done with a
     chunk (the server answered: its update synchronizes) before asking for the next. A tensor above `capacity` is a
-    chunk of its own, sent from its own storage, so the trainer never holds more than one chunk beside the model."""
+    chunk of its own, a copy (exporting a parameter's own storage would add a CUDA IPC record to it at every sync), so
+    the trainer never holds more than one chunk beside the model."""
     buffer, used, meta = None, 0, {key: [] for key in ("names", "dtype_names", "shapes", "tensor_sizes")}
 
     def chunk(data):
@@ -489,7 +492,7 @@ def packed_chunks(weights, capacity):
         for key, value in zip(meta, (name, str(tensor.dtype).removeprefix("torch."), list(tensor.shape), flat.numel())):
             meta[key].append(value)
         if flat.numel() > capacity:
-            yield chunk(flat)
+            yield chunk(flat.clone())
             continue
         if buffer is None:
             buffer = torch.empty(capacity, dtype=torch.uint8, device=flat.device)
@@ -509,18 +512,18 @@ def server_sync_weights_ipc(base_url, model, version=None, buffer_bytes=1 << 30,
         _post(base_url, "/init_weight_transfer_engine", timeout, json={"init_info": init_info})
 
     def send():
-        try:
-            for data, chunk in packed_chunks(named_weights(model), min(buffer_bytes, total)):
-                update_info = ipc_update_info(version, chunk, ipc_handle(data))
-                try:
-                    _post(base_url, "/update_weights", timeout, json={"update_info": update_info})
-                except RuntimeError as error:
-                    raise RuntimeError(_ipc_problem(base_url, str(error), name)) from error
-        finally:
-            if torch.cuda.is_initialized():
-                torch.cuda.ipc_collect()  # buffers the server has released go back to the allocator
+        for data, chunk in packed_chunks(named_weights(model), min(buffer_bytes, total)):
+            update_info = ipc_update_info(version, chunk, ipc_handle(data))
+            try:
+                _post(base_url, "/update_weights", timeout, json={"update_info": update_info})
+            except RuntimeError as error:
+                raise RuntimeError(_ipc_problem(base_url, str(error), name)) from error
 
-    paused_update(base_url, send, name, "ipc", timeout)
+    try:
+        paused_update(base_url, send, name, "ipc", timeout)
+    finally:  # after /finish_weight_update, where a 0.28+ server releases its mapping of the last chunk
+        if torch.cuda.is_initialized():
+            torch.cuda.ipc_collect()  # the exported buffers the server has released go back to the allocator
 
 
 def _ipc_problem(base_url, error, model):

@@ -67,7 +67,7 @@ else:
     assert received == {}
 
 # server mode over CUDA IPC: the stand-in /update_weights rebuilds each chunk's tensors (vLLM's packed_ipc_consumer)
-exported, ipc_received = [], {}
+exported, ipc_received = [], {}  # the exported tensors themselves, read when /update_weights arrives
 
 
 def fake_post(base_url, path, timeout, **kwargs):
@@ -82,7 +82,7 @@ def fake_post(base_url, path, timeout, **kwargs):
 
 
 vllm_utils._post, vllm_utils.probe_server = fake_post, lambda *a: False
-vllm_utils.ipc_handle = lambda buffer: exported.append(buffer.clone()) or {"GPU-0": len(exported) - 1}
+vllm_utils.ipc_handle = lambda buffer: exported.append(buffer) or {"GPU-0": len(exported) - 1}
 vllm_utils.sync_weights(
     {**engine, "server": {"version": "0.26.0", "backend": "ipc"}, "vllm_weight_sync_buffer_mb": 1}, model
 )

@@ -923,9 +923,10 @@ IPC_UPDATE_FIELDS_027_033 = ({"names", "dtype_names", "shapes"}, {"ipc_handles",
 
 
 class FakeIPC:
-    """Plays CUDA IPC on the CPU: ipc_handle() keeps a copy of the chunk under a key (the server reads it at the
-    moment the trainer would have it mapped); the stand-in /update_weights rebuilds the tensors from that key and the
-    message's tensor_sizes, as vLLM's packed_ipc_consumer does."""
+    """Plays CUDA IPC on the CPU: ipc_handle() keeps the exported tensor itself under a key, shared memory as a real
+    export is; the stand-in /update_weights reads it when the request arrives and rebuilds the tensors from the
+    message's tensor_sizes, as vLLM's packed_ipc_consumer does: a trainer that refilled its buffer before the server
+    answered would be caught sending the wrong bytes."""
 
     def __init__(self, monkeypatch):
         self.chunks, self.received, self.updates = {}, {}, []
@@ -933,7 +934,7 @@ class FakeIPC:
 
     def handle(self, buffer):
         key = len(self.chunks)
-        self.chunks[key] = buffer.clone()
+        self.chunks[key] = buffer
         return {"GPU-0": ("fake", key)}
 
     def update_weights(self, body):
@@ -993,11 +994,17 @@ def test_an_ipc_push_sends_every_weight_in_bounded_chunks_paused_and_resumed(ser
             assert parsed.packed is True and parsed.ipc_handles["GPU-0"][0] == "fake"
 
 
-def test_a_tensor_larger_than_the_buffer_goes_alone_from_its_own_storage():
-    weights = [("a", torch.ones(4, dtype=torch.bfloat16)), ("big", torch.arange(64.0).bfloat16()), ("c", torch.ones(2))]
-    chunks = [(data.clone(), meta) for data, meta in vllm_utils.packed_chunks(iter(weights), 16)]
-    assert [meta["names"] for _, meta in chunks] == [["a"], ["big"], ["c"]]
+def test_a_tensor_larger_than_the_buffer_goes_alone_as_a_copy():
+    """A tensor above the buffer is a chunk of its own, a copy: exporting a parameter's own storage would pin a CUDA
+    IPC record to it at every sync."""
+    big = torch.arange(64.0).bfloat16()
+    weights = [("a", torch.ones(4, dtype=torch.bfloat16)), ("big", big), ("c", torch.ones(2))]
+    chunks = []
+    for data, meta in vllm_utils.packed_chunks(iter(weights), 16):
+        chunks.append((data.clone(), meta, data.data_ptr()))
+    assert [meta["names"] for _, meta, _ in chunks] == [["a"], ["big"], ["c"]]
     assert chunks[1][0].numel() == 128 and chunks[2][1]["dtype_names"] == ["float32"]
+    assert torch.equal(chunks[1][0].view(torch.bfloat16), big) and chunks[1][2] != big.data_ptr()
 
 
 def test_a_failed_ipc_update_restores_the_server_and_names_the_fix(serve, monkeypatch):
@@ -1050,6 +1057,15 @@ def _layout(monkeypatch, gpus, host="127.0.0.1", env=None):
             "localhost",
             1,
             {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"},
+            "cannot be exported as a CUDA IPC handle",
+            "Unset it",
+        ),
+        (
+            "ipc",
+            {"GPU-abcd"},
+            "localhost",
+            1,
+            {"PYTORCH_ALLOC_CONF": "expandable_segments:True"},  # torch 2.11's name for the same setting
             "cannot be exported as a CUDA IPC handle",
             "Unset it",
         ),
@@ -1188,3 +1204,18 @@ def test_an_ipc_init_that_fails_pauses_nothing(serve, monkeypatch):
     with pytest.raises(RuntimeError, match="boom"):
         vllm_utils.server_sync_weights_ipc(server.url, _tiny_llama(), "0.33.0", 1 << 20, timeout=5, name="m")
     assert server.paths() == ["/init_weight_transfer_engine"]
+
+
+def test_ipc_exports_are_collected_after_the_server_finished_the_update(serve, monkeypatch):
+    """A 0.28+ server releases its mapping of the last chunk in /finish_weight_update: the trainer's
+    torch.cuda.ipc_collect() must come after it (before, the last buffer would sit in torch's IPC limbo until the next
+    sync), on success and on failure."""
+    FakeIPC(monkeypatch)
+    for answers in ({}, {"/reset_prefix_cache": _vllm_error("boom")}):
+        server = serve(_sync_routes(**answers, **{"/init_weight_transfer_engine": (200, {})}))
+        collected = []
+        monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+        monkeypatch.setattr(torch.cuda, "ipc_collect", lambda: collected.append(list(server.paths())))
+        with contextlib.suppress(RuntimeError):
+            vllm_utils.server_sync_weights_ipc(server.url, _tiny_llama(), "0.33.0", 1 << 20, timeout=5, name="m")
+        assert len(collected) == 1 and "/finish_weight_update" in collected[0], collected
