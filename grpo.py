@@ -1497,6 +1497,13 @@ def checkpoints(output_dir):
     return [os.path.join(output_dir, n) for n in sorted(names, key=lambda n: int(n.split("-")[1]))]
 
 
+def checkpoint_run_id(checkpoint):
+    """The run a checkpoint belongs to (its run.json's run_id; None without one)."""
+    with contextlib.suppress(OSError, ValueError):
+        with open(os.path.join(checkpoint, "run.json")) as f:
+            return json.load(f).get("run_id")
+
+
 def claim_run_dir(args):
     """Rank 0, before any model loads: (the run directory, the checkpoint to resume or None, the run's identity, the
     directory's lock). A new run writes to --output-dir, or else to runs/{exp_name}__{seed}__{unix time} (made without
@@ -1528,10 +1535,11 @@ def claim_run_dir(args):
     os.makedirs(out, exist_ok=True)
     lock_path = os.path.join(out, ".lock")
     had_lock = os.path.exists(lock_path)
-    lock = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+    lock, locked = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644), False
     try:
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            locked = True
         except BlockingIOError:
             holder = os.pread(lock, 300, 0).decode(errors="replace").strip() or "another process"
             raise SystemExit(
@@ -1576,6 +1584,12 @@ def claim_run_dir(args):
                     f"is {args.max_steps}: there is nothing left to train. Raise --max-steps to train on from it (the "
                     f"learning-rate schedule follows --max-steps), or load it as a model."
                 )
+            others = [c for c in checkpoints(out) if checkpoint_run_id(c) != identity["run_id"]]
+            if others:  # `latest`, --save-total-limit and a redone step's save would take or delete them
+                raise SystemExit(
+                    f"error: {out} also holds checkpoints of another run ({os.path.basename(others[0])}): copy "
+                    f"{checkpoint} into a directory of its own and resume it from there"
+                )
             for name in os.listdir(out):  # what a crash of this run left half-written
                 if name.endswith(".tmp"):
                     shutil.rmtree(os.path.join(out, name))
@@ -1585,7 +1599,7 @@ def claim_run_dir(args):
         return out, checkpoint, {"run_id": identity["run_id"], "run_name": identity["run_name"]}, lock
     except BaseException:
         os.close(lock)
-        if not had_lock:  # refused: leave the directory as it was
+        if locked and not had_lock:  # refused: leave the directory as it was (not when another run holds the lock)
             os.remove(lock_path)
             if created:
                 os.rmdir(out)
@@ -1593,10 +1607,14 @@ def claim_run_dir(args):
 
 
 def remove_unstarted(output_dir):
-    """At exit: remove the run directory this run made if the run failed while starting (it holds only the lock)."""
+    """At exit: remove the run directory this run made if the run failed while starting (it holds only the lock and
+    an empty metrics.jsonl)."""
     with contextlib.suppress(OSError):
-        if os.listdir(output_dir) == [".lock"]:
-            os.remove(os.path.join(output_dir, ".lock"))
+        names = set(os.listdir(output_dir))
+        metrics = os.path.join(output_dir, "metrics.jsonl")
+        if names <= {".lock", "metrics.jsonl"} and not (os.path.exists(metrics) and os.path.getsize(metrics)):
+            for name in names:
+                os.remove(os.path.join(output_dir, name))
             os.rmdir(output_dir)
 
 

@@ -495,3 +495,59 @@ def test_sigterm_under_torchrun_stops_both_ranks_at_one_checkpoint(sigterm_under
     assert f"at step {steps[-1]}" in resumed.stdout and [m["step"] for m in read_metrics(out)] == list(
         range(1, steps[-1] + 2)
     )
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# found in review: a lost lock race, a reward model that fails after the directory is made, a directory of two runs
+
+
+def test_a_run_that_loses_the_lock_race_leaves_the_winners_directory_alone(monkeypatch, tmp_path):
+    """Run B checks for DIR/.lock before run A creates and locks it; B then fails to lock. B must not remove A's lock
+    file or A's (still empty) directory on its way out."""
+    import fcntl
+
+    import grpo
+
+    out, real_open, winner = tmp_path / "run", os.open, {}
+
+    def racing_open(path, flags, mode=0o777):
+        if str(path).endswith(".lock") and not winner:  # run A gets there first, right here
+            winner["fd"] = real_open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            fcntl.flock(winner["fd"], fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return real_open(path, flags, mode)
+
+    monkeypatch.setattr(grpo.os, "open", racing_open)
+    with pytest.raises(SystemExit, match="is in use by a run that is still going"):
+        grpo.claim_run_dir(grpo.Args(output_dir=str(out)))
+    assert (out / ".lock").exists()  # A's lock file and directory are still there
+    os.close(winner["fd"])
+
+
+def test_online_dpo_with_a_reward_model_that_fails_to_load_leaves_no_directory(tmp_path, stories_jsonl):
+    """The reward model loads after the run directory is made (and metrics.jsonl opened): a failure there must not
+    leave a directory that refuses the corrected command."""
+    broken = tmp_path / "broken-reward-model"
+    broken.mkdir()
+    (broken / "config.json").write_text("{}")
+    out, at = tmp_path / "run", SMALL.index("--reward-funcs")
+    small = SMALL[:at] + SMALL[at + 2 :]  # the reward model instead of SMALL's reward function
+    args = [*small, "--dataset-name", stories_jsonl, "--output-dir", out, "--max-steps", 1]
+    result = run_script("online_dpo.py", *args, "--reward-model-path", broken)
+    assert result.returncode != 0 and not out.exists(), (sorted(os.listdir(out)), result.stderr[-2000:])
+
+
+def test_a_directory_holding_another_runs_checkpoints_is_not_resumed(monkeypatch, tmp_path, earlier_run, stories_jsonl):
+    """A 26cd7f5 directory that --overwrite-output-dir gave to a second run holds two runs' checkpoints: `latest`
+    would take the other run's and --save-total-limit delete it. The resume is refused and nothing is touched."""
+    out = tmp_path / "run"
+    shutil.copytree(earlier_run, out)
+    shutil.copytree(out / "checkpoint-4", out / "checkpoint-2")
+    identity = json.loads((out / "checkpoint-2" / "run.json").read_text())
+    (out / "checkpoint-2" / "run.json").write_text(json.dumps({**identity, "run_id": "another-run"}))
+    before = snapshot(out)
+    common = [*SMALL, "--dataset-name", stories_jsonl, "--save-steps", 1, "--max-steps", 8]
+    message = run_without_models(
+        monkeypatch, "grpo.py", *common, "--output-dir", out, "--resume-from-checkpoint", "latest"
+    )
+    assert "also holds checkpoints of another run (checkpoint-2)" in message, message
+    assert snapshot(out) == before
