@@ -295,9 +295,10 @@ def test_default_run_directories_are_new_for_every_run(monkeypatch, tmp_path):
     finally:
         for claim in claims:
             os.close(claim[3])
-    # at exit, a run that failed while starting (its directory holds only the lock) removes the directory it made;
-    # a run that wrote anything keeps it
-    (tmp_path / dirs[1] / "metrics.jsonl").write_text("")
+    # at exit, a run that failed while starting (its directory holds only the lock, or the lock and an empty
+    # metrics.jsonl) removes the directory it made; a run that logged a step keeps it
+    (tmp_path / dirs[0] / "metrics.jsonl").write_text("")
+    (tmp_path / dirs[1] / "metrics.jsonl").write_text('{"step": 1}\n')
     for d in dirs:
         grpo.remove_unstarted(os.path.abspath(d))
     assert not os.path.exists(dirs[0]) and sorted(os.listdir(dirs[1])) == [".lock", "metrics.jsonl"]
