@@ -1,10 +1,11 @@
-"""vLLM for online RL, shared by grpo.py / rloo.py / online_dpo.py and their forks (docs/vllm.md: the two
-modes, the supported vLLM versions, each failure and its fix). colocate: a `vllm.LLM` in the training process, fed new
-weights through vLLM's reload path; server: a stock `vllm serve`, sent concurrent token-id /v1/completions requests
-and, after each optimizer step, the weights while paused: over NCCL to a server on other GPUs, or as CUDA IPC handles
-to a server on the trainer's own GPU (one GPU is enough), as the server's --weight-transfer-config says. Both modes
-return completion token ids and vLLM's log-prob of each sampled token (after temperature). The entry points `start`, `generate`, `sleep`
-and `sync_weights` are built from small functions a fork can call directly; vLLM is imported only where needed."""
+"""vLLM for online RL, shared by grpo.py / rloo.py / online_dpo.py and their forks (docs/vllm.md: the two modes, the
+supported vLLM versions, each failure and its fix). colocate: a `vllm.LLM` in the training process, fed new weights
+through vLLM's reload path; server: a stock `vllm serve`, sent concurrent token-id /v1/completions requests and, after
+each optimizer step, the weights while paused: over NCCL to a server on other GPUs, or as CUDA IPC handles to a server
+on the trainer's own GPU (one GPU is enough), as the server's --weight-transfer-config says. Both modes return
+completion token ids and vLLM's log-prob of each sampled token (after temperature). The entry points `start`,
+`generate`, `sleep` and `sync_weights` are built from small functions a fork can call directly; vLLM is imported only
+where needed."""
 
 import base64
 import concurrent.futures
