@@ -159,9 +159,9 @@ def colocate_load_weights(llm, weights):
 
 def serve_command(model, host="0.0.0.0", port=8000, gpus="1", backend="nccl"):
     """The command that starts a server this codebase can train against; 4 HTTP front ends, because one alone turns the
-    sampled tokens' log-probs into responses slower than the engine samples them (docs/vllm.md, "HTTP front ends"). backend
-    "nccl": on GPUs the trainer does not use; "ipc": on the trainer's own GPU (`gpus`), with a memory share that leaves
-    the trainer room, and the pickled CUDA IPC handles allowed (vLLM 0.26's IPC engine also imports ray)."""
+    sampled tokens' log-probs into responses slower than the engine samples them (docs/vllm.md, "HTTP front ends").
+    backend "nccl": on GPUs the trainer does not use; "ipc": on the trainer's own GPU (`gpus`), with a memory share
+    that leaves the trainer room, and the pickled CUDA IPC handles allowed (vLLM 0.26's IPC engine also imports ray)."""
     flags = (
         f'--weight-transfer-config \'{{"backend": "{backend}"}}\' --logprobs-mode processed_logprobs --max-logprobs -1'
     )
@@ -174,8 +174,9 @@ def serve_command(model, host="0.0.0.0", port=8000, gpus="1", backend="nccl"):
 def _both_commands(model, port, ipc_first="Restart it on this GPU", nccl_then="or keep it on its GPU"):
     """The two layouts that work, each as the full command: the server on this GPU (IPC) or on others (NCCL)."""
     ipc = serve_command(model, port=port, gpus=trainer_gpu(), backend="ipc")
-    ipc_then = "a vLLM 0.26 server also needs ray, which requirements.txt installs"
-    return f"{ipc_first} (weights by CUDA IPC; {ipc_then}):\n  {ipc}\n{nccl_then} (weights by NCCL):\n  {serve_command(model, port=port)}"
+    ray = "a vLLM 0.26 server also needs ray, which requirements.txt installs"
+    ipc = f"{ipc_first} (weights by CUDA IPC; {ray}):\n  {ipc}"
+    return f"{ipc}\n{nccl_then} (weights by NCCL):\n  {serve_command(model, port=port)}"
 
 
 def trainer_gpu():
@@ -316,7 +317,8 @@ def check_transport(base_url, server, model):
         where = f"on {host}" if host not in LOCAL_HOSTS else f"with {server['workers']} workers (tensor/data parallel)"
         raise RuntimeError(
             f"the server at {base_url} runs {where}, and CUDA IPC reaches only one worker on trainer rank 0's GPU. "
-            f"Restart it with NCCL weight transfer, on GPUs the trainer does not use:\n  {serve_command(model, port=port)}"
+            "Restart it with NCCL weight transfer, on GPUs the trainer does not use:\n  "
+            + serve_command(model, port=port)
         )
     if gpus and mine not in gpus:
         raise RuntimeError(_ipc_elsewhere(base_url, mine, model, port, f"runs on {', '.join(sorted(gpus))}"))
@@ -536,7 +538,8 @@ def _ipc_problem(base_url, error, model):
             base_url, mine, model, port, "answered 'IPC handle not found for GPU UUID': it runs elsewhere"
         )
     if "VLLM_ALLOW_INSECURE_SERIALIZATION" in error:
-        return f"the server at {base_url} was started without VLLM_ALLOW_INSECURE_SERIALIZATION=1. {_restart(model, 'ipc')}"
+        without = f"the server at {base_url} was started without VLLM_ALLOW_INSECURE_SERIALIZATION=1"
+        return f"{without}. {_restart(model, 'ipc')}"
     return error
 
 
