@@ -1673,6 +1673,8 @@ def check_args(args, world_size, rules=(), problems=(), steps_per_round=1, steps
     for flag, name in (("--dataset-name", args.dataset_name), ("--eval-dataset", args.eval_dataset)):
         if name is not None and is_local(name) and not os.path.exists(name):
             problems.append(f"{flag} {name} does not exist (no such file or directory)")
+        elif name is not None and os.path.isfile(name) and not name.endswith((".json", ".jsonl", ".csv", ".parquet")):
+            problems.append(f"{flag} {name}: a .json / .jsonl / .csv / .parquet file (or a directory of them) expected")
     evaluating = args.eval_steps > 0 or args.max_steps == 0
     if evaluating and eval_source(args) is None:
         problems.append(

@@ -37,6 +37,7 @@ SCRIPTS = ["grpo.py", "rloo.py", "online_dpo.py"]
 # the README's CPU quickstart, with 4 prompts x 2 completions a step (the BASE, less its --max-steps)
 BASE = [*STORIES_TASK, "--learning-rate", "3e-3", "--max-completion-length", 24, "--prompts-per-step", 4]
 BASE += ["--num-generations", 2]
+SLOW = ["--prompts-per-step", 32, "--num-generations", 16, "--max-completion-length", 64]  # a step takes seconds
 PLAIN = dict(capture_output=True, text=True, env=dict(script_env(), COLUMNS="200"), cwd=ROOT)  # subprocess.run's
 PROMPTS = ["Once upon a time, there was a little girl named Lily.", "The cat was sad.", "Sam and Mia wanted to play."]
 
@@ -112,10 +113,25 @@ def test_ctrl_c_stops_at_a_checkpoint_that_resumes_to_the_uninterrupted_weights(
     assert steps(interrupted) == steps(uninterrupted) == list(range(1, max_steps + 1))
 
 
+def test_a_second_ctrl_c_stops_at_once(tmp_path):
+    out = tmp_path / "run"
+    run = Process("grpo.py", *BASE, *SLOW, "--max-steps", 4, "--output-dir", out)
+    try:
+        wait_for_steps(run, out, 1)
+        run.send_signal(signal.SIGINT)
+        time.sleep(0.3)
+        run.send_signal(signal.SIGINT)  # within step 2, which takes seconds
+        stdout, stderr = run.communicate(timeout=240)
+    finally:
+        run.kill()
+    assert "SIGINT: stopping after this step's checkpoint (again: stop now)" in stderr, stderr[-3000:]
+    assert "KeyboardInterrupt" in stderr and run.returncode not in (0, 130)
+    assert "wrote checkpoint" not in stdout and not list(out.glob("checkpoint-*"))  # it did not wait for the step
+
+
 def test_a_run_killed_before_its_first_step_leaves_a_directory_a_new_run_takes(tmp_path):
     out = tmp_path / "run"
-    slow = ["--prompts-per-step", 32, "--num-generations", 16, "--max-completion-length", 64]  # step 1 takes seconds
-    run = Process("grpo.py", *BASE, *slow, "--max-steps", 3, "--output-dir", out)
+    run = Process("grpo.py", *BASE, *SLOW, "--max-steps", 3, "--output-dir", out)
     stderr = Path(run._out.name, "rank0.stderr")
     try:
         deadline = time.time() + 240
@@ -165,11 +181,16 @@ def test_a_csv_file_trains_and_an_empty_directory_is_one_line(monkeypatch, capsy
     assert [m["step"] for m in read_metrics(out)] == [1]
 
     (tmp_path / "empty").mkdir()
+    (tmp_path / "prompts.txt").write_text("Once upon a time\n")
     for script in SCRIPTS:
         args = [*SMALL, "--dataset-name", tmp_path / "empty", "--output-dir", tmp_path / "run2"]
         message = run_before_weights(monkeypatch, capsys, script, *args)[0]
         assert message.startswith(f"error: --dataset-name {tmp_path / 'empty'}: a directory of .json / .jsonl / .csv")
         assert "\n" not in message and not (tmp_path / "run2").exists()
+        txt = tmp_path / "prompts.txt"  # not a format that is read: said before anything (not a hub lookup)
+        message = run_before_weights(monkeypatch, capsys, script, *SMALL, "--dataset-name", txt)[0]
+        expected = "a .json / .jsonl / .csv / .parquet file (or a directory of them) expected"
+        assert message == f"error: --dataset-name {txt}: {expected}", message
 
 
 # ----------------------------------------------------------------------------------------------------------------
