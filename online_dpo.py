@@ -218,8 +218,8 @@ class Args:
     eval_steps: int = 0
     """evaluate at step 0, every this many steps and after the last step (0 = no evaluation in training)"""
     eval_dataset: str | None = None
-    """hub dataset name, or a local .json / .jsonl / .csv / .parquet file, read with the training column flags (None = the
-    training dataset's --eval-dataset-split, when it is a hub dataset)"""
+    """hub dataset name, or a local .json / .jsonl / .csv / .parquet file, read with the training column flags (None =
+    the training dataset's --eval-dataset-split, when it is a hub dataset)"""
     eval_dataset_config: str | None = None
     """configuration of --eval-dataset (None = --dataset-config when evaluating on the training dataset)"""
     eval_dataset_split: str = "test"
@@ -613,8 +613,7 @@ def set_up(args, rules, problems=(), reference_model=False, steps_per_generation
     run.autocast = dict(device_type=device.type, dtype=torch.bfloat16, enabled=args.bf16 and device.type == "cuda")
     run.autocast["cache_enabled"] = False
 
-    # tokenizer and prompts (token ids, the reward functions' columns) before the weights (a prompt too long stops the
-    # run now), then the model and the reference model
+    # tokenizer and prompts before the weights (a prompt too long stops the run now), then the model and the reference
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, get_scheduler
 
     model_path = checkpoint_dir or args.model_name_or_path
@@ -872,10 +871,10 @@ def load_prompts(args, dataset, tokenizer, max_context, evaluation=False):
     longest = max(keep, key=lambda i: len(prompt_ids[i]))
     if len(prompt_ids[longest]) + args.max_completion_length > max_context:
         raise SystemExit(
-            f"error: {source}, row {longest}: the prompt has {len(prompt_ids[longest])} tokens, and with --max-completion-length "
-            f"{args.max_completion_length} it exceeds the model's context of {max_context} tokens. Pass "
-            f"--max-prompt-length {max_context - args.max_completion_length} to drop such prompts, or lower "
-            f"--max-completion-length."
+            f"error: {source}, row {longest}: the prompt has {len(prompt_ids[longest])} tokens, and with "
+            f"--max-completion-length {args.max_completion_length} it exceeds the model's context of {max_context} "
+            f"tokens. Pass --max-prompt-length {max_context - args.max_completion_length} to drop such prompts, or "
+            f"lower --max-completion-length."
         )
     pick = lambda values: [values[i] for i in keep]
     return PromptSet(pick(prompt_ids), pick(prompts), {c: pick(v) for c, v in columns.items()}, prompts_are_messages)
@@ -1439,8 +1438,7 @@ def save_final(output_dir, model, tokenizer_files, state_dict=None):
 
 
 def tokenizer_files(model_path, tokenizer):
-    """{name: bytes} of the tokenizer's files in model_path (a directory or a hub model), which checkpoints and the final
-    model carry byte for byte: save_pretrained drops settings (`legacy`, `add_bos_token`) that change tokenization."""
+    """{name: bytes}: model_path's tokenizer files, saved as they are (save_pretrained drops `legacy`, ...)."""
     from transformers.utils import cached_file
 
     names = {"tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "chat_template.jinja"}
