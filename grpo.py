@@ -556,7 +556,7 @@ def train(args):
                 grad_norm = clip_gradients(model, args.max_grad_norm)
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)  # now: the weight sync and generation get the memory
-                learning_rate = run.scheduler.get_last_lr()[0]  # the rate this step used (logged, as in TRL)
+                learning_rate = run.scheduler.get_last_lr()[0]  # the rate this step used: the one logged
                 run.scheduler.step()
                 global_step += 1
                 run.progress.update(1)
@@ -1528,7 +1528,8 @@ def tokenizer_files(model_path, tokenizer):
 
 
 def save_tokenizer(directory, tokenizer_files):
-    for name, data in tokenizer_files.items():  # the files as they were (tokenizer_files)
+    """Write the tokenizer's files, as tokenizer_files read them, into directory."""
+    for name, data in tokenizer_files.items():
         with open(os.path.join(directory, name), "wb") as f:
             f.write(data)
 

@@ -407,7 +407,7 @@ def train(args):
             timing["timing/optimizer"] = clock(device) - t1
         else:
             skipped_steps += 1  # every prompt tied (or was unscorable): no pair, no update; the step still counts
-        learning_rate = run.scheduler.get_last_lr()[0]  # the rate this step used (logged, as in TRL)
+        learning_rate = run.scheduler.get_last_lr()[0]  # the rate this step used: the one logged
         with warnings.catch_warnings():  # so the schedule moves on without an update, which PyTorch warns about
             warnings.filterwarnings("ignore", r"Detected call of `lr_scheduler\.step\(\)` before")
             run.scheduler.step()
@@ -1449,7 +1449,8 @@ def tokenizer_files(model_path, tokenizer):
 
 
 def save_tokenizer(directory, tokenizer_files):
-    for name, data in tokenizer_files.items():  # the files as they were (tokenizer_files)
+    """Write the tokenizer's files, as tokenizer_files read them, into directory."""
+    for name, data in tokenizer_files.items():
         with open(os.path.join(directory, name), "wb") as f:
             f.write(data)
 
