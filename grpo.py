@@ -1590,7 +1590,10 @@ def claim_run_dir(args):
         if checkpoint == "latest":
             checkpoint = (checkpoints(out) or [None])[-1]
             if checkpoint is None:
-                raise SystemExit(f"error: --resume-from-checkpoint latest: {out} holds no complete checkpoint-N")
+                raise SystemExit(
+                    f"error: --resume-from-checkpoint latest: {out} holds no complete checkpoint-N to continue. Start a "
+                    f"new run: the same command without --resume-from-checkpoint and with another --output-dir, or none"
+                )
         if checkpoint is None:
             files = sorted(set(os.listdir(out)) - {".lock"})
             if files:

@@ -143,6 +143,8 @@ def test_a_run_killed_before_its_first_step_leaves_a_directory_a_new_run_takes(t
     finally:
         run.kill()
     assert sorted(os.listdir(out)) == [".lock"]  # no step logged, nothing that a new run would mix with
+    refused = run_script("grpo.py", *BASE, "--max-steps", 1, "--output-dir", out, "--resume-from-checkpoint", "latest")
+    assert "holds no complete checkpoint-N to continue. Start a new run: the same command without" in refused.stderr
     check(run_script("grpo.py", *BASE, "--max-steps", 1, "--output-dir", out))
     assert [m["step"] for m in read_metrics(out)] == [1]
 
