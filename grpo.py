@@ -702,10 +702,7 @@ def set_up(args, rules, problems=(), reference_model=False, steps_per_generation
     run.train_set = load_prompts(args, dataset, tokenizer, max_context)
     run.eval_set = None if eval_dataset is None else load_prompts(args, eval_dataset, tokenizer, max_context, True)
     if args.prompts_per_step > (kept := len(run.train_set.prompt_ids)):
-        print(
-            f"warning: --prompts-per-step {args.prompts_per_step} is more than the {kept} prompts kept from "
-            f"--dataset-name {args.dataset_name}: every step repeats prompts"
-        )
+        print(f"warning: --prompts-per-step {args.prompts_per_step} > the {kept} prompts kept: steps repeat prompts")
     dtype = getattr(torch, args.param_dtype)
     run.model = model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(device)
     for module in model.modules():  # dropout would make two passes over the same tokens disagree (ratio != 1)

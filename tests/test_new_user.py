@@ -207,7 +207,7 @@ def test_warmup_past_the_last_step_and_more_prompts_per_step_than_prompts_are_wa
     exited, printed = run_before_weights(monkeypatch, capsys, "grpo.py", *args, "--prompts-per-step", 1000)
     assert "loaded a model's weights" in exited  # warnings, not errors: the run goes on (to the weights, here)
     assert "warning: --warmup-steps 10 >= --max-steps 3: the learning rate never reaches --learning-rate" in printed
-    assert f"warning: --prompts-per-step 1000 is more than the 3 prompts kept from --dataset-name {data}" in printed
+    assert "warning: --prompts-per-step 1000 > the 3 prompts kept: steps repeat prompts" in printed
     args[-1] = 2  # --warmup-steps 2 < --max-steps 3, --prompts-per-step 2 of 3 prompts: nothing to say
     assert "warning" not in run_before_weights(monkeypatch, capsys, "grpo.py", *args)[1]
 
