@@ -104,7 +104,7 @@ class Args:
 
     # Data
     dataset_name: str = "openai/gsm8k"
-    """hub dataset name, or a local .json / .jsonl / .parquet file"""
+    """hub dataset name, or a local .json / .jsonl / .csv / .parquet file"""
     dataset_config: str | None = "main"
     """dataset configuration name (hub datasets only)"""
     dataset_split: str = "train"
@@ -185,8 +185,9 @@ class Args:
     """names of functions in rewards.py; their weighted sum is the reward"""
     reward_weights: list[float] | None = None
     """one weight per reward function (None = all 1)"""
-    reward_kwargs: dict[str, float] = field(default_factory=dict)
-    """extra keyword arguments for every reward function, e.g. overlong_buffer_length 128"""
+    reward_kwargs: dict[str, float | str] = field(default_factory=dict)
+    """extra keyword arguments (numbers or strings) for every reward function, e.g. overlong_buffer_length 128 or
+    keyword play; a key may not be a dataset column's name"""
     scale_rewards: Literal["group", "batch", "none"] = "group"
     """divide centred rewards by the group's std, the batch's std, or nothing (Dr. GRPO)"""
     dynamic_sampling: bool = False
@@ -243,7 +244,7 @@ class Args:
     save_steps: int = 0
     """write a resumable checkpoint every this many optimizer steps (0 = only the final model)"""
     save_total_limit: int | None = 2
-    """keep only the newest this many checkpoints"""
+    """keep only the newest this many checkpoints (0 or None = keep every checkpoint)"""
     resume_from_checkpoint: str | None = None
     """a checkpoint directory, whose run continues in its directory; or "latest": the newest complete checkpoint in
     --output-dir"""
@@ -252,8 +253,8 @@ class Args:
     eval_steps: int = 0
     """evaluate at step 0, every this many optimizer steps and after the last step (0 = no evaluation in training)"""
     eval_dataset: str | None = None
-    """hub dataset name, or a local .json / .jsonl / .parquet file, read with the training column flags (None = the
-    training dataset's --eval-dataset-split, when it is a hub dataset)"""
+    """hub dataset name, or a local .json / .jsonl / .csv / .parquet file, read with the training column flags (None =
+    the training dataset's --eval-dataset-split, when it is a hub dataset)"""
     eval_dataset_config: str | None = None
     """configuration of --eval-dataset (None = --dataset-config when evaluating on the training dataset)"""
     eval_dataset_split: str = "test"
@@ -557,6 +558,7 @@ def train(args):
                 grad_norm = clip_gradients(model, args.max_grad_norm)
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)  # now: the weight sync and generation get the memory
+                learning_rate = run.scheduler.get_last_lr()[0]  # the rate this step used: the one logged
                 run.scheduler.step()
                 global_step += 1
                 run.progress.update(1)
@@ -588,7 +590,7 @@ def train(args):
         metrics |= round_metrics(run, torch.cat(all_scores), completion_lengths, truncated, stats, step_loss)
         metrics |= {
             "grad_norm": grad_norm.item(),
-            "learning_rate": run.scheduler.get_last_lr()[0],
+            "learning_rate": learning_rate,
             "num_tokens": global_sum(sum(prompt_lengths) + sum(completion_lengths), world_size, device),
             **timing,
             "sampling/staleness": sum(staleness) / len(staleness),
@@ -599,8 +601,10 @@ def train(args):
             metrics["dynamic_sampling/generation_rounds"] = num_generation_rounds
             metrics["dynamic_sampling/kept_groups"] = keep * world_size
         metrics.update(eval_results)
-        kl, length = metrics.get("kl/k3_token_mean", 0), metrics["completions/mean_length"]
-        run.progress.set_postfix(reward=f"{metrics['reward']:.3f}", kl=f"{kl:.4f}", len=f"{length:.0f}")
+        kl = {"kl": f"{metrics['kl/k3_token_mean']:.4f}"} if "kl/k3_token_mean" in metrics else {}  # (--beta 0: none)
+        run.progress.set_postfix(
+            reward=f"{metrics['reward']:.3f}", **kl, len=f"{metrics['completions/mean_length']:.0f}"
+        )
         if run.is_main and args.log_completions and global_step % args.logging_steps == 0:  # rank 0's rows
             log_completions(run, prompt_ids, completion_ids, rewards, global_step)
         log_metrics(run, metrics, show=global_step % args.logging_steps == 0 or evaluated)
@@ -680,7 +684,7 @@ def set_up(args, rules, problems=(), reference_model=False, steps_per_generation
     claimed = claim_run_dir(args) if run.is_main else (None,) * 4
     run.output_dir, checkpoint_dir, run.identity = gather_objects(claimed[:3], world_size)[0]
     run.lock = claimed[3]
-    run.preemption = on_sigterm()  # SIGTERM: a checkpoint at the end of the step, then exit
+    run.preemption = on_stop_signal()  # SIGTERM or Ctrl-C (SIGINT): a checkpoint at the end of the step, then exit
 
     # seeding: the same on every rank until sampling, so that all ranks hold the same weights
     random.seed(args.seed)
@@ -690,11 +694,17 @@ def set_up(args, rules, problems=(), reference_model=False, steps_per_generation
     run.autocast = dict(device_type=device.type, dtype=torch.bfloat16, enabled=args.bf16 and device.type == "cuda")
     run.autocast["cache_enabled"] = False
 
-    # model, tokenizer, reference model
-    from transformers import AutoModelForCausalLM, AutoTokenizer, get_scheduler
+    # tokenizer and prompts before the weights (a prompt too long stops the run now), then the model and the reference
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, get_scheduler
 
     model_path = checkpoint_dir or args.model_name_or_path
     run.tokenizer = tokenizer = AutoTokenizer.from_pretrained(model_path)
+    run.tokenizer_files = tokenizer_files(model_path, tokenizer)
+    max_context = getattr(AutoConfig.from_pretrained(model_path), "max_position_embeddings", None) or 10**9
+    run.train_set = load_prompts(args, dataset, tokenizer, max_context)
+    run.eval_set = None if eval_dataset is None else load_prompts(args, eval_dataset, tokenizer, max_context, True)
+    if args.prompts_per_step > (kept := len(run.train_set.prompt_ids)):
+        print(f"warning: --prompts-per-step {args.prompts_per_step} > the {kept} prompts kept: steps repeat prompts")
     dtype = getattr(torch, args.param_dtype)
     run.model = model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(device)
     for module in model.modules():  # dropout would make two passes over the same tokens disagree (ratio != 1)
@@ -719,11 +729,6 @@ def set_up(args, rules, problems=(), reference_model=False, steps_per_generation
     run.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     eos_ids = model.generation_config.eos_token_id
     run.eos_ids = sorted((set(eos_ids if isinstance(eos_ids, list) else [eos_ids]) | {tokenizer.eos_token_id}) - {None})
-
-    # prompts: token ids, the columns the reward functions get, whether the dataset's prompts are chat messages
-    max_context = getattr(model.config, "max_position_embeddings", None) or 10**9
-    run.train_set = load_prompts(args, dataset, tokenizer, max_context)
-    run.eval_set = None if eval_dataset is None else load_prompts(args, eval_dataset, tokenizer, max_context)
 
     # optimizer and schedule; fused: one CUDA kernel for all parameters, without foreach's full-size temporaries
     adamw = dict(lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2), weight_decay=args.weight_decay)
@@ -756,7 +761,7 @@ def set_up(args, rules, problems=(), reference_model=False, steps_per_generation
         kept = [line for line in open(metrics_path) if json.loads(line)["step"] <= run.global_step]
         with open(metrics_path, "w") as f:
             f.writelines(kept)
-    run.metrics_file = open(metrics_path, "a") if run.is_main else None
+    run.metrics_file = None  # opened by the first log: a run stopped before it leaves a directory a new run may take
     name = os.path.basename(__file__).removesuffix(".py")
     run.progress = tqdm(total=args.max_steps, initial=run.global_step, desc=name, dynamic_ncols=True, disable=rank > 0)
     return run
@@ -804,7 +809,7 @@ def score(run, prompt_set, rows, completion_ids, num_generations):
     columns = {c: repeated(v) for c, v in prompt_set.columns.items()}
     prompts = repeated({i: run.tokenizer.decode(prompt_set.prompt_ids[i]) for i in rows})
     passed = dict(prompts=prompts, completion_ids=completion_ids, max_completion_length=run.args.max_completion_length)
-    columns.update(**passed, **run.args.reward_kwargs)  # a --reward-kwargs key that repeats one: a TypeError
+    columns.update(**passed, **run.args.reward_kwargs)  # check_dataset: no --reward-kwargs key repeats one
     return rewards.score(run.reward_fns, completions, columns)
 
 
@@ -888,6 +893,7 @@ def log_metrics(run, metrics, show):
         return
     if show:
         tqdm.write(" | ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in metrics.items()))
+    run.metrics_file = run.metrics_file or open(os.path.join(run.output_dir, "metrics.jsonl"), "a")
     print(json.dumps(metrics), file=run.metrics_file, flush=True)
     if run.wandb:
         run.wandb.log(metrics, step=metrics["step"])
@@ -906,7 +912,7 @@ class PromptSet(NamedTuple):
     prompts_are_messages: bool  # the dataset's prompts are chat messages (then so are the completions rewards get)
 
 
-def load_prompts(args, dataset, tokenizer, max_context):
+def load_prompts(args, dataset, tokenizer, max_context, evaluation=False):
     """Tokenize the prompts of `dataset` ({column: values}, from read_dataset): a PromptSet. A plain-text prompt is
     wrapped as a user message when the chat template is applied, but prompts_are_messages stays False: only the
     dataset's own chat messages make the reward functions' completions messages (TRL's rule)."""
@@ -930,19 +936,23 @@ def load_prompts(args, dataset, tokenizer, max_context):
     columns = {c: values for c, values in dataset.items() if c != args.prompt_column}
     if args.answer_column and args.answer_column != "answer":
         columns["answer"] = columns.pop(args.answer_column)
+    source = f"--eval-dataset {eval_source(args)[0]}" if evaluation else f"--dataset-name {args.dataset_name}"
     keep = list(range(len(prompt_ids)))
     if args.max_prompt_length is not None:
         keep = [i for i in keep if len(prompt_ids[i]) <= args.max_prompt_length]
         print(f"--max-prompt-length {args.max_prompt_length}: kept {len(keep)} of {len(prompt_ids)} prompts")
         if not keep:
-            raise ValueError(f"no prompt is at most {args.max_prompt_length} tokens long; raise --max-prompt-length")
+            raise SystemExit(
+                f"error: no prompt of {source} is at most --max-prompt-length {args.max_prompt_length} tokens long "
+                f"(the shortest has {min(map(len, prompt_ids))}): raise --max-prompt-length"
+            )
     longest = max(keep, key=lambda i: len(prompt_ids[i]))
     if len(prompt_ids[longest]) + args.max_completion_length > max_context:
-        raise ValueError(
-            f"prompt {longest} has {len(prompt_ids[longest])} tokens, and with --max-completion-length "
-            f"{args.max_completion_length} it exceeds the model's context of {max_context} tokens. Pass "
-            f"--max-prompt-length {max_context - args.max_completion_length} to drop such prompts, or lower "
-            f"--max-completion-length."
+        raise SystemExit(
+            f"error: {source}, row {longest}: the prompt has {len(prompt_ids[longest])} tokens, and with "
+            f"--max-completion-length {args.max_completion_length} it exceeds the model's context of {max_context} "
+            f"tokens. Pass --max-prompt-length {max_context - args.max_completion_length} to drop such prompts, or "
+            f"lower --max-completion-length."
         )
     pick = lambda values: [values[i] for i in keep]
     return PromptSet(pick(prompt_ids), pick(prompts), {c: pick(v) for c, v in columns.items()}, prompts_are_messages)
@@ -966,7 +976,7 @@ def eval_source(args):
 
 def read_dataset(args, evaluation=False):
     """The training dataset (with `evaluation`, the eval dataset of eval_source) as {column: list of values}, read
-    with `datasets` before any model loads: a hub dataset, or a local .json / .jsonl / .parquet file. Its errors
+    with `datasets` before any model loads: a hub dataset, or a local .json / .jsonl / .csv / .parquet file. Its errors
     become one line naming the file and, in a .jsonl file, the first line that is not a JSON object with the first
     line's keys (`datasets` reads the file as one table: a missing value is null, not a missing key)."""
     from datasets import load_dataset
@@ -974,8 +984,8 @@ def read_dataset(args, evaluation=False):
     source = eval_source(args) if evaluation else (args.dataset_name, args.dataset_config, args.dataset_split)
     flag, (name, config, split) = "--eval-dataset" if evaluation else "--dataset-name", source
     try:
-        if name.endswith((".json", ".jsonl", ".parquet")):
-            builder = "parquet" if name.endswith(".parquet") else "json"
+        if name.endswith((".json", ".jsonl", ".csv", ".parquet")):
+            builder = {".csv": "csv", ".parquet": "parquet"}.get(os.path.splitext(name)[1], "json")
             dataset = load_dataset(builder, data_files=name, split="train").to_dict()
         else:
             dataset = load_dataset(name, config, split=split).to_dict()
@@ -983,6 +993,8 @@ def read_dataset(args, evaluation=False):
         where, message, keys = (f", split {split}" if not is_local(name) else ""), repr(error), None
         if os.path.isfile(name) and not open(name, "rb").read().strip():
             where, message = "", "the file is empty: it holds no records"
+        if os.path.isdir(name):
+            message = "a directory of .json / .jsonl / .csv / .parquet files (or a dataset script) expected: " + message
         for number, line in enumerate(open(name, encoding="utf-8") if name.endswith(".jsonl") else [], 1):
             if not line.strip():
                 continue
@@ -1019,11 +1031,23 @@ def check_dataset(args, dataset, reward_fns, evaluation=False):
                 f"Pass {option} with one of those"
                 + (', or --answer-column "" if it has none.' if "answer" in option else ".")
             )
+    prompts, kind = dataset[args.prompt_column], list if isinstance(dataset[args.prompt_column][0], list) else str
+    for row in [i for i, prompt in enumerate(prompts) if not isinstance(prompt, kind)][:1]:
+        raise SystemExit(
+            f"error: {flag} {name}, row {row}: --prompt-column '{args.prompt_column}' holds {prompts[row]!r}, not a "
+            f"prompt: every row holds a string, or every row a list of chat messages"
+        )
     # what reward functions receive (load_prompts: the answer column as `answer`)
     given = set(columns) - {args.prompt_column}
     if args.answer_column and args.answer_column != "answer":
         given = given - {args.answer_column} | {"answer"}
-    given |= {"completions", "prompts", "completion_ids", "max_completion_length", *args.reward_kwargs}
+    given |= {"completions", "prompts", "completion_ids", "max_completion_length"}
+    if clash := sorted(given & set(args.reward_kwargs)):
+        raise SystemExit(
+            f"error: --reward-kwargs {clash[0]} would replace the reward functions' argument of that name (a column of "
+            f"{flag} {name}, or one the trainer passes: {sorted(given)}): use another keyword"
+        )
+    given |= set(args.reward_kwargs)
     if missing := rewards.missing_argument(reward_fns, given):
         fn, needed = missing[0].__name__, missing[1]
         what, fix = f"a column '{needed}', which {flag} {name} does not have", "pass other --reward-funcs or data"
@@ -1420,7 +1444,7 @@ def save_checkpoint(run, global_step, prompts_consumed, **counters):
     path = os.path.join(run.output_dir, f"checkpoint-{global_step}")
     shutil.rmtree(f"{path}.tmp", ignore_errors=True)  # a save of this run that a crash interrupted
     run.model.save_pretrained(f"{path}.tmp", state_dict=model_state)
-    run.tokenizer.save_pretrained(f"{path}.tmp")
+    save_tokenizer(f"{path}.tmp", run.tokenizer_files)
     counters |= dict(global_step=global_step, prompts_consumed=prompts_consumed)
     state = {"optimizer": optimizer_state, "scheduler": run.scheduler.state_dict(), **counters}
     state |= {"torch_rng": [r[0] for r in rng_states], "cuda_rng": [r[1] for r in rng_states] if cuda else None}
@@ -1434,15 +1458,16 @@ def save_checkpoint(run, global_step, prompts_consumed, **counters):
 
 
 def stop_preempted(run, global_step):
-    """After SIGTERM's checkpoint: say how to continue, and exit with 143 (128 + SIGTERM: stopped, not finished)."""
+    """After the checkpoint SIGTERM or Ctrl-C asked for: say how to continue, exit with 128 + the signal (143, 130)."""
+    signum = getattr(run.preemption, "signum", signal.SIGTERM)  # (another rank may have got the signal alone)
     if run.is_main:
         tip = f"the same command with --output-dir {run.output_dir} --resume-from-checkpoint latest continues the run"
-        print(f"SIGTERM: wrote checkpoint-{global_step} and stopped; {tip}", flush=True)
+        print(f"{signum.name}: wrote checkpoint-{global_step} and stopped; {tip}", flush=True)
         if run.wandb:
             run.wandb.mark_preempting()
     if run.world_size > 1:
         dist.destroy_process_group()
-    sys.exit(143)
+    sys.exit(128 + signum)
 
 
 def finish(run):
@@ -1452,9 +1477,10 @@ def finish(run):
     model_state = full_state(run.model, None)[0] if run.args.max_steps else None
     if run.is_main:
         if run.args.max_steps:
-            save_final(run.output_dir, run.model, run.tokenizer, model_state)
+            save_final(run.output_dir, run.model, run.tokenizer_files, model_state)
             print(f"saved the final model to {run.output_dir}")
-        run.metrics_file.close()
+        if run.metrics_file:
+            run.metrics_file.close()
         if run.wandb:
             run.wandb.finish()
         os.close(run.lock)  # the run is over: no process holds its directory now
@@ -1477,16 +1503,34 @@ def full_state(model, optimizer):
     return get_model_state_dict(model, options=options), optimizer_state
 
 
-def save_final(output_dir, model, tokenizer, state_dict=None):
+def save_final(output_dir, model, tokenizer_files, state_dict=None):
     """save_pretrained into output_dir itself, next to checkpoints and metrics: the files are written to a temporary
     folder, then each is moved in with an atomic rename, config.json last, so a config.json means a complete model."""
     tmp = os.path.join(output_dir, ".final.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp, state_dict=state_dict)
-    tokenizer.save_pretrained(tmp)
+    save_tokenizer(tmp, tokenizer_files)
     for name in sorted(os.listdir(tmp), key=lambda n: n == "config.json"):
         os.replace(os.path.join(tmp, name), os.path.join(output_dir, name))
     os.rmdir(tmp)
+
+
+def tokenizer_files(model_path, tokenizer):
+    """{name: bytes}: model_path's tokenizer files, saved as they are (save_pretrained drops `legacy`, ...)."""
+    from transformers.utils import cached_file
+
+    names = {"tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "chat_template.jinja"}
+    names |= set(tokenizer.vocab_files_names.values())  # tokenizer.json, tokenizer.model, vocab.json, ...
+    missing_ok = dict(_raise_exceptions_for_missing_entries=False, _raise_exceptions_for_connection_errors=False)
+    paths = (cached_file(model_path, name, **missing_ok) for name in sorted(names))
+    return {os.path.basename(path): open(path, "rb").read() for path in paths if path}
+
+
+def save_tokenizer(directory, tokenizer_files):
+    """Write the tokenizer's files, as tokenizer_files read them, into directory."""
+    for name, data in tokenizer_files.items():
+        with open(os.path.join(directory, name), "wb") as f:
+            f.write(data)
 
 
 def checkpoints(output_dir):
@@ -1553,7 +1597,10 @@ def claim_run_dir(args):
         if checkpoint == "latest":
             checkpoint = (checkpoints(out) or [None])[-1]
             if checkpoint is None:
-                raise SystemExit(f"error: --resume-from-checkpoint latest: {out} holds no complete checkpoint-N")
+                raise SystemExit(
+                    f"error: --resume-from-checkpoint latest: {out} holds no complete checkpoint-N to continue. Start a "
+                    f"new run: the same command without --resume-from-checkpoint and with another --output-dir, or none"
+                )
         if checkpoint is None:
             files = sorted(set(os.listdir(out)) - {".lock"})
             if files:
@@ -1618,17 +1665,20 @@ def remove_unstarted(output_dir):
             os.rmdir(output_dir)
 
 
-def on_sigterm():
-    """Preemption: a cluster scheduler sends SIGTERM, then SIGKILL after a grace period. SIGTERM sets the returned
-    event; the loop then writes a checkpoint at the end of the current step and exits (resume with the run's
-    --output-dir and --resume-from-checkpoint latest). A second SIGTERM ends the process at once."""
-    requested = threading.Event()
+def on_stop_signal():
+    """Preemption (a cluster scheduler sends SIGTERM, then SIGKILL after a grace period) and Ctrl-C (SIGINT) set the
+    returned event; the loop then writes a checkpoint at the end of the current step and exits (resume with the run's
+    --output-dir and --resume-from-checkpoint latest). A second SIGTERM, or Ctrl-C, ends the process at once."""
+    requested, previous = threading.Event(), {}
 
     def handler(signum, frame):
+        requested.signum = signal.Signals(signum)
+        os.write(2, f"\n{requested.signum.name}: stopping after this step's checkpoint (again: stop now)\n".encode())
         requested.set()
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.signal(signum, previous[signum])
 
-    signal.signal(signal.SIGTERM, handler)
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        previous[signum] = signal.signal(signum, handler) or signal.SIG_DFL
     return requested
 
 
@@ -1672,10 +1722,10 @@ def parse_args(argv=None):
 
 
 def is_local(path):
-    """A model or dataset name that is a local path, not a hub name: a .json / .jsonl / .parquet file, absolute,
-    ./ ../ ~, several '/', or its first folder exists here."""
-    local = path.startswith(("/", ".", "~")) or path.count("/") > 1 or "\\" in path or path.endswith(".parquet")
-    return local or path.endswith((".json", ".jsonl")) or os.path.isdir(path.split("/")[0])
+    """A model or dataset name that is a local path, not a hub name: a .json / .jsonl / .csv / .parquet file,
+    absolute, ./ ../ ~, several '/', or its first folder exists here."""
+    local = path.startswith(("/", ".", "~")) or path.count("/") > 1 or "\\" in path
+    return local or path.endswith((".json", ".jsonl", ".csv", ".parquet")) or os.path.isdir(path.split("/")[0])
 
 
 def path_problem(flag, path, marker="config.json", kind="model"):
@@ -1725,6 +1775,8 @@ def check_args(args, world_size, rules=(), problems=(), steps_per_round=1, steps
     for flag, name in (("--dataset-name", args.dataset_name), ("--eval-dataset", args.eval_dataset)):
         if name is not None and is_local(name) and not os.path.exists(name):
             problems.append(f"{flag} {name} does not exist (no such file or directory)")
+        elif name is not None and os.path.isfile(name) and not name.endswith((".json", ".jsonl", ".csv", ".parquet")):
+            problems.append(f"{flag} {name}: a .json / .jsonl / .csv / .parquet file (or a directory of them) expected")
     evaluating = args.eval_steps > 0 or args.max_steps == 0
     if evaluating and eval_source(args) is None:
         problems.append(
@@ -1739,6 +1791,11 @@ def check_args(args, world_size, rules=(), problems=(), steps_per_round=1, steps
         problems.append(f"--output-dir {args.output_dir} is a file, not a directory")
     if problems := [p for p in problems if p]:
         raise SystemExit("\n".join(["error: " + p for p in problems]))
+    if 0 < args.max_steps <= args.warmup_steps:
+        print(
+            f"warning: --warmup-steps {args.warmup_steps} >= --max-steps {args.max_steps}: the learning rate never "
+            f"reaches --learning-rate {args.learning_rate}"
+        )
 
 
 if __name__ == "__main__":

@@ -127,9 +127,11 @@ def soft_overlong_punishment(
 
 
 def keyword_reward(completions, keyword, **kwargs) -> list[float]:
-    """1.0 if the row's `keyword` occurs in the completion as a whole word (case-insensitive), else 0.0."""
+    """1.0 if the row's `keyword` occurs in the completion as a whole word (case-insensitive), else 0.0. `keyword` is a
+    dataset column or one word for every row (--reward-kwargs keyword play)."""
+    keywords = [keyword] * len(completions) if isinstance(keyword, str) else _column(completions, "keyword", keyword)
     rewards = []
-    for completion, word in zip(completions, _column(completions, "keyword", keyword)):
+    for completion, word in zip(completions, keywords):
         pattern = rf"(?<!\w){re.escape(str(word).strip())}(?!\w)"
         rewards.append(float(re.search(pattern, _text(completion), re.IGNORECASE) is not None))
     return rewards
