@@ -987,8 +987,8 @@ def read_dataset(args, evaluation=False):
         if name.endswith((".json", ".jsonl", ".csv", ".parquet")):
             builder = {".csv": "csv", ".parquet": "parquet"}.get(os.path.splitext(name)[1], "json")
             dataset = load_dataset(builder, data_files=name, split="train").to_dict()
-        else:
-            dataset = load_dataset(name, config, split=split).to_dict()
+        else:  # a local directory gets no --dataset-config (its default, gsm8k's "main", is not a builder config)
+            dataset = load_dataset(name, None if os.path.isdir(name) else config, split=split).to_dict()
     except Exception as error:  # noqa: BLE001 - any failure to read the data is the flag's problem
         where, message, keys = (f", split {split}" if not is_local(name) else ""), repr(error), None
         if os.path.isfile(name) and not open(name, "rb").read().strip():

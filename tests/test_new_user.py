@@ -182,6 +182,13 @@ def test_a_csv_file_trains_and_an_empty_directory_is_one_line(monkeypatch, capsy
     check(run_script("grpo.py", *BASE, "--dataset-name", csv, "--max-steps", 1, "--output-dir", out))
     assert [m["step"] for m in read_metrics(out)] == [1]
 
+    # a directory of such files, with the default --dataset-config (gsm8k's "main", which no local builder has)
+    (tmp_path / "folder").mkdir()
+    shutil.copy(csv, tmp_path / "folder" / "prompts.csv")
+    check(
+        run_script("grpo.py", *BASE, "--dataset-name", tmp_path / "folder", "--max-steps", 1, "--output-dir", out / "d")
+    )
+
     (tmp_path / "empty").mkdir()
     (tmp_path / "prompts.txt").write_text("Once upon a time\n")
     for script in SCRIPTS:
