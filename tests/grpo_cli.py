@@ -389,3 +389,13 @@ def check(result):
 def read_metrics(output_dir):
     with open(Path(output_dir) / "metrics.jsonl") as f:
         return [json.loads(line) for line in f]
+
+
+def wait_for_steps(process, output_dir, steps=1, timeout=240):
+    """Wait until `process` (a Process) has logged `steps` optimizer steps to output_dir/metrics.jsonl."""
+    metrics = Path(output_dir) / "metrics.jsonl"
+    deadline = time.time() + timeout
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= steps):
+        assert process.poll() is None, f"the run ended early:\n{process.communicate()[1][-3000:]}"
+        assert time.time() < deadline, "no metrics line in time"
+        time.sleep(0.05)

@@ -30,6 +30,7 @@ from grpo_cli import (
     read_metrics,
     run_script,
     script_env,
+    wait_for_steps,
     write_jsonl,
 )
 
@@ -73,15 +74,6 @@ def assert_bitwise_equal(a, b):
     assert a.keys() == b.keys()
     for key in a:
         assert torch.equal(a[key], b[key]), key
-
-
-def wait_for_steps(process, output_dir, steps, timeout=240):
-    metrics = Path(output_dir) / "metrics.jsonl"
-    deadline = time.time() + timeout
-    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= steps):
-        assert process.poll() is None, f"the run ended early:\n{process.communicate()[1][-3000:]}"
-        assert time.time() < deadline, "no metrics line in time"
-        time.sleep(0.05)
 
 
 # ----------------------------------------------------------------------------------------------------------------

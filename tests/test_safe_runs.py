@@ -20,7 +20,7 @@ import time
 import pytest
 import transformers
 
-from grpo_cli import ASSETS, ROOT, SMALL, Process, check, launch, read_metrics, run_script, write_jsonl
+from grpo_cli import ASSETS, ROOT, SMALL, Process, check, launch, read_metrics, run_script, wait_for_steps, write_jsonl
 
 SCRIPTS = ["grpo.py", "rloo.py", "online_dpo.py"]
 PROMPTS = [
@@ -54,16 +54,6 @@ def start_script(script, *args):
     """Start a training script as a process (as grpo_cli.run_script does, without waiting for it): a handle with
     Popen's pid, poll, communicate, send_signal, kill and wait."""
     return Process(script, *args)
-
-
-def wait_for_steps(process, output_dir, steps=1, timeout=180):
-    """Wait until `process` has logged `steps` optimizer steps to output_dir/metrics.jsonl."""
-    metrics = output_dir / "metrics.jsonl"
-    deadline = time.time() + timeout
-    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= steps):
-        assert process.poll() is None, f"the run ended early:\n{process.communicate()[1][-3000:]}"
-        assert time.time() < deadline, "no metrics line in time"
-        time.sleep(0.1)
 
 
 # ----------------------------------------------------------------------------------------------------------------
