@@ -114,7 +114,8 @@ class Args:
     the ratio is not 1)"""
     lora_target_modules: list[str] | None = None
     """names of the modules to adapt (None: every linear layer of the decoder, peft's all-linear; TRL's None is
-    peft's per-model default, q/v only for Qwen2). MoE experts kept as 3-D tensors are not Linear layers: not adapted"""
+    peft's per-model default, q/v only for Qwen2). MoE experts kept as 3-D tensors are no Linear layers, yet peft 0.21
+    adapts them (target_parameters) and the vLLM push refuses that: for a MoE model name the attention layers"""
     save_merged_model: bool = False
     """with --use-peft: also write the merged model (base + adapter, bf16) to {output_dir}/merged at the end"""
 

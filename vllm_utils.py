@@ -71,6 +71,11 @@ def named_weights(model, dtype=torch.bfloat16):
     model's names; the stored base is never changed (a bf16 merge and unmerge would not restore it)."""
     full = lambda param: param.detach().full_tensor() if hasattr(param, "full_tensor") else param.detach()  # noqa: E731
     lora = {f"{n}.base_layer.weight": m for n, m in model.named_modules() if "default" in getattr(m, "lora_A", {})}
+    if other := [n for n, m in lora.items() if not isinstance(m.base_layer, torch.nn.Linear)]:  # e.g. MoE experts
+        raise NotImplementedError(
+            f"LoRA on {other[0].removesuffix('.base_layer.weight')}, not a Linear layer, is not merged for vLLM: "
+            "name Linear layers in --lora-target-modules (peft adapts a MoE model's 3-D experts otherwise)"
+        )
     for name, param in base_parameters(model):
         tensor = full(param)  # FSDP2: gathered
         if (layer := lora.get(name)) is not None:

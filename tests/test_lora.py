@@ -240,3 +240,71 @@ def test_torch_compile_is_off_with_lora_and_a_line_says_so(capsys, script):
     vllm_utils.check_args(script.Args(use_vllm=True, use_peft=True, torch_compile=False))
     vllm_utils.check_args(script.Args(use_vllm=True))
     assert "--torch-compile" not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("script", ["rloo.py", "online_dpo.py"])
+def test_rloo_and_online_dpo_train_an_adapter_whose_reference_is_the_base(tmp_path, script):
+    """Through the scripts: the KL to the reference (the base, adapters off) is exactly 0 at step 1, later not; the
+    output is the adapter."""
+    from grpo_cli import STORIES_TASK, run_script
+
+    out = tmp_path / "run"
+    args = [*STORIES_TASK, "--max-completion-length", 12, "--prompts-per-step", 8, "--max-steps", 3, "--seed", 1]
+    args += ["--use-peft", "--learning-rate", 1e-2, "--output-dir", out]
+    args += ["--num-generations", 4, "--beta", 0.05] if script == "rloo.py" else ["--num-generations", 2]
+    check(run_script(script, *args))
+    kl = [m["kl/k1_token_mean" if script == "rloo.py" else "kl/k1_sequence_sum"] for m in read_metrics(out)]
+    assert kl[0] == 0.0 and any(value != 0 for value in kl[1:]), kl
+    assert (out / "adapter_model.safetensors").exists() and not (out / "model.safetensors").exists()
+
+
+def test_a_moe_model_with_its_3d_experts_adapted_is_refused_and_one_with_attention_lora_pushed(tmp_path):
+    """Qwen3-MoE in transformers 5 keeps each layer's experts as 3-D tensors, not Linear layers, yet peft 0.21's
+    all-linear adapts them (target_parameters): the push, which merges Linear layers only, refuses that with the fix.
+    With the attention layers named, it sends what save_pretrained writes (per-expert tensors), the experts as they
+    were and the attention merged."""
+    from transformers import Qwen3MoeConfig
+
+    config = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2)
+    config.update(intermediate_size=48, moe_intermediate_size=8, num_experts_per_tok=2, tie_word_embeddings=False)
+    config = Qwen3MoeConfig(**config, head_dim=16, num_experts=4, decoder_sparse_step=1, mlp_only_layers=[])
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).to(torch.bfloat16).save_pretrained(tmp_path)
+    saved = load_file(tmp_path / "model.safetensors")
+    model = trained_lora(AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16))
+    assert any("experts" in name for name, _ in model.named_parameters() if ".lora_" in name)  # peft's choice
+    with pytest.raises(NotImplementedError, match="mlp.experts.*name Linear layers in --lora-target-modules"):
+        list(vllm_utils.named_weights(model))
+    attention = grpo.Args(use_peft=True, lora_r=4, lora_alpha=12, lora_target_modules=["q_proj", "k_proj", "v_proj"])
+    model = grpo.add_lora(
+        attention, AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16), torch.float32
+    )
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(std=0.2)
+    sent = dict(vllm_utils.named_weights(model))
+    assert sorted(sent) == sorted(saved) and vllm_utils.weight_metadata(model)["names"] == list(sent)
+    for name, tensor in saved.items():
+        assert torch.equal(sent[name], tensor) != any(f".{p}." in name for p in ("q_proj", "k_proj", "v_proj")), name
+
+
+def test_lora_under_torchrun_checkpoints_and_resumes(tmp_path):
+    """FSDP2 on 2 ranks: the adapter checkpoint (gathered by parameter name) resumes on 2 ranks, to the same adapter
+    as the run that was not interrupted."""
+    from grpo_cli import launch
+
+    out = tmp_path / "run"
+    data = ASSETS / "stories_prompts.jsonl"
+    common = [*SMALL, "--dataset-name", data, "--output-dir", out, "--prompts-per-step", 4, "--save-steps", 1]
+    common += ["--use-peft", "--beta", 0.04, "--max-steps", 3]
+    result = launch("grpo.py", *common, nproc=2)
+    assert result.returncode == 0, result.stderr[-3000:]
+    final, metrics = load_file(out / "adapter_model.safetensors"), read_metrics(out)
+    (out / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in metrics[:2]))
+    resumed = launch("grpo.py", *common, "--resume-from-checkpoint", out / "checkpoint-2", nproc=2)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    again = load_file(out / "adapter_model.safetensors")
+    assert again.keys() == final.keys() and metrics[0]["kl/k3_token_mean"] == 0.0
+    for name in final:
+        torch.testing.assert_close(again[name], final[name], atol=1e-6, rtol=1e-5, msg=name)
