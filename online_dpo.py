@@ -95,6 +95,23 @@ class Args:
     system_prompt: str | None = None
     """optional system message put before every prompt"""
 
+    # LoRA (peft): a frozen bf16 base, adapters in --param-dtype; vLLM gets the merged weights (docs/grpo.md)
+    use_peft: bool = False
+    """train LoRA adapters instead of the whole model; the reference model is the base (adapters disabled, no copy)"""
+    lora_r: int = 16
+    """LoRA rank r"""
+    lora_alpha: int = 32
+    """LoRA alpha: the update is (alpha / r) B A"""
+    lora_dropout: float = 0.0
+    """dropout on the adapters' input (TRL: 0.05; here 0: dropout makes two passes over the same tokens disagree, so
+    the ratio is not 1)"""
+    lora_target_modules: list[str] | None = None
+    """names of the modules to adapt (None: every linear layer of the decoder, peft's all-linear; TRL's None is
+    peft's per-model default, q/v only for Qwen2). MoE experts kept as 3-D tensors are no Linear layers, yet peft 0.21
+    adapts them (target_parameters) and the vLLM push refuses that: for a MoE model name the attention layers"""
+    save_merged_model: bool = False
+    """with --use-peft: also write the merged model (base + adapter, bf16) to {output_dir}/merged at the end"""
+
     # Data
     dataset_name: str = "openai/gsm8k"
     """hub dataset name, or a local .json / .jsonl / .csv / .parquet file"""
@@ -301,6 +318,8 @@ RULES = [
     ("num_generations", lambda v: v >= 2, "at least 2: a preference pair compares two completions of a prompt"),
     ("beta", lambda v: len(v) > 0 and min(v) > 0, "one or more values > 0"),
     ("missing_eos_penalty", lambda v: v > 0, "> 0 (it is subtracted from the reward)"),
+    ("lora_r", lambda v: v >= 1, "at least 1"),
+    ("lora_dropout", lambda v: 0 <= v < 1, "in [0, 1)"),
 ]
 
 
@@ -621,25 +640,27 @@ def set_up(args, rules, problems=(), reference_model=False, steps_per_generation
     model_path = checkpoint_dir or args.model_name_or_path
     run.tokenizer = tokenizer = AutoTokenizer.from_pretrained(model_path)
     run.tokenizer_files = tokenizer_files(model_path, tokenizer)
+    model_path = args.model_name_or_path if args.use_peft else model_path  # a LoRA checkpoint holds only the adapter
     max_context = getattr(AutoConfig.from_pretrained(model_path), "max_position_embeddings", None) or 10**9
     run.train_set = load_prompts(args, dataset, tokenizer, max_context)
     run.eval_set = None if eval_dataset is None else load_prompts(args, eval_dataset, tokenizer, max_context, True)
     if args.prompts_per_step > (kept := len(run.train_set.prompt_ids)):
         print(f"warning: --prompts-per-step {args.prompts_per_step} > the {kept} prompts kept: steps repeat prompts")
-    dtype = getattr(torch, args.param_dtype)
-    run.model = model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(device)
+    dtype = getattr(torch, args.param_dtype)  # --use-peft: the adapters'; the frozen base's is bf16 (no updates)
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.bfloat16 if args.use_peft else dtype)
     for module in model.modules():  # dropout would make two passes over the same tokens disagree (ratio != 1)
         if isinstance(module, torch.nn.Dropout):
             module.p = 0.0
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    run.ref_model = None
-    if reference_model:  # the initial model, also when resuming, in the policy's dtype and compute: KL 0 at step 1
+    run.model = model = (add_lora(args, model, dtype, checkpoint_dir) if args.use_peft else model).to(device)
+    run.ref_model = WithoutAdapters(model) if reference_model and args.use_peft else None  # the base: no copy
+    if reference_model and not args.use_peft:  # the initial model, also when resuming, in the policy's dtype: KL 0
         run.ref_model = AutoModelForCausalLM.from_pretrained(args.model_name_or_path, dtype=dtype)
         run.ref_model.to(device).eval().requires_grad_(False)
-    models = [model] + ([run.ref_model] if reference_model else [])
-    if args.torch_compile and device.type == "cuda" and args.use_vllm and world_size == 1:  # one graph per layer type
-        for layer in (layer for each in models for layer in decoder_layers(each)):
+    models = [model] + ([run.ref_model] if reference_model and not args.use_peft else [])
+    if args.torch_compile and not args.use_peft and device.type == "cuda" and args.use_vllm and world_size == 1:
+        for layer in (layer for each in models for layer in decoder_layers(each)):  # one graph per layer type
             layer.forward = torch.compile(layer.forward, dynamic=True)
     if world_size > 1:  # FSDP2: every rank keeps 1/world_size of the weights, gradients and AdamW states
         for each in models:
@@ -653,7 +674,8 @@ def set_up(args, rules, problems=(), reference_model=False, steps_per_generation
 
     # optimizer and schedule; fused: one CUDA kernel for all parameters, without foreach's full-size temporaries
     adamw = dict(lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2), weight_decay=args.weight_decay)
-    run.optimizer = torch.optim.AdamW(model.parameters(), **adamw, fused=device.type == "cuda")
+    trained = [param for param in model.parameters() if param.requires_grad]  # --use-peft: the adapters only
+    run.optimizer = torch.optim.AdamW(trained, **adamw, fused=device.type == "cuda")
     run.scheduler = get_scheduler(args.lr_scheduler_type, run.optimizer, args.warmup_steps, args.max_steps)
     torch.manual_seed(args.seed + rank)  # from here on each rank samples its own completions
     run.counters = load_checkpoint(run, checkpoint_dir) if checkpoint_dir else {}  # global_step, prompts_consumed, ...
@@ -1053,7 +1075,8 @@ class TokenLogprobs(torch.autograd.Function):
             grad = fused(softmax_grad, h)(logits.detach(), lse[rows], grad_logprobs[rows], t, ctx.temperature)
             grad = grad if plain else torch.autograd.grad(logits, raw, grad)[0]  # through the model's transform
             grad_hidden[rows] = grad @ w
-            add_matmul(grad_weight, grad.T, h)
+            if ctx.needs_input_grad[1]:  # (not for a frozen LM head: --use-peft)
+                add_matmul(grad_weight, grad.T, h)
             if grad_bias is not None:
                 grad_bias += grad.sum(0, dtype=torch.float32)
         return grad_hidden, None if into_grad else grad_weight, grad_bias, *[None] * 6
@@ -1161,6 +1184,32 @@ def token_budget_batches(rows, prompt_lengths, completion_lengths, budget):
     return batches + [current] if current else batches
 
 
+def add_lora(args, model, dtype, checkpoint_dir=None):
+    """--use-peft: peft's LoRA adapters in `dtype` on --lora-target-modules (None: all-linear), all else frozen."""
+    import peft
+
+    targets = args.lora_target_modules or "all-linear"
+    lora = dict(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout, target_modules=targets)
+    model = peft.get_peft_model(model, peft.LoraConfig(**lora), autocast_adapter_dtype=dtype == torch.float32)
+    if checkpoint_dir:
+        peft.set_peft_model_state_dict(model, peft.utils.load_peft_weights(checkpoint_dir))
+    return model
+
+
+class WithoutAdapters:
+    """--use-peft's reference model: the policy with its adapters disabled, i.e. the frozen base itself (no copy)."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def __getattr__(self, name):  # config, LM head, FSDP2's unshard: the policy's
+        return getattr(self.model, name)
+
+    def __call__(self, *args, **kwargs):
+        with self.model.disable_adapter():
+            return self.model(*args, **kwargs)
+
+
 # ------------------------------------------------------------------------------------------------------------------
 # Several GPUs (torchrun): FSDP2 shards the weights, each rank generates and scores whole groups of its own prompts
 
@@ -1251,7 +1300,7 @@ def hf_generate(model, prompt_ids, args, eos_ids, pad_id, num_generations=None, 
     decoding = sampling if temperature > 0 else dict(do_sample=False)  # temperature 0: greedy
     stopping = dict(max_new_tokens=args.max_completion_length, eos_token_id=eos_ids, pad_token_id=pad_id)
     config = GenerationConfig(**decoding, **stopping, repetition_penalty=args.repetition_penalty, use_cache=True)
-    model.eval()
+    model = (model.get_base_model() if hasattr(model, "peft_config") else model).eval()  # peft: its transformers model
     # generate fills every field left None here from model.generation_config (the checkpoint's generation_config.json:
     # no_repeat_ngram_size, suppress_tokens, ...), which neither the trainer's log-probs nor vLLM model; as the model's
     # own config, this one is completed with the library's neutral defaults only
@@ -1396,10 +1445,13 @@ def finish(run):
     save); then the logs, the run directory's lock and the process group are released."""
     run.progress.close()
     model_state = full_state(run.model, None)[0] if run.args.max_steps else None
+    merged = {n: t.cpu() for n, t in vllm_utils.named_weights(run.model)} if run.args.save_merged_model else None
     if run.is_main:
         if run.args.max_steps:
             save_final(run.output_dir, run.model, run.tokenizer_files, model_state)
-            print(f"saved the final model to {run.output_dir}")
+            if merged:  # what vLLM got (gathered on every rank), which vLLM and from_pretrained load; a new folder
+                save_final(f"{run.output_dir}/merged", run.model.get_base_model(), run.tokenizer_files, merged)
+            print(f"saved the final {'adapter' if run.args.use_peft else 'model'} to {run.output_dir}")
         if run.metrics_file:
             run.metrics_file.close()
         if run.wandb:
@@ -1659,6 +1711,22 @@ def path_problem(flag, path, marker="config.json", kind="model"):
     return None
 
 
+def lora_problem(args):
+    """--save-merged-model without --use-peft, or a --lora-target-modules name no Linear of the decoder has (config)."""
+    if args.save_merged_model and not args.use_peft:
+        return "--save-merged-model needs --use-peft (it merges the adapter)"
+    if args.use_peft and args.lora_target_modules and not path_problem("", args.model_name_or_path):
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(args.model_name_or_path))
+        head = model.get_output_embeddings()  # trained through its weight alone: not adapted
+        names = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and m is not head]
+        if missing := [t for t in args.lora_target_modules if not any(n == t or n.endswith(f".{t}") for n in names)]:
+            linear = ", ".join(sorted({n.rsplit(".", 1)[-1] for n in names}))
+            return f"--lora-target-modules {' '.join(missing)}: no linear layer of the decoder is so named ({linear})"
+
+
 def check_args(args, world_size, rules=(), problems=(), steps_per_round=1, steps_per_generation=1):
     """Every check that needs neither a model nor the data: value ranges (the shared flags', the algorithm's `rules`,
     vLLM's), flag combinations (and the algorithm's own `problems`) and that local paths exist (a missing local model
@@ -1689,6 +1757,7 @@ def check_args(args, world_size, rules=(), problems=(), steps_per_round=1, steps
         )
     problems += vllm_utils.check_args(args)
     problems.append(path_problem("--model-name-or-path", args.model_name_or_path))
+    problems.append(lora_problem(args))
     if args.resume_from_checkpoint != "latest":
         problems.append(
             path_problem("--resume-from-checkpoint", args.resume_from_checkpoint, "trainer_state.pt", "checkpoint")

@@ -32,7 +32,9 @@ _restart = lambda model, backend="nccl": f"Restart it as:\n  {serve_command(mode
 _layout = lambda backend: {"backend": backend, **({"gpus": trainer_gpu()} if backend == "ipc" else {})}  # noqa: E731
 START_HERE = "Start one on the trainer's GPU, before the trainer"
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "0.0.0.0", "::1", socket.gethostname())
-_strip = lambda name: name.replace("_checkpoint_wrapped_module.", "").replace("_fsdp_wrapped_module.", "")
+_strip = lambda name: (  # noqa: E731 - wrappers' infixes: activation checkpointing's, FSDP's, peft's
+    name.replace("_checkpoint_wrapped_module.", "").replace("_fsdp_wrapped_module.", "").replace(".base_layer.", ".")
+).removeprefix("base_model.model.")
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -46,8 +48,9 @@ def _checkpoint_tensors(model, name, tensor):
     loader needs; GPT-OSS's stays fused, Mixtral's becomes w1 / w3). Meta tensors give the shapes."""
     from transformers.core_model_loading import revert_weight_conversion
 
+    model = model.get_base_model() if hasattr(model, "peft_config") else model  # peft: the transformers model inside
     if "_converted_names" not in vars(model):  # once per model, on the meta device: which parameters change at all
-        meta = {_strip(n): torch.empty(p.shape, device="meta") for n, p in model.named_parameters()}
+        meta = {_strip(n): torch.empty(p.shape, device="meta") for n, p in base_parameters(model)}
         saved = revert_weight_conversion(model, dict(meta))
         model._converted_names = {n for n, t in meta.items() if n not in saved or saved[n].shape != t.shape}
     name = _strip(name)  # the reverse costs ~0.3 ms a tensor: only for those that change
@@ -56,18 +59,35 @@ def _checkpoint_tensors(model, name, tensor):
     return list(revert_weight_conversion(model, {name: tensor}).items())
 
 
+def base_parameters(model):
+    """(name, parameter) of the weights vLLM holds: all of them, but a peft model's LoRA matrices (merged in instead)."""
+    return ((name, param) for name, param in model.named_parameters() if ".lora_" not in name)
+
+
 def named_weights(model, dtype=torch.bfloat16):
     """(checkpoint name, tensor) per parameter, cast to `dtype` (bf16 halves the bytes sent), tied ones once. A
-    generator: with FSDP2 each is gathered (a collective: all ranks iterate alike) only when reached, then dropped."""
-    for name, param in model.named_parameters():
-        tensor = param.detach().full_tensor() if hasattr(param, "full_tensor") else param.detach()  # FSDP2: gather
+    generator: with FSDP2 each is gathered (a collective: all ranks iterate alike) only when reached, then dropped.
+    A peft model's adapted weights go merged, W + (alpha / r) B A, in fp32 rounded once to `dtype`, under the base
+    model's names; the stored base is never changed (a bf16 merge and unmerge would not restore it)."""
+    full = lambda param: param.detach().full_tensor() if hasattr(param, "full_tensor") else param.detach()  # noqa: E731
+    lora = {f"{n}.base_layer.weight": m for n, m in model.named_modules() if "default" in getattr(m, "lora_A", {})}
+    if other := [n for n, m in lora.items() if not isinstance(m.base_layer, torch.nn.Linear)]:  # e.g. MoE experts
+        raise NotImplementedError(
+            f"LoRA on {other[0].removesuffix('.base_layer.weight')}, not a Linear layer, is not merged for vLLM: "
+            "name Linear layers in --lora-target-modules (peft adapts a MoE model's 3-D experts otherwise)"
+        )
+    for name, param in base_parameters(model):
+        tensor = full(param)  # FSDP2: gathered
+        if (layer := lora.get(name)) is not None:
+            delta = full(layer.lora_B["default"].weight).float() @ full(layer.lora_A["default"].weight).float()
+            tensor = tensor.float() + layer.scaling["default"] * (delta.T if layer.fan_in_fan_out else delta)
         yield from _checkpoint_tensors(model, name, tensor.to(dtype))
 
 
 def weight_metadata(model, dtype=torch.bfloat16):
     """The lists vLLM allocates its receive buffers from: exactly the tensors `named_weights` streams, in its order.
     Read from the parameters without gathering anything (an FSDP2 DTensor's shape is the full one)."""
-    meta = [(n, torch.empty(p.shape, device="meta")) for n, p in model.named_parameters()]
+    meta = [(n, torch.empty(p.shape, device="meta")) for n, p in base_parameters(model)]
     meta = [pair for n, t in meta for pair in _checkpoint_tensors(model, n, t)]
     dtype_names = [str(dtype).removeprefix("torch.")] * len(meta)
     return {"names": [n for n, _ in meta], "dtype_names": dtype_names, "shapes": [list(t.shape) for _, t in meta]}
@@ -719,6 +739,8 @@ def check_args(args):
             "--async-generation needs --use-vllm --vllm-mode server: only a server (on other GPUs or on the trainer's "
             "own) generates in another process, so that generation overlaps training"
         )
+    if args.use_vllm and getattr(args, "use_peft", False) and getattr(args, "torch_compile", False):
+        print("warning: --torch-compile is off with --use-peft: peft's LoRA layers are not compiled (not measured)")
     truncated = args.top_p < 1 or args.top_k > 0 or args.min_p > 0 or args.repetition_penalty != 1
     if args.use_vllm and getattr(args, "vllm_importance_sampling_correction", False) and truncated:
         print(
@@ -733,8 +755,9 @@ def check_args(args):
 
 def start_with_weights(args, model, model_path, max_prompt_length):
     """start(), then a server gets the trainer's weights at once: it may hold others (an earlier run, or this one
-    before a resume), and every round must be sampled by the trained policy."""
+    before a resume), and every round must be sampled by the trained policy. With --use-peft a colocated engine too:
+    it starts from the base model (a checkpoint holds only the adapter) and gets the merged weights."""
     engine = start(args, model_path, max_prompt_length)
-    if args.vllm_mode == "server":
+    if args.vllm_mode == "server" or getattr(args, "use_peft", False):
         sync_weights(engine, model)
     return engine

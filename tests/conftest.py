@@ -38,6 +38,8 @@ BACKGROUND_FIXTURES = [
     "online_dpo_learning_run",
     "rloo_learning_run",
     "sigterm_under_torchrun_run",
+    "lora_learning_run",
+    "lora_same_steps_run",
 ]
 
 
@@ -133,3 +135,24 @@ def sigterm_under_torchrun_run(background, tmp_path_factory):
     from test_safe_runs import sigterm_under_torchrun
 
     return background.submit(sigterm_under_torchrun, tmp_path_factory.mktemp("sigterm_torchrun"))
+
+
+@pytest.fixture(scope="session")
+def lora_learning_run(background, tmp_path_factory):
+    """lora_learning_run(lr): the output folder of `python grpo.py LEARNING --use-peft --learning-rate lr`
+    (tests/test_lora.py's learning test; its learning rate runs in the background from the session's start)."""
+    from test_lora import LORA_LEARNING_RATE
+
+    from grpo_cli import LEARNING
+
+    root = tmp_path_factory.mktemp("learn_lora")
+    return learning_runs(background, root, "grpo.py", [*LEARNING, "--use-peft"], [LORA_LEARNING_RATE])
+
+
+@pytest.fixture(scope="session")
+def lora_same_steps_run(background, tmp_path_factory):
+    """test_distributed.run_on_one_and_two_ranks for grpo.py with --use-peft (tests/test_lora.py), in the background."""
+    from test_distributed import run_on_one_and_two_ranks
+
+    path = tmp_path_factory.mktemp("same_steps_lora")
+    return background.submit(run_on_one_and_two_ranks, path, "grpo.py", False, ["--use-peft"])

@@ -42,10 +42,11 @@ def test_two_ranks_take_the_same_step_as_one(tmp_path):
 SAME_STEPS_SCRIPTS = [("grpo.py", True), ("rloo.py", False), ("online_dpo.py", False)]  # (script, real torchrun)
 
 
-def run_on_one_and_two_ranks(background, tmp_path, script, real_torchrun):
+def run_on_one_and_two_ranks(background, tmp_path, script, real_torchrun, extra=()):
     """The runs of test_the_scripts_take_the_same_steps_on_two_ranks_as_on_one: `python SCRIPT` (output tmp_path/one)
     and `torchrun --nproc_per_node 2 SCRIPT` (tmp_path/two), torchrun itself if real_torchrun, on the same global
-    batch; a background job (conftest.py's same_steps_runs). Returns tmp_path and the two CompletedProcesses."""
+    batch, with the `extra` arguments; a background job (conftest.py's same_steps_runs, lora_same_steps_run). Returns
+    tmp_path and the two CompletedProcesses."""
     from itertools import islice
 
     from grpo_cli import STORIES, write_jsonl
@@ -84,7 +85,7 @@ def run_on_one_and_two_ranks(background, tmp_path, script, real_torchrun):
         "grpo.py": ["--num-iterations", 2, "--max-steps", 2],
         "online_dpo.py": ["--max-steps", 1],
         "rloo.py": ["--num-iterations", 2, "--max-steps", 2, "--beta", 0],
-    }[script]  # RLOO's KL-in-reward would reward rank 1's rows
+    }[script] + list(extra)  # RLOO's KL-in-reward would reward rank 1's rows
     one = background.process(script, *args, "--output-dir", tmp_path / "one", timeout=1800).result()
     if real_torchrun:
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", script]

@@ -153,6 +153,17 @@ BAD_INPUTS = [  # (script, extra arguments (a function of tmp_path), what the me
         lambda t: ["--reward-funcs", "gsm8k_accuracy"],
         ["gsm8k_accuracy", "reference answer", "--answer-column"],
     ),
+    # LoRA: a --lora-target-modules name that no linear layer of the decoder has is found from the config alone, and
+    # the error names the linear layers there are (the LM head is not one: it is never adapted)
+    (
+        "grpo.py",
+        lambda t: ["--use-peft", "--lora-target-modules", "q_proj", "qkv_proj", "lm_head"],
+        ["--lora-target-modules qkv_proj lm_head: no linear layer", "down_proj, gate_proj, k_proj, o_proj, q_proj"],
+    ),
+    ("rloo.py", lambda t: ["--use-peft", "--lora-target-modules", "c_attn"], ["--lora-target-modules c_attn: no"]),
+    ("online_dpo.py", lambda t: ["--use-peft", "--lora-target-modules", "wq"], ["--lora-target-modules wq: no"]),
+    ("grpo.py", lambda t: ["--save-merged-model"], ["--save-merged-model needs --use-peft"]),
+    ("grpo.py", lambda t: ["--use-peft", "--lora-r", 0, "--lora-dropout", 1], ["--lora-r must be", "--lora-dropout"]),
 ]
 
 
