@@ -403,8 +403,6 @@ RULES = [
     ("beta", lambda v: v >= 0, ">= 0"),
     ("num_iterations", lambda v: v >= 1, "at least 1"),
     ("steps_per_generation", lambda v: v >= 1, "at least 1"),
-    ("lora_r", lambda v: v >= 1, "at least 1"),
-    ("lora_dropout", lambda v: 0 <= v < 1, "in [0, 1)"),
 ]
 
 
@@ -1738,6 +1736,8 @@ def on_stop_signal():
 # Start-up checks of the flags, all before any model loads
 
 COMMON_RULES = [  # (field, true for a valid value, what it must be) of the shared flags; None (unset) is always valid
+    ("lora_r", lambda v: v >= 1, "at least 1"),
+    ("lora_dropout", lambda v: 0 <= v < 1, "in [0, 1)"),
     ("prompts_per_step", lambda v: v >= 1, "at least 1"),
     ("max_prompt_length", lambda v: v >= 1, "at least 1"),
     ("max_completion_length", lambda v: v >= 1, "at least 1 (new tokens per completion)"),

@@ -318,8 +318,6 @@ RULES = [
     ("num_generations", lambda v: v >= 2, "at least 2: a preference pair compares two completions of a prompt"),
     ("beta", lambda v: len(v) > 0 and min(v) > 0, "one or more values > 0"),
     ("missing_eos_penalty", lambda v: v > 0, "> 0 (it is subtracted from the reward)"),
-    ("lora_r", lambda v: v >= 1, "at least 1"),
-    ("lora_dropout", lambda v: 0 <= v < 1, "in [0, 1)"),
 ]
 
 
@@ -1659,6 +1657,8 @@ def on_stop_signal():
 # Start-up checks of the flags, all before any model loads
 
 COMMON_RULES = [  # (field, true for a valid value, what it must be) of the shared flags; None (unset) is always valid
+    ("lora_r", lambda v: v >= 1, "at least 1"),
+    ("lora_dropout", lambda v: 0 <= v < 1, "in [0, 1)"),
     ("prompts_per_step", lambda v: v >= 1, "at least 1"),
     ("max_prompt_length", lambda v: v >= 1, "at least 1"),
     ("max_completion_length", lambda v: v >= 1, "at least 1 (new tokens per completion)"),

@@ -367,8 +367,6 @@ RULES = [
     ("reward_clip_range", lambda v: v[0] < v[1], "LOW HIGH with LOW < HIGH"),
     ("num_iterations", lambda v: v >= 1, "at least 1"),
     ("steps_per_generation", lambda v: v >= 1, "at least 1"),
-    ("lora_r", lambda v: v >= 1, "at least 1"),
-    ("lora_dropout", lambda v: 0 <= v < 1, "in [0, 1)"),
 ]
 
 
@@ -1655,6 +1653,8 @@ def on_stop_signal():
 # Start-up checks of the flags, all before any model loads
 
 COMMON_RULES = [  # (field, true for a valid value, what it must be) of the shared flags; None (unset) is always valid
+    ("lora_r", lambda v: v >= 1, "at least 1"),
+    ("lora_dropout", lambda v: 0 <= v < 1, "in [0, 1)"),
     ("prompts_per_step", lambda v: v >= 1, "at least 1"),
     ("max_prompt_length", lambda v: v >= 1, "at least 1"),
     ("max_completion_length", lambda v: v >= 1, "at least 1 (new tokens per completion)"),

@@ -30,7 +30,6 @@ SERVER_OPTIONS = dict(vllm_group_port=None, vllm_generation_chunk_size=8, vllm_g
 SERVER_OPTIONS.update(vllm_weight_sync_timeout=300.0, vllm_weight_sync_buffer_mb=1024)
 _restart = lambda model, backend="nccl": f"Restart it as:\n  {serve_command(model, **_layout(backend))}"  # noqa: E731
 _layout = lambda backend: {"backend": backend, **({"gpus": trainer_gpu()} if backend == "ipc" else {})}  # noqa: E731
-START_HERE = "Start one on the trainer's GPU, before the trainer"
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "0.0.0.0", "::1", socket.gethostname())
 _strip = lambda name: (  # noqa: E731 - wrappers' infixes: activation checkpointing's, FSDP's, peft's
     name.replace("_checkpoint_wrapped_module.", "").replace("_fsdp_wrapped_module.", "").replace(".base_layer.", ".")
@@ -214,10 +213,12 @@ def wait_for_server(base_url, timeout, model):
             if requests.get(f"{base_url}/health", timeout=5).status_code == 200:
                 return
         if time.monotonic() > deadline:
+            start_one = _both_commands(
+                model, port, "Start one on the trainer's GPU, before the trainer", "or on others"
+            )
             raise ConnectionError(
                 f"no vLLM server answered at {base_url}/health within {timeout:.0f} s (--vllm-server-timeout). "
-                f"{_both_commands(model, port, START_HERE, 'or on others')}\n"
-                f"or point --vllm-server-host / --vllm-server-port at it."
+                f"{start_one}\nor point --vllm-server-host / --vllm-server-port at it."
             )
         time.sleep(2)
 
