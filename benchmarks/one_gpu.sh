@@ -2,22 +2,25 @@
 # Server mode on ONE GPU (a `vllm serve --weight-transfer-config '{"backend": "ipc"}'` beside the trainer on its own
 # GPU, weights pushed as CUDA IPC handles), on a 1 x H200 host prepared by ../shared/gpu/README.md (source
 # .gpu/setup.sh first; TRL 1.16 on the path). Each phase fits one 10-minute device call.
-# Usage: bash benchmarks/one_gpu.sh serve|check|bench OUT_DIR; then python benchmarks/ratios.py OUT_DIR
+# Usage: bash benchmarks/one_gpu.sh serve|check|colocate|bench|faults OUT_DIR; then python benchmarks/ratios.py OUT_DIR
 #   serve: starts the compiled bench-0.5b IPC server (port 8001) in its own session: it outlives the call, and boots
 #          while later calls bring the rest of the payload. A fixed KV cache: the GPU fills up beside it.
-#   check: starts the bench-0.5b server unless it runs, the learning runs (the addition
-#          task with SmolLM2-135M-Instruct, 100 steps: grpo.py, rloo.py, online_dpo.py, each with and without
-#          --async-generation, each against its own eager IPC server: six servers and six trainers share the GPU),
+#   check: starts the bench-0.5b server unless it runs, the learning runs of $RUNS (the addition task with
+#          SmolLM2-135M-Instruct, 100 steps; by default the three scripts against their own eager IPC servers, grpo.py
+#          also with --async-generation and with --use-peft: all share the GPU),
 #          and tests/gpu/test_server_ipc.py (the sync check for the two tiny MoE models, then bench-0.5b once its
 #          server is up).
 #   bench: bench-0.5b side by side, PAIR=1: TRL colocate, ours colocate, ours one-GPU server, ours one-GPU server
 #          --async-generation; PAIR=2 the same in reverse order. Writes OUT_DIR/vs_trl.json (ratios.py, $COMMIT).
 #          BENCH_MODEL=/tmp/bench-qwen15b (../shared/gpu/make_bench_model.py TOK OUT 1.5b) for the 1.5B shape: its
 #          server is started on port 8002 (stop the 0.5b one first: both would not fit beside a trainer).
+#   colocate: the learning runs of $COLOCATE_RUNS, colocated (vLLM at 0.07 each; by default the three scripts with
+#          --use-peft, grpo.py at two learning rates), in a session of their own: the call returns at once, the runs
+#          go on (benchmarks/engine_turns.py starts their engines one at a time); OUT_DIR/colocate.out says when done.
 #   faults: tests/gpu/test_faults_ipc.py (trainers killed inside a push, the server killed inside one).
 set -u
 PHASE=$1; OUT=$2; mkdir -p "$OUT"
-python3 benchmarks/make_tasks.py /tmp/tasks > /dev/null
+[ -f /tmp/tasks/addition.jsonl ] || python3 benchmarks/make_tasks.py /tmp/tasks > /dev/null  # once: runs of other calls read it
 export WANDB_MODE=offline PYTHONUNBUFFERED=1 CUDA_VISIBLE_DEVICES=0
 BENCH="--model-name-or-path /tmp/bench-qwen05b --dataset-name /tmp/tasks/bench.jsonl --prompt-column prompt
        --answer-column '' --no-use-chat-template --reward-funcs keyword_reward --prompts-per-step 32 --num-generations 8
@@ -59,16 +62,18 @@ if [ "$PHASE" = check ]; then
   serve_bench
   EAGER_SMALL="--gpu-memory-utilization 0.04 --kv-cache-memory-bytes 2147483648 --max-model-len 1024 --enforce-eager
                --api-server-count 1"
+  # RUNS: name:script:mode[:extra flags, comma-separated]; each run gets an eager IPC server of its own (ports 8100+)
+  RUNS=${RUNS:-"grpo_ipc_sync:grpo:server rloo_ipc_sync:rloo:server online_dpo_ipc_sync:online_dpo:server
+    grpo_ipc_async:grpo:server:--async-generation grpo_lora_ipc_sync:grpo:server:--use-peft,--learning-rate,2e-4"}
   i=0
-  for s in grpo rloo online_dpo; do
-    for a in sync async; do
-      port=$((8100 + i)); i=$((i + 1)); serve_ipc /tmp/smol $port $EAGER_SMALL
-      [ "$s" = online_dpo ] && n="--prompts-per-step 64 --num-generations 4" || n="--prompts-per-step 16 --num-generations 8"
-      [ "$a" = async ] && n="$n --async-generation"
-      (sleep 5; OMP_NUM_THREADS=2 ours "${s}_ipc_$a" "${LEARN_LIMIT:-420}" "$s.py" $ADD $n --vllm-server-port $port \
-        --vllm-server-timeout 300) &
-      trainers="${trainers:-} $!"
-    done
+  for r in $RUNS; do
+    IFS=: read -r name s mode extra <<< "$r"
+    [ "$s" = online_dpo ] && n="--prompts-per-step 64 --num-generations 4" || n="--prompts-per-step 16 --num-generations 8"
+    n="$n ${extra//,/ }"  # a later --learning-rate replaces ADD's (tyro: the last one wins)
+    port=$((8100 + i)); i=$((i + 1)); serve_ipc /tmp/smol $port $EAGER_SMALL
+    n="$n --vllm-server-port $port --vllm-server-timeout 300"
+    (sleep 5; OMP_NUM_THREADS=2 ours "$name" "${LEARN_LIMIT:-420}" "$s.py" $ADD $n) &
+    trainers="${trainers:-} $!"
   done
   python3 tests/gpu/make_tiny_models.py /tmp/tiny-models > "$OUT/make_tiny.log" 2>&1
   GPU_RESULTS_DIR=$OUT VLLM_TEST_BENCH_URL=http://127.0.0.1:8001 timeout 500 python3 -m pytest -x -q -rs \
@@ -94,7 +99,31 @@ if [ "$PHASE" = bench ]; then
   fi
   python3 benchmarks/ratios.py "$OUT" --commit "${COMMIT:-unknown}"
 fi
+if [ "$PHASE" = colocate ]; then
+  setsid bash "$0" colocate_runs "$OUT" > "$OUT/colocate.out" 2>&1 < /dev/null &
+fi
+if [ "$PHASE" = colocate_runs ]; then
+  C="${ADD/--vllm-mode server/--vllm-mode colocate --vllm-gpu-memory-utilization 0.07}"
+  RUNS=(${COLOCATE_RUNS:-grpo_lora_colocate_lr1e-4:grpo:--use-peft,--learning-rate,1e-4
+    grpo_lora_colocate_lr3e-4:grpo:--use-peft,--learning-rate,3e-4 rloo_lora_colocate:rloo:--use-peft,--learning-rate,2e-4
+    online_dpo_lora_colocate:online_dpo:--use-peft,--learning-rate,2e-4})
+  TURNS=$OUT/turns; mkdir -p "$TURNS"; export ENGINE_TURN_TIMEOUT=240 ENGINE_BARRIER_TIMEOUT=300 OMP_NUM_THREADS=2
+  for i in "${!RUNS[@]}"; do
+    IFS=: read -r name s extra <<< "${RUNS[$i]}"
+    [ "$s" = online_dpo ] && n="--prompts-per-step 64 --num-generations 4" || n="--prompts-per-step 16 --num-generations 8"
+    echo "== $name: python $s.py $C $n ${extra//,/ }" > "$OUT/$name.log"
+    (
+      MASTER_ADDR=127.0.0.1 MASTER_PORT=$((29650 + i)) timeout "${LEARN_LIMIT:-540}" python3 benchmarks/engine_turns.py \
+        "$TURNS" "$i" "${#RUNS[@]}" "$s.py" --output-dir "$OUT/$name" $C $n ${extra//,/ } >> "$OUT/$name.log" 2>&1
+      echo "== $name exit $?" >> "$OUT/$name.log"
+      touch "$TURNS/$i.ready"
+      find "$OUT/$name" -mindepth 1 ! -name metrics.jsonl -delete
+    ) &
+  done
+  wait
+  echo "colocate runs done"
+fi
 if [ "$PHASE" = faults ]; then
   python3 tests/gpu/make_tiny_models.py /tmp/tiny-models > "$OUT/make_tiny.log" 2>&1
-  GPU_RESULTS_DIR=$OUT timeout 560 python3 -m pytest -q -rs tests/gpu/test_faults_ipc.py 2>&1 | tee "$OUT/pytest_faults_ipc.log"
+  GPU_RESULTS_DIR=$OUT timeout "${FAULT_LIMIT:-560}" python3 -m pytest -q -rs tests/gpu/test_faults_ipc.py 2>&1 | tee "$OUT/pytest_faults_ipc.log"
 fi

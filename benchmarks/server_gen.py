@@ -59,7 +59,7 @@ def main(port, out, rounds=4):
     tok = AutoTokenizer.from_pretrained("/tmp/bench-qwen05b")
     # the scripts' own requests: vllm_utils.server_generate, k prompts per /v1/completions request
     ours = lambda k: lambda prompts: list(zip(*vllm_utils.server_generate(url, model, prompts, 8, FIELDS, k)))  # noqa: E731
-    variants = {f"completions-{k}": ours(k) for k in (8, 4, 32, 1)}
+    variants = {f"completions-{k}": ours(k) for k in (8, 4, 2, 32, 1)}
     variants["tokens"] = partial(tokens, url, model)
     variants["tokens-nologprobs"] = partial(tokens, url, model, logprobs=False)
     keep = os.environ.get("VARIANTS", ",".join(variants)).split(",")
