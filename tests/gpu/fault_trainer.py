@@ -4,7 +4,7 @@ log-probs of its own samples with its own. With --die it SIGKILLs itself at a ch
 
     --die after-start     right after POST /start_weight_update answered (the server paused, its layers waiting)
     --die mid-broadcast   after half the tensors of the packed broadcast went out (1 MiB chunks: many broadcasts)
-    --die mid-update      IPC: while the server is inside the /update_weights of the middle chunk (1 MiB chunks):
+    --die mid-update      IPC: while the server is inside the /update_weights of the middle chunk (256 KiB chunks):
                           the memory its handle points at vanishes with this process
 
 Against an IPC server (--weight-transfer-config '{"backend": "ipc"}' on this GPU) there is no group: the weights go as
@@ -111,11 +111,13 @@ def main():
             send_unfused()
         result["stage"] = "init_weight_sync"
         result["backend"], ipc = server["backend"], server["backend"] == "ipc"
-        buffer_bytes = (1 << 20) if args.die in ("mid-broadcast", "mid-update") else (1 << 30)
+        # small chunks: a push of many /update_weights (a tiny model is a few MiB, so 256 KiB ones for mid-update)
+        buffer_bytes = {"mid-broadcast": 1 << 20, "mid-update": 1 << 18}.get(args.die, 1 << 30)
         if ipc:  # the layout first: the server must run on this GPU
             vllm_utils.check_transport(args.url, server, args.model)
             global MIDDLE_CHUNK
-            MIDDLE_CHUNK = sum(2 * t.numel() for t in model.parameters()) // buffer_bytes // 2
+            # at least the second: 0 (a model under two chunks) never matched, and the trainer lived (first GPU run)
+            MIDDLE_CHUNK = max(1, sum(2 * t.numel() for t in model.parameters()) // buffer_bytes // 2)
         else:
             group = vllm_utils.server_init_weight_sync(args.url, None, version=server["version"], timeout=60)
         result["init_s"] = time.perf_counter() - t0

@@ -159,6 +159,7 @@ def test_4_server_killed_inside_a_push_is_reported_and_the_run_resumes(ipc_serve
     steps = [line for line in open(out / "metrics.jsonl")] if (out / "metrics.jsonl").exists() else []
     values = {"victim": victim, "trainer_rc": rc, "seconds_to_report": seconds, "health_after_kill": health}
     values.update(trainer_said=said[-1500:], resume_rc=resume.returncode, resume_tail=resume.stdout[-800:])
+    values["resume_stderr"] = resume.stderr[-3000:]  # the first GPU run failed here with nothing on stdout
     values["metrics_rows_after_resume"] = len(steps)
     record(f"fault_ipc_server_killed_{victim}", values)
     if rc == 0:  # the server kept serving (a parent whose children live on): nothing to report, nothing lost
