@@ -59,6 +59,12 @@ serve_bench() {  # compiled, as a user's server would be
 
 [ "$PHASE" = serve ] && serve_bench
 if [ "$PHASE" = check ]; then
+  # the colocated engines of a `colocate` phase started before this one size their KV cache from the free memory:
+  # let them all start first ($TURNS_DIR: that phase's OUT_DIR/turns; 4 engines unless $TURNS_COUNT)
+  for _ in $(seq 240); do
+    [ -z "${TURNS_DIR:-}" ] || [ "$(ls "$TURNS_DIR"/*.ready 2>/dev/null | wc -l)" -ge "${TURNS_COUNT:-4}" ] && break
+    sleep 1
+  done
   serve_bench
   EAGER_SMALL="--gpu-memory-utilization 0.04 --kv-cache-memory-bytes 2147483648 --max-model-len 1024 --enforce-eager
                --api-server-count 1"

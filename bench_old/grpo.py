@@ -1,0 +1,1873 @@
+# GRPO and its variants (Dr. GRPO, DAPO, GSPO) in one file. Docs: README.md, section "grpo.py".
+"""Group Relative Policy Optimization for language models, with vLLM or Hugging Face `generate` for sampling.
+
+For each prompt, sample G completions, score them with reward functions, and push up the completions that beat
+their group's mean (DeepSeekMath, arXiv 2402.03300); Dr. GRPO, DAPO, GSPO and two-sided clipping are flags (below,
+and README.md). The options are grouped as in README.md's table; a run writes its model, checkpoints and
+metrics.jsonl to --output-dir, which it keeps to itself.
+
+Example, on the CPU (about 35 seconds on 2 CPU cores, no download): the bundled 260K-parameter TinyStories model is
+rewarded for the word "play" and, within a few steps, writes little else ("play play to play ..."):
+  OMP_NUM_THREADS=1 python grpo.py --model-name-or-path tests/assets/stories260K \\
+      --dataset-name tests/assets/stories_prompts.jsonl --prompt-column prompt --answer-column "" \\
+      --reward-funcs keyword_reward --no-use-chat-template --learning-rate 3e-3 --max-completion-length 24 \\
+      --max-steps 30 --no-bf16 --output-dir runs/quickstart-grpo
+
+Variants, chosen by flags:
+  --loss-type grpo | bnpo | dr_grpo (arXiv 2503.20783) | dapo (arXiv 2503.14476, the default)
+  --importance-sampling-level sequence      GSPO (arXiv 2507.18071), with --loss-type grpo: its objective is the
+                                            mean over the G completions of each one's clipped sequence loss
+  --epsilon-high 0.28                       DAPO clip-higher;  --delta 4  two-sided clipping (arXiv 2505.07291)
+  --dynamic-sampling                        DAPO dynamic sampling: refill the batch with groups that carry signal
+  --scale-rewards none                      Dr. GRPO: no division by the group std
+
+More examples:
+  # one GPU, vLLM inside the training process
+  python grpo.py --use-vllm --vllm-mode colocate --vllm-enable-sleep-mode
+  # trainer on GPU 0, a stock vLLM server on GPU 1 (README.md, "Using vLLM")
+  python grpo.py --use-vllm --vllm-mode server
+
+Reading order: Args (the options), ALGO LOGIC (advantages, the loss, the KL and importance-sampling terms, each with
+its equation), train() (the loop: generate, score, advantages, loss, optimizer step, weight sync, log), then the
+plumbing under TRY NOT TO MODIFY (set-up, data, log-probs, FSDP2, generation, evaluation, checkpoints, start-up checks).
+"""
+
+import ast
+import atexit
+import dataclasses
+import fcntl
+import functools
+import inspect
+import itertools
+import json
+import os
+import random
+import re
+import shutil
+import signal
+import socket
+import sys
+import textwrap
+import threading
+import time
+import uuid
+from collections import defaultdict
+from concurrent.futures import Future
+from contextlib import contextmanager, nullcontext
+from dataclasses import asdict, dataclass, field
+from datetime import timedelta
+from types import SimpleNamespace
+from typing import Annotated, Literal
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import tyro
+from tqdm import tqdm
+
+import rewards
+import vllm_utils
+
+
+@dataclass
+class Args:
+    # Experiment
+    exp_name: str = "grpo"
+    """name of this experiment (used in the run name)"""
+    seed: int = 1
+    """seed of the experiment: prompt order, sampling and initialisation"""
+    track: bool = False
+    """log metrics to Weights & Biases"""
+    wandb_project_name: str = "vllm-rl"
+    """the wandb project name"""
+    wandb_entity: str | None = None
+    """the wandb entity (team)"""
+    output_dir: str = "runs/grpo"
+    """where checkpoints, metrics.jsonl and the final model + tokenizer are written"""
+
+    # Model
+    model_name_or_path: str = "Qwen/Qwen2.5-0.5B-Instruct"
+    """Hugging Face causal LM: a hub name or a local path"""
+    param_dtype: Literal["float32", "bfloat16"] = "float32"
+    """dtype of the trained weights (float32 keeps small AdamW updates from rounding away; see --bf16)"""
+    bf16: bool = True
+    """run forward/backward under bfloat16 autocast on CUDA (ignored on the CPU)"""
+    gradient_checkpointing: bool = False
+    """recompute activations in the backward pass to save memory"""
+    torch_compile: bool = True
+    """torch.compile each decoder layer's forward (CUDA, with --use-vllm, one process): forward + backward of a
+    bench-0.5b step 1.15 -> 0.87 s on an H200; step 1 compiles (~30 s)"""
+    use_chat_template: bool = True
+    """wrap plain-text prompts as a user message and apply the tokenizer's chat template (if it has one)"""
+    system_prompt: str | None = None
+    """optional system message put before every prompt"""
+
+    # Data
+    dataset_name: str = "openai/gsm8k"
+    """hub dataset name, or a local .json / .jsonl / .parquet file"""
+    dataset_config: str | None = "main"
+    """dataset configuration name (hub datasets only)"""
+    dataset_split: str = "train"
+    """split to train on"""
+    prompt_column: str = "question"
+    """column holding the prompt: a string, or a list of chat messages"""
+    answer_column: str = "answer"
+    """column holding the reference answer, passed to rewards as `answer` ("" if there is none)"""
+    max_prompt_length: int | None = None
+    """drop prompts with more tokens than this (None = keep all, and an over-long prompt is an error)"""
+
+    # Generation
+    num_generations: int = 8
+    """G: completions sampled per prompt"""
+    prompts_per_step: int = 16
+    """unique prompts per generation round (the round is num_prompts x G completions)"""
+    max_completion_length: int = 512
+    """maximum new tokens per completion"""
+    temperature: float = 1.0
+    """sampling temperature (training log-probs are computed at the same temperature)"""
+    top_p: float = 1.0
+    """nucleus sampling"""
+    top_k: int = 0
+    """top-k sampling (0 = off)"""
+    min_p: float = 0.0
+    """min-p sampling (0 = off)"""
+    repetition_penalty: float = 1.0
+    """repetition penalty (1 = off)"""
+
+    # vLLM (README.md, "Using vLLM")
+    use_vllm: bool = False
+    """generate with vLLM instead of Hugging Face `generate`"""
+    vllm_mode: Literal["colocate", "server"] = "colocate"
+    """colocate: a vllm.LLM inside this process; server: a separate `vllm serve` reached over HTTP + NCCL"""
+    vllm_gpu_memory_utilization: float = 0.3
+    """colocate: share of the GPU's memory vLLM may take (weights + KV cache)"""
+    vllm_tensor_parallel_size: int = 1
+    """colocate: tensor-parallel size of the in-process engine"""
+    vllm_max_model_len: int | None = None
+    """colocate: context length of the engine (None = longest prompt + max_completion_length)"""
+    vllm_enable_sleep_mode: bool = False
+    """colocate: free vLLM's memory (sleep level 2) while training"""
+    vllm_server_host: str = "127.0.0.1"
+    """server: host of `vllm serve`"""
+    vllm_server_port: int = 8000
+    """server: port of `vllm serve`"""
+    vllm_server_timeout: float = 240.0
+    """server: seconds to wait for the server to answer /health"""
+    vllm_group_port: int | None = None
+    """server: TCP port the trainer opens for the NCCL weight-sync rendezvous (None: a free port, chosen per run)"""
+    vllm_generation_chunk_size: int = 8
+    """server: prompts per /v1/completions request; a round's requests are sent at once and vLLM batches them"""
+    vllm_generation_timeout: float = 1800.0
+    """server: seconds one /v1/completions request may take"""
+    vllm_weight_sync_timeout: float = 300.0
+    """server: seconds the NCCL group setup, and each weight update, may take"""
+    vllm_weight_sync_buffer_mb: int = 1024
+    """server: size of each packed NCCL broadcast chunk (two in flight on each side: lower it if memory is short)"""
+    async_generation: bool = False
+    """server: generate the next round while training on this one (a step costs about max(generation, training)
+    instead of their sum). Each round is sampled by weights one optimizer round behind the ones it trains; the
+    importance-sampling correction below covers that staleness too"""
+    vllm_importance_sampling_correction: bool = True
+    """correct the vLLM/trainer log-prob mismatch with a truncated or masked importance ratio"""
+    vllm_importance_sampling_mode: Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"] = (
+        "sequence_mask"
+    )
+    """level (token or whole sequence) and kind (clamp, or zero outside the bounds) of the correction"""
+    vllm_importance_sampling_clip_min: float | None = None
+    """lower bound of the importance ratio (None = unbounded)"""
+    vllm_importance_sampling_clip_max: float | None = 3.0
+    """upper bound of the importance ratio"""
+
+    # Rewards (and how they become advantages)
+    reward_funcs: list[str] = field(default_factory=lambda: ["gsm8k_accuracy"])
+    """names of functions in rewards.py; their weighted sum is the reward"""
+    reward_weights: list[float] | None = None
+    """one weight per reward function (None = all 1)"""
+    reward_kwargs: dict[str, float] = field(default_factory=dict)
+    """extra keyword arguments for every reward function, e.g. overlong_buffer_length 128"""
+    scale_rewards: Literal["group", "batch", "none"] = "group"
+    """divide centred rewards by the group's std, the batch's std, or nothing (Dr. GRPO)"""
+    dynamic_sampling: bool = False
+    """DAPO dynamic sampling: drop groups whose rewards all match and sample more prompts until the round is full"""
+    dynamic_sampling_max_rounds: int = 8
+    """give up refilling after this many generation rounds (and train on the groups found)"""
+
+    # Loss
+    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo"] = "dapo"
+    """how per-token losses are averaged (see policy_loss_weights)"""
+    importance_sampling_level: Literal["token", "sequence"] = "token"
+    """token: PPO ratio per token; sequence: one length-normalised ratio per completion (GSPO)"""
+    epsilon: float = 0.2
+    """lower clipping range: ratios below 1 - epsilon are clipped"""
+    epsilon_high: float | None = None
+    """upper clipping range (None = epsilon); DAPO uses 0.28"""
+    delta: float | None = None
+    """two-sided clipping: cap the unclipped ratio at delta (INTELLECT-2); None = off"""
+    beta: float = 0.0
+    """weight of the k3 KL penalty to a frozen reference model (0 = no reference model)"""
+    num_iterations: int = 1
+    """mu: optimisation passes over each generated batch (old log-probs are stored when > 1)"""
+    steps_per_generation: int = 1
+    """optimizer steps per generated batch (the batch is split into this many mini-batches of whole groups)"""
+    mask_truncated_completions: bool = False
+    """exclude completions that hit max_completion_length from the loss (DAPO overlong filtering)"""
+
+    # Optimization
+    learning_rate: float = 1e-6
+    """AdamW learning rate"""
+    weight_decay: float = 0.0
+    """AdamW weight decay"""
+    adam_beta1: float = 0.9
+    """AdamW beta1"""
+    adam_beta2: float = 0.999
+    """AdamW beta2"""
+    lr_scheduler_type: Literal["constant", "linear", "cosine"] = "linear"
+    """learning-rate schedule after warmup"""
+    warmup_steps: int = 0
+    """linear warmup optimizer steps"""
+    max_grad_norm: float = 1.0
+    """gradient clipping norm (0 or less = no clipping; the norm is still logged)"""
+    max_steps: int = 200
+    """total optimizer steps (0: only evaluate the model, see --eval-steps, and exit)"""
+    micro_batch_tokens: int = 16384
+    """token budget (rows x padded length) of one forward/backward micro-batch; gradients accumulate over them"""
+
+    # Logging and checkpoints
+    logging_steps: int = 1
+    """print a metrics line every this many optimizer steps"""
+    log_completions: int = 0
+    """every logging step, print this many of the step's (prompt, completion, reward) rows and, with --track, log them
+    to wandb as a table (0 = off)"""
+    save_steps: int = 0
+    """write a resumable checkpoint every this many optimizer steps (0 = only the final model)"""
+    save_total_limit: int | None = 2
+    """keep only the newest this many checkpoints"""
+    resume_from_checkpoint: str | None = None
+    """a checkpoint directory, or "latest" for this run's newest one in output_dir"""
+    overwrite_output_dir: bool = False
+    """start a new run in an output_dir that holds another run's files (its metrics.jsonl and final model are replaced;
+    its checkpoints are kept, and never resumed or deleted by this run)"""
+
+    # Evaluation (README.md, "Evaluation")
+    eval_steps: int = 0
+    """evaluate at step 0, every this many optimizer steps and after the last step (0 = no evaluation in training)"""
+    eval_dataset: str | None = None
+    """hub dataset name, or a local .json / .jsonl / .parquet file, read with the training column flags (None = the
+    training dataset's --eval-dataset-split, when it is a hub dataset)"""
+    eval_dataset_config: str | None = None
+    """configuration of --eval-dataset (None = --dataset-config when evaluating on the training dataset)"""
+    eval_dataset_split: str = "test"
+    """split to evaluate on (hub datasets only)"""
+    eval_max_samples: int | None = None
+    """evaluate on the first this many prompts (None = all)"""
+    eval_num_generations: int = 1
+    """k: besides the greedy completion of each prompt (pass@1), sample k at --temperature for mean@k and pass@k (1 =
+    greedy only). A completion solves its prompt when its weighted total reward is > 0"""
+
+
+# ==================================================================================================================
+# ALGO LOGIC: advantages, the policy loss and its token weights, the KL penalty, the vLLM importance ratio
+# ==================================================================================================================
+
+
+def group_advantages(rewards, num_generations, scale_rewards="group", eps=1e-4):
+    """A_i = (r_i - mean(group)) / (std + eps), DeepSeekMath eq. in sec. 4.1.2; std of the group, of the batch, or 1.
+
+    rewards: (N,) with N = num_groups * G, groups contiguous; NaN marks an unscorable completion, which is left out
+    of its group's statistics and gets advantage 0."""
+    grouped = rewards.view(-1, num_generations)  # (num_groups, G)
+    valid = ~grouped.isnan()
+    count = valid.sum(1, keepdim=True)
+    mean = torch.where(valid, grouped, 0).sum(1, keepdim=True) / count.clamp(min=1)
+    advantages = grouped - mean
+    if scale_rewards == "group":
+        var = torch.where(valid, advantages**2, 0).sum(1, keepdim=True) / (count - 1).clamp(min=1)
+        advantages = advantages / (var.sqrt() + eps)
+    elif scale_rewards == "batch":
+        flat = rewards[~rewards.isnan()]
+        advantages = advantages / ((flat.std() if flat.numel() > 1 else 0.0) + eps)
+    return torch.nan_to_num(advantages, nan=0.0).view(-1)
+
+
+def has_signal(group_rewards):
+    """DAPO dynamic sampling's filter (arXiv 2503.14476, eq. 11): a group trains the policy only if its scorable
+    completions' rewards differ. NaN (unscorable) rewards get advantage 0, so [1, 1, NaN, 1] has no signal."""
+    scored = group_rewards[~group_rewards.isnan()]
+    return scored.unique().numel() > 1
+
+
+def policy_loss(
+    logprobs,
+    old_logprobs,
+    advantages,
+    completion_mask,
+    epsilon_low=0.2,
+    epsilon_high=0.2,
+    delta=None,
+    importance_sampling_level="token",
+):
+    """Per-token clipped surrogate loss, (B, C): -min(r * A, clip(r, 1 - eps_low, 1 + eps_high) * A).
+
+    token level (PPO / GRPO, arXiv 2402.03300 eq. 3):  r_t = pi(o_t) / pi_old(o_t)
+    sequence level (GSPO, arXiv 2507.18071 eq. 7):     s = exp(mean_t log r_t), one ratio per completion
+    delta (INTELLECT-2, arXiv 2505.07291): the unclipped branch uses min(r, delta), bounding the loss when A < 0.
+    Returns the loss and the ratio (for clip metrics)."""
+    log_ratio = logprobs - old_logprobs
+    if importance_sampling_level == "sequence":
+        lengths = completion_mask.sum(-1, keepdim=True).clamp(min=1)
+        log_ratio = (log_ratio * completion_mask).sum(-1, keepdim=True) / lengths
+    ratio = torch.exp(log_ratio)  # (B, C) or (B, 1)
+    A = advantages[:, None]
+    unclipped = (torch.clamp(ratio, max=delta) if delta is not None else ratio) * A
+    clipped = torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high) * A
+    return -torch.min(unclipped, clipped), ratio.expand_as(logprobs)
+
+
+def policy_loss_weights(
+    completion_mask, loss_type, max_completion_length, total_tokens=None, num_sequences=None, step_tokens=None
+):
+    """Weight of each token's loss so that summing loss * weight gives the batch loss of `loss_type`:
+
+      grpo    (arXiv 2402.03300 eq. 3):  1/N sum_i 1/|o_i| sum_t l_it   (mean over sequences of token means)
+      bnpo:                              sum_it l_it / sum_it m_it      (token mean over this mini-batch)
+      dr_grpo (arXiv 2503.20783 eq. 2):  sum_it l_it / (N * max_completion_length)
+      dapo    (arXiv 2503.14476 eq. 8):  sum_it l_it / total_tokens     (token mean over the whole generated batch,
+                                         per mini-batch; equals bnpo when steps_per_generation = 1)
+    completion_mask: (N, C) for every completion of one optimizer step, so micro-batching does not change the loss.
+    With several ranks it holds this rank's rows, and num_sequences / step_tokens count those of all ranks."""
+    N = num_sequences or completion_mask.shape[0]
+    if loss_type == "grpo":
+        return completion_mask / completion_mask.sum(-1, keepdim=True).clamp(min=1) / N
+    if loss_type == "bnpo":
+        return completion_mask / max(step_tokens if step_tokens is not None else completion_mask.sum().item(), 1)
+    if loss_type == "dr_grpo":
+        return completion_mask / (N * max_completion_length)
+    if loss_type == "dapo":
+        return completion_mask / max(total_tokens, 1)
+    raise ValueError(f"unknown loss_type {loss_type}")
+
+
+def k3_kl(logprobs, ref_logprobs):
+    """KL(pi || pi_ref) per token, k3 = exp(d) - d - 1 >= 0 with d = ref - logp (Schulman 2020; DeepSeekMath eq. 4)."""
+    diff = ref_logprobs - logprobs
+    return torch.exp(diff) - diff - 1
+
+
+def vllm_importance_ratio(
+    old_logprobs, sampling_logprobs, completion_mask, mode="sequence_mask", clip_min=None, clip_max=3.0
+):
+    """Importance weight pi_trainer / pi_vllm that corrects for vLLM sampling from slightly different numerics
+    (truncated IS, "Your efficient RL framework secretly brings you off-policy RL training", Yao et al. 2025).
+
+    token_*: one ratio per token; sequence_*: exp(sum_t log ratio_t), one per completion (the product of token
+    ratios). *_truncate clamps to [clip_min, clip_max]; *_mask sets ratios outside the bounds to 0. NaN log-probs
+    (vLLM gave none) count as ratio 1. Returns (B, C) weights (no gradient) and |log ratio| per token."""
+    diff = torch.nan_to_num((old_logprobs - sampling_logprobs) * completion_mask, nan=0.0)
+    log_ratio = diff.sum(-1, keepdim=True) if mode.startswith("sequence") else diff
+    ratio = torch.exp(log_ratio)
+    low = clip_min if clip_min is not None else 0.0
+    high = clip_max if clip_max is not None else float("inf")
+    if mode.endswith("truncate"):
+        ratio = ratio.clamp(min=low, max=high)
+    else:
+        ratio = torch.where((ratio >= low) & (ratio <= high), ratio, torch.zeros_like(ratio))
+    return ratio.expand_as(old_logprobs).detach(), diff.abs()
+
+
+def train(args):
+    """One generation round per iteration: generate -> score -> advantages -> (old / reference log-probs) -> loss and
+    optimizer steps -> sync the weights to the generator -> log (evaluate, checkpoint). The set-up and the plumbing
+    of each phase are functions below, under "TRY NOT TO MODIFY"."""
+    run = set_up(args)  # flags and data checked, output directory claimed, models, optimizer, resume, generator
+    model, optimizer, device, world_size, rank = run.model, run.optimizer, run.device, run.world_size, run.rank
+    num_generations, global_step = args.num_generations, run.global_step
+    epsilon_high = args.epsilon_high if args.epsilon_high is not None else args.epsilon
+    clipping = (args.epsilon, epsilon_high, args.delta, args.importance_sampling_level)  # policy_loss's options
+    vllm_is = {k: getattr(args, f"vllm_importance_sampling_{k}") for k in ("mode", "clip_min", "clip_max")}
+    steps_per_round = args.steps_per_generation * args.num_iterations  # optimizer steps per generation round
+    next_round = None  # --async-generation: the round generating in the background while this one trains
+    if run.eval_prompt_ids is not None and (global_step == 0 or args.max_steps == 0):  # the model before training
+        log_metrics(run, {"step": global_step, **evaluate(run)}, show=True)
+
+    while global_step < args.max_steps:
+        round_start = time.perf_counter()
+        timing = defaultdict(float, {"timing/weight_sync": 0.0})
+        # ALGO LOGIC: 1. sample prompts, generate G completions each: once, or with --dynamic-sampling until all ranks
+        # together kept a full step's groups whose rewards differ (every rank samples the same number of rounds: they
+        # share the prompt stream). --async-generation: this step's round was generated during the last step, by the
+        # weights before it; the next round starts now, from the current weights, and generates while we train
+        kept = []  # one (prompt row, its G completions, their rewards, their vLLM log-probs or None) per kept group
+        all_scores, num_generation_rounds, staleness = [], 0, []
+        max_rounds = args.dynamic_sampling_max_rounds if args.dynamic_sampling else 1
+        while global_sum(len(kept), world_size, device) < args.prompts_per_step and num_generation_rounds < max_rounds:
+            rows, version, generation = next_round if next_round and not num_generation_rounds else start_round(run)
+            if args.async_generation and not num_generation_rounds:
+                next_round = start_round(run) if global_step + steps_per_round < args.max_steps else None
+            num_generation_rounds += 1
+            t0 = time.perf_counter()
+            (completion_ids, sampling_logprobs), seconds = generation.result()
+            timing["timing/generation_wait"] += time.perf_counter() - t0  # what generation costs the trainer
+            timing["timing/generation"] += seconds
+            staleness.append(global_step - version)  # optimizer steps between the sampling and the trained weights
+            t0 = time.perf_counter()
+            # 2. score: reward functions see the decoded completions and this row's dataset columns by name
+            scores = score(run, rows, completion_ids, num_generations)  # (len(rows) * G, num_funcs)
+            all_scores.append(scores)
+            total = (scores * run.reward_weights).nansum(-1).masked_fill(scores.isnan().all(-1), float("nan"))
+            for g, row in enumerate(rows):
+                group = slice(g * num_generations, (g + 1) * num_generations)
+                if args.dynamic_sampling and not has_signal(total[group]):
+                    continue  # every scorable completion of this prompt got the same reward: no signal
+                group_sampling_logprobs = None if sampling_logprobs is None else sampling_logprobs[group]
+                # a clone: a view would pickle all of `total`
+                kept.append((row, completion_ids[group], total[group].clone(), group_sampling_logprobs))
+            timing["timing/scoring"] += time.perf_counter() - t0
+        if args.use_vllm:
+            vllm_utils.sleep(run.engine)  # sleep mode: vLLM's memory goes to training until the next generation
+        if args.dynamic_sampling and world_size > 1:  # ranks kept different numbers of groups: pool them, split evenly
+            pooled = gather_objects(kept, world_size)
+            share = min(sum(len(p) for p in pooled), args.prompts_per_step) // world_size
+            kept = [group for rank_kept in pooled for group in rank_kept][rank * share : (rank + 1) * share]
+        # groups kept per rank: the same on every rank, a multiple of steps_per_generation
+        keep = min(len(kept), run.prompts_per_rank) // args.steps_per_generation * args.steps_per_generation
+        if keep == 0:
+            raise RuntimeError(
+                f"dynamic sampling found fewer than {args.steps_per_generation * world_size} prompt(s) whose "
+                f"{num_generations} completions got different rewards in {num_generation_rounds} rounds of "
+                f"{args.prompts_per_step} prompts: the rewards carry no signal for this model and data. Check the "
+                f"reward functions and the answer column, or raise --dynamic-sampling-max-rounds."
+            )
+        kept = kept[:keep]
+        N = keep * num_generations
+        prompt_ids = [run.prompt_ids[row] for row, _, _, _ in kept for _ in range(num_generations)]  # (N,) rows
+        completion_ids = [c for _, completions, _, _ in kept for c in completions]
+        rewards = torch.cat([group_rewards for _, _, group_rewards, _ in kept])  # (N,)
+
+        # 3. advantages: group-relative (over all ranks' rewards for --scale-rewards batch; each rank keeps its rows)
+        all_rewards = torch.cat(gather_objects(rewards, world_size))  # (N * world_size,), in rank order
+        advantages = group_advantages(all_rewards, num_generations, args.scale_rewards)[rank * N : (rank + 1) * N]
+
+        # 4. old and reference log-probs, before any update (no gradient). The old log-probs need a pass of their own
+        # only when the weights change before the batch's last use; else the training pass's own (detached) are the same
+        t0 = clock(device)
+        prompt_lengths, completion_lengths = [len(p) for p in prompt_ids], [len(c) for c in completion_ids]
+        truncated = torch.tensor([not (c and c[-1] in run.eos_ids) for c in completion_ids])  # no EOS: cut off
+        C = max(max(completion_lengths), 1)
+        loss_mask = (torch.arange(C)[None] < torch.tensor(completion_lengths)[:, None]).float()  # (N, C)
+        if args.mask_truncated_completions:  # DAPO overlong filtering: completions without EOS get no loss
+            loss_mask *= (~truncated[:, None]).float()
+        need_old = args.num_iterations > 1 or args.steps_per_generation > 1
+        old_logprobs, ref_logprobs = old_and_ref_logprobs(run, prompt_ids, completion_ids, need_old)  # (N, C) or None
+        # vLLM's log-probs of the sampled tokens, NaN where it gave none (N, C); None without the correction
+        vllm_logprobs = [lp for _, _, _, lps in kept if lps is not None for lp in lps]
+        use_vllm_is = args.use_vllm and args.vllm_importance_sampling_correction and len(vllm_logprobs) > 0
+        sampling_logprobs = torch.zeros(N, C) if use_vllm_is else None
+        for i, lp in enumerate(vllm_logprobs if use_vllm_is else []):
+            sampling_logprobs[i, : len(lp)] = torch.tensor([float("nan") if v is None else v for v in lp])
+        timing["timing/old_ref_logprobs"] = clock(device) - t0
+
+        # 5. optimise: num_iterations passes; each pass is steps_per_generation optimizer steps over whole groups
+        model.train()
+        stats, is_stats = defaultdict(list), defaultdict(list)  # token means per micro-batch; IS values per token
+        step_size = keep // args.steps_per_generation * num_generations  # rows per optimizer step, whole groups
+        # DAPO: tokens of the generated batch per optimizer step, over all ranks
+        total_tokens = global_sum(loss_mask.sum(), world_size, device) / args.steps_per_generation
+        num_sequences = step_size * world_size  # rows per optimizer step, over all ranks
+        for _iteration in range(args.num_iterations):
+            for s in range(args.steps_per_generation):
+                if global_step >= args.max_steps:
+                    break
+                step_rows = list(range(s * step_size, (s + 1) * step_size))
+                # normalisers count every rank's rows; FSDP averages gradients over ranks, hence the x world_size below
+                step_mask = loss_mask[step_rows]
+                step_tokens = global_sum(step_mask.sum(), world_size, device)
+                loss_weights = policy_loss_weights(
+                    step_mask, args.loss_type, args.max_completion_length, total_tokens, num_sequences, step_tokens
+                )
+                t0 = clock(device)
+                step_loss = 0.0
+                micro_batches = token_budget_batches(
+                    step_rows, prompt_lengths, completion_lengths, args.micro_batch_tokens
+                )
+                for mb in same_count_on_all_ranks(micro_batches, world_size, device):
+                    padding_pass = mb is None  # only to keep FSDP's collectives in step with the other ranks
+                    mb = [step_rows[0]] if padding_pass else mb
+                    batch = collate([prompt_ids[i] for i in mb], [completion_ids[i] for i in mb], device, run.pad_id)
+                    completion_mask = batch[3]  # collate: input ids, attention mask, positions, completion mask, P
+                    Cm = completion_mask.shape[1]
+                    with torch.autocast(**run.autocast):
+                        logprobs, entropy = per_token_logprobs(
+                            model, *batch, args.temperature, with_entropy=True, into_grad=True
+                        )
+                    old = old_logprobs[mb, :Cm].to(device) if need_old else logprobs.detach()
+                    A = advantages[mb].to(device)
+                    per_token_loss, ratio = policy_loss(logprobs, old, A, completion_mask, *clipping)
+                    if use_vllm_is:  # pi_old / pi_vllm: vLLM's numerics and, with --async-generation, the older weights
+                        sampled = sampling_logprobs[mb, :Cm].to(device)
+                        is_ratio, logp_difference = vllm_importance_ratio(old, sampled, completion_mask, **vllm_is)
+                        per_token_loss = per_token_loss * is_ratio
+                    if run.ref_model is not None:
+                        kl = k3_kl(logprobs, ref_logprobs[mb, :Cm].to(device))
+                        per_token_loss = per_token_loss + args.beta * kl
+                    local = [i - step_rows[0] for i in mb]  # step_rows is a contiguous range
+                    loss = (per_token_loss * loss_weights[local, :Cm].to(device)).sum()
+                    loss = loss * (0 if padding_pass else world_size)
+                    loss.backward()
+                    step_loss += loss.detach()  # summed on the device: no host sync per micro-batch
+                    if padding_pass:
+                        continue
+                    # metrics (TRL's definitions): clipped low with A < 0, high with A > 0, token means
+                    mask = completion_mask.bool()
+                    token_mean = lambda x: (x * completion_mask).sum().detach() / mask.sum().clamp(min=1)
+                    if use_vllm_is:
+                        is_stats["logp_difference"].append(logp_difference[mask])
+                        is_stats["ratio"].append(is_ratio[mask])
+                    if run.ref_model is not None:
+                        stats["kl/k3_token_mean"].append(token_mean(kl))
+                    low = ((ratio < 1 - args.epsilon) & (A[:, None] < 0)).float()
+                    high = ((ratio > 1 + epsilon_high) & (A[:, None] > 0)).float()
+                    stats["entropy"].append(token_mean(entropy))
+                    stats["clip_ratio/low_mean"].append(token_mean(low))
+                    stats["clip_ratio/high_mean"].append(token_mean(high))
+                    stats["clip_ratio/region_mean"].append(token_mean((low + high).clamp(max=1)))
+                t1 = clock(device)
+                grad_norm = clip_gradients(model, args.max_grad_norm)
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)  # now: the weight sync and generation get the memory
+                run.scheduler.step()
+                global_step += 1
+                run.progress.update(1)
+                timing["timing/forward_backward"] += t1 - t0
+                timing["timing/optimizer"] += clock(device) - t1
+
+        # 6. push the new weights to vLLM before the next generation round. --async-generation: once the round in
+        # flight is complete (on every rank), so that vLLM never switches weights in the middle of a round
+        if args.use_vllm:
+            t0 = time.perf_counter()
+            if next_round is not None:
+                next_round[2].result()
+                if world_size > 1:
+                    dist.barrier()
+            t1 = time.perf_counter()
+            timing["timing/generation_wait"] += t1 - t0
+            vllm_utils.sync_weights(run.engine, model)
+            timing["timing/weight_sync"] = time.perf_counter() - t1
+        run.weights_version = global_step  # `generate` without vLLM samples from the trained model itself
+
+        # 7. evaluate every --eval-steps steps and after the last one. Here the generator holds this step's weights and
+        # no request is in flight (--async-generation: step 6 waited for the next round before the push, and the round
+        # after it starts only at the top of the loop), so evaluation samples the current policy
+        evaluated = args.eval_steps > 0 and (global_step % args.eval_steps == 0 or global_step >= args.max_steps)
+        eval_results = evaluate(run) if evaluated else {}
+
+        # TRY NOT TO MODIFY: logging (TRL's metric names, over all ranks) and checkpoints
+        metrics = {"step": global_step}
+        metrics |= round_metrics(run, torch.cat(all_scores), completion_lengths, truncated, stats, step_loss)
+        metrics |= {
+            "grad_norm": grad_norm.item(),
+            "learning_rate": run.scheduler.get_last_lr()[0],
+            "num_tokens": global_sum(sum(prompt_lengths) + sum(completion_lengths), world_size, device),
+            **timing,
+            "sampling/staleness": sum(staleness) / len(staleness),
+            "step_time": time.perf_counter() - round_start,
+        }
+        metrics |= sampling_metrics(run, is_stats)
+        if args.dynamic_sampling:
+            metrics["dynamic_sampling/generation_rounds"] = num_generation_rounds
+            metrics["dynamic_sampling/kept_groups"] = keep * world_size
+        metrics.update(eval_results)
+        if run.is_main and args.log_completions and global_step % args.logging_steps == 0:  # rank 0's rows
+            log_completions(run, prompt_ids, completion_ids, rewards, global_step)
+        log_metrics(run, metrics, show=global_step % args.logging_steps == 0 or evaluated)
+        preempted = global_sum(run.preemption.is_set(), world_size, device) > 0 and global_step < args.max_steps
+        if preempted or (args.save_steps and global_step % args.save_steps == 0 and global_step < args.max_steps):
+            # a round generated in the background is not trained yet: a resume generates it again
+            unused_prompts = args.prompts_per_step if next_round else 0
+            save_checkpoint(run, global_step, run.prompts_consumed - unused_prompts)
+        if preempted:
+            stop_preempted(run, global_step)
+    finish(run)
+
+
+# ==================================================================================================================
+# TRY NOT TO MODIFY: plumbing
+# ==================================================================================================================
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# The training loop's set-up and the plumbing of its phases
+
+
+def set_up(args):
+    """Everything before the first round: the checks of the flags and the data (before any model loads or anything is
+    written), the output directory, seeding, the policy and reference models, the prompts, the optimizer (and a
+    resumed checkpoint's state), the generator and the metrics file. Returns the run's state as one namespace."""
+    # several processes (torchrun): each rank takes an equal share of every step's prompts, whole groups
+    world_size, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
+    run = SimpleNamespace(args=args, world_size=world_size, rank=rank, is_main=rank == 0)
+    run.prompts_per_rank = args.prompts_per_step // world_size
+    # every mistake in the flags or the data stops the run here: before any model loads or anything is written
+    check_args(args, world_size)
+    run.reward_fns = reward_functions(args.reward_funcs)
+    run.reward_weights = torch.tensor(args.reward_weights or [1.0] * len(run.reward_fns))
+    dataset = read_dataset(args)
+    check_dataset(args, dataset, run.reward_fns)
+    eval_dataset = None  # --eval-steps / --max-steps 0: the eval prompts, read and checked like the training ones
+    if args.eval_steps or args.max_steps == 0:
+        eval_dataset = {c: v[: args.eval_max_samples] for c, v in read_dataset(args, evaluation=True).items()}
+        check_dataset(args, eval_dataset, run.reward_fns, "--eval-dataset", eval_source(args)[0])
+    if args.importance_sampling_level == "sequence" and args.loss_type != "grpo":
+        print(
+            f"warning: --importance-sampling-level sequence (GSPO) with --loss-type {args.loss_type} weights each "
+            f"completion's sequence loss by its length; GSPO's objective (arXiv 2507.18071) is --loss-type grpo"
+        )
+    local_rank = os.environ.get("LOCAL_RANK", "0")
+    run.device = device = torch.device(f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if world_size > 1:
+        # rank 0 alone may spend minutes writing a checkpoint while the others wait in the next collective
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timedelta(hours=1))
+    truncated_sampling = args.top_p < 1 or args.top_k > 0 or args.min_p > 0 or args.repetition_penalty != 1
+    if args.use_vllm and args.vllm_importance_sampling_correction and truncated_sampling:
+        print(
+            "warning: with top_p / top_k / min_p / repetition_penalty, vLLM's processed log-probs come from a truncated "
+            "distribution that the trainer does not model: the importance ratio is biased below 1, and at the sequence "
+            "level (product over tokens) it shrinks the updates of long completions. Prefer token_truncate, or neutral values."
+        )
+    # the output directory is this run's alone (a lock); another run's files are refused; only this run's checkpoints
+    run.identity, checkpoint_dir, run.output_lock = claim_output_dir(args, "grpo.py") if run.is_main else (None,) * 3
+    checkpoint_dir = gather_objects(checkpoint_dir, world_size)[0]  # rank 0 decided which checkpoint to resume
+    run.preemption = on_sigterm()  # SIGTERM: a checkpoint at the end of the step, then exit
+
+    # seeding: the same on every rank until sampling, so that all ranks hold the same weights
+    random.seed(args.seed)
+    np.random.seed(args.seed)
+    torch.manual_seed(args.seed)
+    # no weight cache: each weight is cast once per forward anyway, and the cache would outlive gradient checkpointing
+    run.autocast = dict(device_type=device.type, dtype=torch.bfloat16, enabled=args.bf16 and device.type == "cuda")
+    run.autocast["cache_enabled"] = False
+
+    # model, tokenizer, reference model
+    from transformers import AutoModelForCausalLM, AutoTokenizer, get_scheduler
+
+    model_path = checkpoint_dir or args.model_name_or_path
+    run.tokenizer = tokenizer = AutoTokenizer.from_pretrained(model_path)
+    dtype = getattr(torch, args.param_dtype)
+    run.model = model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(device)
+    for module in model.modules():  # dropout would make two passes over the same tokens disagree (ratio != 1)
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+    if args.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    run.ref_model = None
+    if args.beta > 0:  # the policy's dtype and compute (mixed precision included): the KL at step 1 is exactly 0
+        run.ref_model = AutoModelForCausalLM.from_pretrained(args.model_name_or_path, dtype=dtype)
+        run.ref_model.to(device).eval().requires_grad_(False)
+    if args.torch_compile and device.type == "cuda" and args.use_vllm and world_size == 1:  # one graph per layer type
+        for layer in (layer for each in (model, run.ref_model) if each is not None for layer in decoder_layers(each)):
+            layer.forward = torch.compile(layer.forward, dynamic=True)
+    if world_size > 1:  # FSDP2: every rank keeps 1/world_size of the weights, gradients and AdamW states
+        for each in [model, run.ref_model] if run.ref_model is not None else [model]:
+            shard_model(each, mixed_precision=args.bf16 and device.type == "cuda")
+    # a forward that transforms its logits in a way the trainer does not model fails now, not after training on them
+    sentence = "The quick brown fox jumps over the lazy dog, and then it ran away."
+    check_logprobs(model, tokenizer(sentence)["input_ids"], device, world_size)
+    run.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    eos_ids = model.generation_config.eos_token_id
+    run.eos_ids = sorted((set(eos_ids if isinstance(eos_ids, list) else [eos_ids]) | {tokenizer.eos_token_id}) - {None})
+
+    # prompts: token ids, the columns the reward functions get, whether the dataset's prompts are chat messages
+    max_context = getattr(model.config, "max_position_embeddings", None) or 10**9
+    run.prompt_ids, run.columns, run.prompts_are_messages = load_prompts(args, dataset, tokenizer, max_context)
+    evaluation = (None, {}, False) if eval_dataset is None else load_prompts(args, eval_dataset, tokenizer, max_context)
+    run.eval_prompt_ids, run.eval_columns, run.eval_prompts_are_messages = evaluation
+
+    # optimizer and schedule; fused: one CUDA kernel for all parameters, without foreach's full-size temporaries
+    adamw = dict(lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2), weight_decay=args.weight_decay)
+    run.optimizer = torch.optim.AdamW(model.parameters(), **adamw, fused=device.type == "cuda")
+    run.scheduler = get_scheduler(args.lr_scheduler_type, run.optimizer, args.warmup_steps, args.max_steps)
+    run.global_step, run.prompts_consumed = 0, 0
+    torch.manual_seed(args.seed + rank)  # from here on each rank samples its own completions
+    if checkpoint_dir:
+        run.global_step, run.prompts_consumed = load_checkpoint(run, checkpoint_dir)
+        print(f"resumed from {checkpoint_dir} at step {run.global_step}")
+    run.prompts = prompt_stream(len(run.prompt_ids), args.seed, start=run.prompts_consumed)
+    run.weights_version = run.global_step  # the optimizer step whose weights the generator holds
+
+    # generator: Hugging Face generate, or vLLM (colocated engine or a `vllm serve` server)
+    run.engine = None
+    if args.use_vllm:
+        longest = max(len(p) for p in run.prompt_ids + (run.eval_prompt_ids or []))
+        run.engine = vllm_utils.start(args, model_path, longest)
+        if args.vllm_mode == "server":  # it may hold other weights (an earlier run, or this one before a resume)
+            vllm_utils.sync_weights(run.engine, model)
+
+    # logs: wandb, metrics.jsonl (rank 0), the progress bar
+    run.wandb = None  # with --track, rank 0's wandb module
+    if args.track and run.is_main:
+        import wandb
+
+        identity = dict(name=run.identity["run_name"], id=run.identity["run_id"], resume="allow")  # resumed: continued
+        wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, config=asdict(args), **identity)
+        run.wandb = wandb
+    metrics_path = os.path.join(args.output_dir, "metrics.jsonl")
+    if checkpoint_dir and run.is_main and os.path.exists(metrics_path):  # steps logged after the checkpoint are redone
+        kept = [line for line in open(metrics_path) if json.loads(line)["step"] <= run.global_step]
+        with open(metrics_path, "w") as f:
+            f.writelines(kept)
+    run.metrics_file = open(metrics_path, "a") if run.is_main else None
+    run.progress = tqdm(
+        total=args.max_steps, initial=run.global_step, desc="grpo", dynamic_ncols=True, disable=not run.is_main
+    )
+    return run
+
+
+def generate(run, prompt_ids, num_generations=None, temperature=None):
+    """(completion ids, vLLM log-probs or None), prompt-major; None: training's G / temperature (0: greedy)."""
+    if run.engine is not None:
+        return vllm_utils.generate(run.engine, prompt_ids, num_generations, temperature)
+    with unsharded(run.model, run.world_size):  # FSDP2: full weights while decoding, ranks stop at different steps
+        return hf_generate(run.model, prompt_ids, run.args, run.eos_ids, run.pad_id, num_generations, temperature)
+
+
+def start_round(run):
+    """Draw the next prompts_per_step prompts (the same on every rank), keep this rank's share and start generating
+    them: in the background with --async-generation, else now. Returns (rows, the optimizer step of the weights that
+    generate them, a Future of ((completion ids, vLLM log-probs), seconds))."""
+    args = run.args
+    rows = [next(run.prompts) for _ in range(args.prompts_per_step)]
+    rows = rows[run.rank * run.prompts_per_rank : (run.rank + 1) * run.prompts_per_rank]
+    run.prompts_consumed += args.prompts_per_step
+
+    def work():
+        t0 = time.perf_counter()
+        return generate(run, [run.prompt_ids[i] for i in rows]), time.perf_counter() - t0
+
+    return rows, run.weights_version, future_of(work, background=args.async_generation)
+
+
+def clock(device):
+    """Phase timings: wait for the GPU's queued work so that each phase is charged its own time."""
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter()
+
+
+def score(run, rows, completion_ids, num_generations, evaluation=False):
+    """The reward functions' scores (len(rows) * num_generations, num_funcs) of the completions of each prompt row
+    (prompt-major): each function gets the decoded completions (chat messages when the dataset's prompts are, else
+    strings, as in TRL) and, by name, the rows' dataset columns (training set, or with `evaluation` the eval set)."""
+    prompt_ids, columns, prompts_are_messages = run.prompt_ids, run.columns, run.prompts_are_messages
+    if evaluation:
+        prompt_ids, columns, prompts_are_messages = run.eval_prompt_ids, run.eval_columns, run.eval_prompts_are_messages
+    texts = run.tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+    completions = [[{"role": "assistant", "content": t}] for t in texts] if prompts_are_messages else texts
+    repeated = lambda values: [values[i] for i in rows for _ in range(num_generations)]
+    reward_columns = {c: repeated(v) for c, v in columns.items()}
+    prompts = repeated({i: run.tokenizer.decode(prompt_ids[i]) for i in rows})
+    passed = dict(prompts=prompts, completion_ids=completion_ids, max_completion_length=run.args.max_completion_length)
+    reward_columns.update(**passed, **run.args.reward_kwargs)  # a --reward-kwargs key that repeats one: a TypeError
+    return score_completions(run.reward_fns, completions, reward_columns)
+
+
+def old_and_ref_logprobs(run, prompt_ids, completion_ids, need_old):
+    """The policy's log-probs before any update (if need_old) and the reference model's (if there is one), (N, C) on
+    the CPU or None, in token-budget micro-batches without gradient."""
+    if not need_old and run.ref_model is None:
+        return None, None
+    args, model, ref_model, world_size = run.args, run.model, run.ref_model, run.world_size
+    prompt_lengths, completion_lengths = [len(p) for p in prompt_ids], [len(c) for c in completion_ids]
+    shape = (len(completion_ids), max(max(completion_lengths), 1))
+    old_logprobs = torch.zeros(shape) if need_old else None
+    ref_logprobs = torch.zeros(shape) if ref_model is not None else None
+    model.eval()
+    with (
+        torch.no_grad(),
+        torch.autocast(**run.autocast),
+        unsharded(model, world_size),
+        unsharded(ref_model, world_size) if ref_model is not None else nullcontext(),
+    ):
+        for mb in token_budget_batches(range(shape[0]), prompt_lengths, completion_lengths, args.micro_batch_tokens):
+            batch = collate([prompt_ids[i] for i in mb], [completion_ids[i] for i in mb], run.device, run.pad_id)
+            for net, logprobs in ((model, old_logprobs), (ref_model, ref_logprobs)):
+                if logprobs is not None:  # (None: not asked for)
+                    logprobs[mb, : batch[3].shape[1]] = per_token_logprobs(net, *batch, args.temperature).cpu()
+    return old_logprobs, ref_logprobs
+
+
+def round_metrics(run, scores, completion_lengths, truncated, stats, step_loss):
+    """The round's metrics over all ranks (TRL's names): rewards (scores: this rank's generated rows, num_funcs),
+    completion lengths, the last step's loss and the token means of the training passes (stats)."""
+    lengths = torch.tensor(completion_lengths, dtype=torch.float)
+    means = {k: torch.stack(v).mean() for k, v in stats.items() if v}
+    if run.world_size > 1:
+        gathered = gather_objects((scores, lengths, truncated), run.world_size)
+        scores, lengths, truncated = (torch.cat([g[i] for g in gathered]) for i in range(3))
+        for value in [step_loss, *means.values()]:
+            dist.all_reduce(value)
+            value /= run.world_size
+    total = (scores * run.reward_weights).nansum(-1)
+    metrics = {
+        "reward": total.mean().item(),
+        "reward_std": total.std().item(),
+        "frac_reward_zero_std": (total.view(-1, run.args.num_generations).std(1) < 1e-6).float().mean().item(),
+        "completions/mean_length": lengths.mean().item(),
+        "completions/min_length": int(lengths.min()),
+        "completions/max_length": int(lengths.max()),
+        "completions/clipped_ratio": truncated.float().mean().item(),  # TRL's name for the share without EOS
+        "loss": step_loss.item(),
+    }
+    for k, fn in enumerate(run.reward_fns):
+        scored = scores[:, k][~scores[:, k].isnan()]
+        metrics[f"rewards/{fn.__name__}/mean"] = scores[:, k].nanmean().item()
+        metrics[f"rewards/{fn.__name__}/std"] = scored.std().item() if scored.numel() > 1 else 0.0
+    return metrics | {k: v.item() for k, v in means.items()}
+
+
+def sampling_metrics(run, is_stats):
+    """This rank's peak GPU memory and the vLLM importance-sampling correction's log-prob differences and ratios."""
+    metrics = {}
+    if run.device.type == "cuda":
+        metrics["memory/peak_gib"] = torch.cuda.max_memory_allocated(run.device) / 2**30
+    if is_stats:
+        logp_difference, ratio = torch.cat(is_stats["logp_difference"]), torch.cat(is_stats["ratio"])
+        metrics["sampling/sampling_logp_difference/mean"] = logp_difference.mean().item()
+        metrics["sampling/sampling_logp_difference/max"] = logp_difference.max().item()
+        metrics["sampling/importance_sampling_ratio/min"] = ratio.min().item()
+        metrics["sampling/importance_sampling_ratio/mean"] = ratio.mean().item()
+        metrics["sampling/importance_sampling_ratio/max"] = ratio.max().item()
+    return metrics
+
+
+def evaluate(run):
+    """Greedy (temperature 0) and, with --eval-num-generations k > 1, k sampled completions of every eval prompt,
+    from the run's generator (which must hold the current weights: the loop calls this right after the weight push),
+    scored by the reward functions. Each rank generates its share of the prompts, in calls of one training round's
+    size; the scores are gathered, so every rank returns the eval/... metrics of all prompts."""
+    t0 = time.perf_counter()
+    args, device, world_size = run.args, run.device, run.world_size
+    rows, real = rank_share(len(run.eval_prompt_ids), run.rank, world_size)
+    k = args.eval_num_generations
+    round_size = run.prompts_per_rank * args.num_generations  # completions per generate call
+
+    def complete(num_generations, temperature):  # this rank's rows, num_generations completions each, prompt-major
+        size, ids = max(1, round_size // num_generations), []
+        for start in range(0, len(rows), size):
+            batch = [run.eval_prompt_ids[i] for i in rows[start : start + size]]
+            ids += generate(run, batch, num_generations, temperature)[0]
+        return ids
+
+    # HF sampling draws from the global RNG: fork it, so that training samples what it would without evaluation
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.manual_seed(args.seed + run.rank)
+        greedy_ids = complete(1, 0.0)
+        sampled_ids = complete(k, args.temperature) if k > 1 else None
+    greedy = score(run, rows, greedy_ids, 1, evaluation=True)[:real]  # (real, num_funcs)
+    sampled = score(run, rows, sampled_ids, k, evaluation=True).view(len(rows), k, -1)[:real] if k > 1 else None
+    lengths = torch.tensor([len(c) for c in greedy_ids[:real]], dtype=torch.float)
+    parts = gather_objects((greedy, sampled, lengths), world_size)  # every rank's, in rank order: the prompts in order
+    greedy, lengths = torch.cat([p[0] for p in parts]), torch.cat([p[2] for p in parts])
+    sampled = torch.cat([p[1] for p in parts]) if k > 1 else None
+    metrics = eval_metrics(greedy, sampled, run.reward_weights, [fn.__name__ for fn in run.reward_fns])
+    metrics.update({"eval/num_prompts": len(greedy), "eval/completions/mean_length": lengths.mean().item()})
+    return {**metrics, "timing/eval": time.perf_counter() - t0}
+
+
+def log_metrics(run, metrics, show):
+    """Rank 0: update the progress bar, print the metrics line if `show`, append it to metrics.jsonl and wandb."""
+    if not run.is_main:
+        return
+    if "reward" in metrics:  # a training step's line (not the evaluation before training)
+        kl, length = metrics.get("kl/k3_token_mean", 0), metrics["completions/mean_length"]
+        run.progress.set_postfix(reward=f"{metrics['reward']:.3f}", kl=f"{kl:.4f}", len=f"{length:.0f}")
+    if show:
+        tqdm.write(" | ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in metrics.items()))
+    print(json.dumps(metrics), file=run.metrics_file, flush=True)
+    if run.wandb:
+        run.wandb.log(metrics, step=metrics["step"])
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Data and rewards
+
+
+def load_prompts(args, dataset, tokenizer, max_context):
+    """Tokenize the prompts of `dataset` ({column: values}, from read_dataset) and return (prompt_ids, columns,
+    prompts_are_messages): token ids per row, the other columns (answer column renamed to `answer`) that reward
+    functions receive by name, and whether the dataset's prompts are chat messages (then reward functions get
+    completions as messages too; plain-text prompts that the chat template wraps give them strings, as in TRL)."""
+    prompts = dataset[args.prompt_column]
+    prompts_are_messages = isinstance(prompts[0], list)
+    use_template = prompts_are_messages or (args.use_chat_template and tokenizer.chat_template is not None)
+    prompt_ids = []
+    for prompt in prompts:
+        if use_template:
+            messages = prompt if prompts_are_messages else [{"role": "user", "content": prompt}]
+            if args.system_prompt:
+                messages = [{"role": "system", "content": args.system_prompt}] + messages
+            ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            ids = ids["input_ids"] if hasattr(ids, "keys") else ids  # a dict or a BatchEncoding
+        else:
+            text = f"{args.system_prompt}\n\n{prompt}" if args.system_prompt else prompt
+            ids = tokenizer(text)["input_ids"]
+        prompt_ids.append(list(ids))
+    columns = {c: values for c, values in dataset.items() if c != args.prompt_column}
+    if args.answer_column and args.answer_column != "answer":
+        columns["answer"] = columns.pop(args.answer_column)
+
+    keep = list(range(len(prompt_ids)))
+    if args.max_prompt_length is not None:
+        keep = [i for i in keep if len(prompt_ids[i]) <= args.max_prompt_length]
+        print(f"--max-prompt-length {args.max_prompt_length}: kept {len(keep)} of {len(prompt_ids)} prompts")
+        if not keep:
+            raise ValueError(f"no prompt is at most {args.max_prompt_length} tokens long; raise --max-prompt-length")
+    longest = max(keep, key=lambda i: len(prompt_ids[i]))
+    if len(prompt_ids[longest]) + args.max_completion_length > max_context:
+        raise ValueError(
+            f"prompt {longest} has {len(prompt_ids[longest])} tokens, and with --max-completion-length "
+            f"{args.max_completion_length} it exceeds the model's context of {max_context} tokens. Pass "
+            f"--max-prompt-length {max_context - args.max_completion_length} to drop such prompts, or lower "
+            f"--max-completion-length."
+        )
+    return [prompt_ids[i] for i in keep], {c: [v[i] for i in keep] for c, v in columns.items()}, prompts_are_messages
+
+
+def prompt_stream(num_prompts, seed, start=0):
+    """Yield prompt indices forever: a new seeded permutation each epoch. `start` skips that many (for resuming)."""
+    order = lambda epoch: torch.randperm(num_prompts, generator=torch.Generator().manual_seed(seed + epoch)).tolist()
+    yield from itertools.islice(itertools.chain.from_iterable(map(order, itertools.count())), start, None)
+
+
+def score_completions(reward_fns, completions, columns):
+    """Call each reward function; returns rewards (num_completions, num_funcs) with NaN where a function gave None."""
+    scores = torch.full((len(completions), len(reward_fns)), float("nan"))
+    for k, fn in enumerate(reward_fns):
+        try:
+            values = fn(completions=completions, **columns)
+        except Exception as error:
+            raise RuntimeError(
+                f"reward function '{fn.__name__}' raised {type(error).__name__}: {error}. It receives completions and "
+                f"the keyword columns {sorted(columns)}; fix the function or the dataset columns it reads."
+            ) from error
+        if len(values) != len(completions):
+            raise ValueError(
+                f"reward function '{fn.__name__}' returned {len(values)} values for {len(completions)} completions"
+            )
+        scores[:, k] = torch.tensor([float("nan") if v is None else float(v) for v in values])
+    return scores
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Log-probabilities (chunked, at the sampling temperature, with the model's own logit transform)
+
+
+def collate(prompt_ids, completion_ids, device, pad_id):
+    """Left-pad prompts and right-pad completions into one (B, P + C) batch.
+
+    Returns input_ids, attention_mask, position_ids (B, P + C), completion_mask (B, C) and P."""
+    P = max(len(p) for p in prompt_ids)
+    C = max(max(len(c) for c in completion_ids), 1)
+    input_ids = torch.full((len(prompt_ids), P + C), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros_like(input_ids)
+    for i, (p, c) in enumerate(zip(prompt_ids, completion_ids)):
+        input_ids[i, P - len(p) : P + len(c)] = torch.tensor(p + c)
+        attention_mask[i, P - len(p) : P + len(c)] = 1
+    # positions count from each prompt's first real token, as in generation
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    completion_mask = attention_mask[:, P:].float()
+    return input_ids.to(device), attention_mask.to(device), position_ids.to(device), completion_mask.to(device), P
+
+
+def final_logits(logits, config):
+    """The model's own transform of its LM head's output, as its forward applies it (transformers' modeling code) and
+    vLLM samples from it: Cohere multiplies by logit_scale, the Granite family divides by logits_scaling (HyperCLOVAX
+    multiplies by it), Gemma 2/3 soft-cap with final_logit_softcapping. check_logprobs catches any other transform."""
+    text = config.get_text_config()
+    if text.model_type.startswith("cohere") and getattr(text, "logit_scale", None) is not None:
+        logits = logits * text.logit_scale
+    if getattr(text, "logits_scaling", None) is not None:
+        logits = logits * text.logits_scaling if text.model_type == "hyperclovax" else logits / text.logits_scaling
+    if getattr(text, "final_logit_softcapping", None) is not None:
+        logits = torch.tanh(logits / text.final_logit_softcapping) * text.final_logit_softcapping
+    return logits
+
+
+class TokenLogprobs(torch.autograd.Function):
+    """log pi(target) and the entropy (None unless asked) of each final hidden state, (n,) each, computed `chunk` tokens
+    at a time so that no (n, vocabulary) tensor exists: the forward saves the hidden states and the log-sum-exp; the
+    backward recomputes each chunk's logits once and writes their gradient in one pass, d log pi(t) / dz = onehot(t) -
+    softmax(z), where z are the logits after the model's own transform and the temperature. The LM head's weight is cast
+    once per pass, and its gradient is summed over the chunks in one buffer, or in its .grad with into_grad (with fp32
+    weights under autocast: 0.8 GiB less at a bench step's peak than one per chunk, benchmarks/results/README.md)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, config, temperature, with_entropy, chunk, into_grad):
+        # the LM head computes in autocast's dtype when autocast is on, as the model's own forward would
+        device = hidden.device.type
+        ctx.dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else weight.dtype
+        ctx.config, ctx.temperature, ctx.chunk, ctx.into_grad = config, temperature, chunk, into_grad
+        w, b = (None if x is None else x.to(ctx.dtype) for x in (weight, bias))
+        lse, logprobs, entropy = (torch.empty(len(hidden), device=hidden.device) for _ in range(3))
+        for rows in (slice(start, start + chunk) for start in range(0, len(hidden), chunk)):
+            logits = final_logits(torch.nn.functional.linear(hidden[rows].to(ctx.dtype), w, b), config)
+            lse[rows], logprobs[rows], entropy[rows] = fused(softmax_stats, hidden)(logits, targets[rows], temperature)
+        ctx.save_for_backward(hidden, weight, bias, targets, lse)
+        return logprobs, entropy if with_entropy else None
+
+    @staticmethod
+    def backward(ctx, grad_logprobs, _grad_entropy):  # the entropy is a metric: no gradient flows from it
+        hidden, weight, bias, targets, lse = ctx.saved_tensors
+        w, b = (None if x is None else x.to(ctx.dtype) for x in (weight, bias))
+        probe = weight.new_empty(0, weight.shape[0], dtype=ctx.dtype)  # no rows: whether the model transforms logits
+        plain = final_logits(probe, ctx.config) is probe
+        # the weight's gradient in its own dtype: fp32 weights (autocast) sum the bf16 chunks' products in fp32; with
+        # into_grad, straight into the .grad that earlier micro-batches left (no second vocabulary-sized buffer)
+        into_grad = ctx.into_grad and ctx.needs_input_grad[1] and type(weight.grad) is torch.Tensor
+        grad_hidden, grad_weight = torch.empty_like(hidden), weight.grad if into_grad else torch.zeros_like(weight)
+        grad_bias = None if bias is None else torch.zeros_like(bias)
+        for rows in (slice(start, start + ctx.chunk) for start in range(0, len(hidden), ctx.chunk)):
+            h, t = hidden[rows].to(ctx.dtype), targets[rows]
+            raw = torch.nn.functional.linear(h, w, b)
+            with torch.enable_grad():  # otherwise autograd differentiates the elementwise transform (no parameters)
+                logits = final_logits(raw.requires_grad_(not plain), ctx.config)
+            grad = fused(softmax_grad, h)(logits.detach(), lse[rows], grad_logprobs[rows], t, ctx.temperature)
+            grad = grad if plain else torch.autograd.grad(logits, raw, grad)[0]  # through the model's transform
+            grad_hidden[rows] = grad @ w
+            add_matmul(grad_weight, grad.T, h)
+            if grad_bias is not None:
+                grad_bias += grad.sum(0, dtype=torch.float32)
+        return grad_hidden, None if into_grad else grad_weight, grad_bias, *[None] * 6
+
+
+def softmax_stats(logits, targets, temperature):
+    """One chunk's log-sum-exp, log pi(target) and entropy -sum_v p_v log p_v of z = logits / T, in float32."""
+    z = logits.float() / temperature
+    lse = z.logsumexp(-1)
+    log_softmax = z - lse[:, None]
+    return lse, z.gather(-1, targets[:, None]).squeeze(-1) - lse, -(log_softmax.exp() * log_softmax).sum(-1)
+
+
+def softmax_grad(logits, lse, grad_logprobs, targets, temperature):
+    """One chunk's g d log pi(t) / d logits = g (onehot(t) - softmax(z)) / T, in the logits' dtype."""
+    onehot = torch.arange(logits.shape[-1], device=logits.device) == targets[:, None]
+    softmax = (logits.float() / temperature - lse[:, None]).exp()
+    return (grad_logprobs[:, None] / temperature * (onehot.float() - softmax)).to(logits.dtype)
+
+
+def fused(fn, like):
+    """fn, torch.compile'd on CUDA: one kernel instead of ~8 passes over a chunk's logits (the LM head's forward and
+    backward of a bench step: 408 -> 180 ms, benchmarks/logprob_variants.py). TORCHDYNAMO_DISABLE=1 runs it eagerly."""
+    return compiled(fn) if like.is_cuda else fn
+
+
+compiled = functools.cache(functools.partial(torch.compile, dynamic=True))  # one compiled function per fn
+
+
+def add_matmul(out, a, b):
+    """out += a @ b, with the product summed in out's dtype (float32) rather than rounded to a's (bf16) first."""
+    if a.dtype == out.dtype:
+        out.addmm_(a, b)
+    elif out.is_cuda:
+        torch.addmm(out, a, b, out_dtype=out.dtype, out=out)
+    else:  # the CPU has no mixed-dtype addmm
+        out += (a @ b).to(out.dtype)
+
+
+def per_token_logprobs(
+    model, ids, attn, pos, cmask, P, temperature=1.0, chunk_tokens=1024, with_entropy=False, into_grad=False
+):
+    """log pi(token) of each completion token at the sampling temperature, (B, C), 0 on padding, from a batch of
+    collate's (input ids, attention mask, position ids, completion mask, prompt length P).
+
+    The fp32 logits of a 150k vocabulary would be the memory peak, so they never exist for the whole batch: the LM
+    head runs on chunks of `chunk_tokens` completion tokens (TokenLogprobs), and the backward pass recomputes one chunk
+    at a time too. into_grad: the caller runs loss.backward(), so the LM head's gradient may go straight into .grad."""
+    # the model's own forward (not its backbone alone), so that FSDP2 gathers every parameter; it computes the logits
+    # of one position only, and its last hidden state is the final, normed one
+    inputs = dict(input_ids=ids, attention_mask=attn, position_ids=pos)
+    hidden = model(**inputs, use_cache=False, logits_to_keep=1, output_hidden_states=True).hidden_states[-1]
+    hidden = hidden[:, P - 1 : -1]  # (B, C, H): position t predicts completion token t
+    targets = ids[:, P:]
+    mask = cmask.bool()
+    hidden, targets = hidden[mask], targets[mask]  # (n_tokens, H), (n_tokens,)
+    lm_head = model.get_output_embeddings()
+    args = lm_head.weight, lm_head.bias, targets, model.config, temperature, with_entropy, chunk_tokens, into_grad
+    logprobs, entropy = TokenLogprobs.apply(hidden, *args)
+    # masked_scatter keeps the output connected to the model even when no token is masked in
+    logprobs = torch.zeros(mask.shape, device=ids.device).masked_scatter(mask, logprobs)
+    return (logprobs, torch.zeros_like(logprobs).masked_scatter(mask, entropy)) if with_entropy else logprobs
+
+
+def check_logprobs(model, input_ids, device, world_size):
+    """Raise unless per_token_logprobs of one short sequence match log_softmax of the model's own logits, which the
+    sampler uses: an architecture whose forward transforms its logits in a way final_logits does not know would
+    otherwise train on wrong log-probs. Every rank calls it: `unsharded` gathers the FSDP2 shards, a collective."""
+    ids, attn, pos, cmask, P = collate([input_ids[:1]], [input_ids[1:]], device, 0)
+    with torch.no_grad(), unsharded(model, world_size):
+        ours = per_token_logprobs(model, ids, attn, pos, cmask, P)
+        logits = model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=False).logits[:, P - 1 : -1]
+    theirs = logits.float().log_softmax(-1).gather(-1, ids[:, P:, None]).squeeze(-1)
+    error = (ours - theirs).abs().mean().item()
+    # in bf16 the LM head's GEMM on other shapes may round a logit of ~20 differently, by 0.125 (some forwards
+    # return float32 logits computed in bf16, hence the weights' dtype too)
+    exact = logits.dtype == model.get_output_embeddings().weight.dtype == torch.float32
+    if error > (1e-3 if exact else 0.1):
+        raise ValueError(
+            f"{type(model).__name__}: the trainer's log-probs (LM head on the last hidden state, then final_logits) "
+            f"differ from those of the model's own logits by {error:.3g} nats per token, so they would not match the "
+            f"sampler's. Its forward transforms the logits in a way final_logits does not know: add it there."
+        )
+
+
+def clip_gradients(model, max_norm):
+    """Clip the gradients' global norm to max_norm (<= 0: no clipping) and return the norm before clipping."""
+    # max_norm 0 would scale every gradient to 0; inf still computes the norm (the grad_norm metric)
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm if max_norm > 0 else float("inf"))
+    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # FSDP2: a DTensor
+
+
+def token_budget_batches(rows, prompt_lengths, completion_lengths, budget):
+    """Split `rows` into micro-batches whose padded size (rows x (max prompt + max completion)) fits `budget`.
+    Rows are sorted by length so that similar lengths share a micro-batch (less padding)."""
+    order = sorted(rows, key=lambda i: prompt_lengths[i] + completion_lengths[i])
+    batches, current, max_p, max_c = [], [], 0, 0
+    for i in order:
+        p, c = max(max_p, prompt_lengths[i]), max(max_c, completion_lengths[i])
+        if current and (len(current) + 1) * (p + c) > budget:
+            batches.append(current)
+            current, p, c = [], prompt_lengths[i], completion_lengths[i]
+        current.append(i)
+        max_p, max_c = p, c
+    return batches + [current] if current else batches
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Several GPUs (torchrun): FSDP2 shards the weights, each rank generates and scores whole groups of its own prompts
+
+
+def decoder_layers(model):
+    """The model's repeated blocks (_no_split_modules): the units FSDP2 shards and --torch-compile compiles."""
+    return [module for module in model.modules() if type(module).__name__ in (model._no_split_modules or ())]
+
+
+def shard_model(model, mixed_precision):
+    """FSDP2: shard every decoder layer, then the rest (embeddings, final norm, LM head) as the root. With
+    mixed_precision, each layer computes in bf16 while the sharded fp32 weights and gradient reduction stay fp32."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    bf16 = dict(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed_precision else {}
+    policy = MixedPrecisionPolicy(**bf16)
+    for module in [*decoder_layers(model), model]:  # every decoder layer, then the root
+        fully_shard(module, mp_policy=policy)
+    return model
+
+
+@contextmanager
+def unsharded(model, world_size):
+    """Hold an FSDP2 model's full weights for forward-only passes (generation, old/reference log-probs): no collective
+    per forward, so ranks may run different numbers of passes (decoding steps, micro-batches)."""
+    if world_size == 1:
+        yield
+        return
+    layers = decoder_layers(model)
+    for module in [*layers, model]:
+        module.unshard()
+    for layer in layers:
+        layer.set_reshard_after_forward(False, recurse=False)
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.set_reshard_after_forward(True, recurse=False)
+        for module in [*layers, model]:
+            module.reshard()
+
+
+def same_count_on_all_ranks(micro_batches, world_size, device):
+    """Pad this rank's micro-batch list with None (a pass whose loss is multiplied by 0) up to the longest list of any
+    rank: every FSDP2 backward is a collective, so all ranks must run the same number of them."""
+    if world_size == 1:
+        return micro_batches
+    count = torch.tensor(len(micro_batches), device=device)
+    dist.all_reduce(count, op=dist.ReduceOp.MAX)
+    return micro_batches + [None] * (int(count) - len(micro_batches))
+
+
+def gather_objects(value, world_size):
+    """Every rank's `value` (any picklable object), in rank order."""
+    if world_size == 1:
+        return [value]
+    parts = [None] * world_size
+    dist.all_gather_object(parts, value)
+    return parts
+
+
+def global_sum(value, world_size, device):
+    """Sum of a number over all ranks."""
+    if world_size == 1:
+        return float(value)
+    total = torch.tensor(float(value), device=device)
+    dist.all_reduce(total)
+    return total.item()
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Generation with Hugging Face `generate` (the vLLM paths live in vllm_utils.py)
+
+
+@torch.no_grad()
+def hf_generate(model, prompt_ids, args, eos_ids, pad_id, num_generations=None, temperature=None):
+    """Sample num_generations completions per prompt (None: --num-generations) at `temperature` (None: the training
+    one; 0: greedy, for evaluation); returns completion token ids (prompt-major), each cut after its first EOS (the EOS
+    is kept as the last token), and None (no sampler log-probs)."""
+    from transformers import GenerationConfig
+
+    num_generations = num_generations or args.num_generations
+    temperature = args.temperature if temperature is None else temperature
+    repeated = [p for p in prompt_ids for _ in range(num_generations)]
+    input_ids, attention_mask, _, _, P = collate(repeated, [[]] * len(repeated), model.device, pad_id)  # left-padded
+    input_ids, attention_mask = input_ids[:, :P], attention_mask[:, :P]
+    sampling = dict(do_sample=True, temperature=temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p)
+    decoding = sampling if temperature > 0 else dict(do_sample=False)  # temperature 0: greedy
+    stopping = dict(max_new_tokens=args.max_completion_length, eos_token_id=eos_ids, pad_token_id=pad_id)
+    config = GenerationConfig(**decoding, **stopping, repetition_penalty=args.repetition_penalty, use_cache=True)
+    model.eval()
+    # generate fills every field left None here from model.generation_config (the checkpoint's generation_config.json:
+    # no_repeat_ngram_size, suppress_tokens, ...), which neither the trainer's log-probs nor vLLM model; as the model's
+    # own config, this one is completed with the library's neutral defaults only
+    model_config, model.generation_config = model.generation_config, config
+    try:
+        with torch.autocast(model.device.type, torch.bfloat16, enabled=args.bf16 and model.device.type == "cuda"):
+            out = model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=config)
+    finally:
+        model.generation_config = model_config
+    cut_after_eos = lambda row: row[: next((t + 1 for t, token in enumerate(row) if token in eos_ids), len(row))]
+    return [cut_after_eos(row) for row in out[:, P:].tolist()], None
+
+
+def future_of(fn, background):
+    """fn() as a Future: run in a daemon thread (--async-generation: the trainer trains meanwhile; a daemon never
+    holds up the exit after an error), or right now. future.result() returns the value or raises fn's error."""
+    future = Future()
+
+    def run():
+        try:
+            future.set_result(fn())
+        except BaseException as error:  # noqa: BLE001 - re-raised by future.result() in the training loop
+            future.set_exception(error)
+
+    threading.Thread(target=run, daemon=True).start() if background else run()
+    return future
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Evaluation and sample completions (README.md, "Evaluation")
+
+
+def rank_share(num_prompts, rank, world_size):
+    """This rank's contiguous share of range(num_prompts), padded with prompt 0 to ceil(num_prompts / world_size) rows
+    so that every rank makes the same generate calls (FSDP2's unshard and a tensor-parallel engine's gather are
+    collectives). Returns (rows, how many of them are real); the ranks' real rows, in rank order, are all prompts."""
+    per_rank = -(-num_prompts // world_size)
+    rows = list(range(num_prompts))[rank * per_rank : (rank + 1) * per_rank]
+    return rows + [0] * (per_rank - len(rows)), len(rows)
+
+
+def eval_metrics(greedy, sampled, reward_weights, names):
+    """eval/... metrics from the reward functions' scores of each prompt's greedy completion, greedy (P, num_funcs),
+    and of its k samples at the training temperature, sampled (P, k, num_funcs) or None. NaN (unscorable) counts as 0
+    in the weighted total, as in training. A completion solves its prompt when its total reward is > 0, so
+      pass@1 = share of prompts whose greedy completion solves them,
+      mean@k = mean total reward of the samples,
+      pass@k = share of prompts that one of their k samples solves (exactly k samples: no unbiased estimator needed)."""
+    total = (greedy * reward_weights).nansum(-1)  # (P,)
+    metrics = {"eval/reward": total.mean().item(), "eval/pass@1": (total > 0).float().mean().item()}
+    metrics.update({f"eval/rewards/{name}/mean": greedy[:, j].nanmean().item() for j, name in enumerate(names)})
+    if sampled is not None:
+        k, total = sampled.shape[1], (sampled * reward_weights).nansum(-1)  # (P, k)
+        metrics[f"eval/mean@{k}"] = total.mean().item()
+        metrics[f"eval/pass@{k}"] = (total > 0).any(-1).float().mean().item()
+        for j, name in enumerate(names):
+            metrics[f"eval/rewards/{name}/mean@{k}"] = sampled[..., j].nanmean().item()
+    return metrics
+
+
+def log_completions(run, prompt_ids, completion_ids, rewards, step):
+    """--log-completions: print that many (prompt, completion, reward) rows of the step, one short line each, and with
+    --track log them to wandb as a table (TRL's "completions" table)."""
+    count = run.args.log_completions
+    decode = lambda ids: run.tokenizer.decode(ids, skip_special_tokens=True)
+    short = lambda text: textwrap.shorten(text, 70, placeholder=" ...") or repr(text)
+    rows = [[step, decode(p), decode(c), r] for p, c, r in zip(prompt_ids[:count], completion_ids, rewards.tolist())]
+    for _, prompt, completion, reward in rows:
+        tqdm.write(f"  reward {reward:.3g} | {short(prompt)} => {short(completion)}")
+    if run.wandb:
+        table = run.wandb.Table(columns=["step", "prompt", "completion", "reward"], data=rows)
+        run.wandb.log({"completions": table}, step=step)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Checkpoints
+
+
+def load_checkpoint(run, checkpoint_dir):
+    """Restore a checkpoint's optimizer, schedule and this rank's RNG states (its weights were loaded as the model);
+    returns (global_step, prompts_consumed)."""
+    model, optimizer, scheduler, device, rank = run.model, run.optimizer, run.scheduler, run.device, run.rank
+    # mmap: pages of the full optimizer state are read as used, not all into every rank's memory (copy-on-write)
+    state = torch.load(os.path.join(checkpoint_dir, "trainer_state.pt"), weights_only=False, mmap=True)
+    if run.world_size == 1 and all(isinstance(key, int) for key in state["optimizer"]["state"]):  # written by one rank
+        # directly: torch's set_optimizer_state_dict first builds a throw-away AdamW state, 2x the weights' memory
+        optimizer.load_state_dict(state["optimizer"])
+    else:  # written by several ranks (by parameter name), or resumed on several (sharded like the weights). Not strict:
+        # a parameter that never had a gradient (a multimodal model's unused tower) has no AdamW state
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+        full = StateDictOptions(full_state_dict=run.world_size > 1, strict=False)
+        set_optimizer_state_dict(model, optimizer, state["optimizer"], options=full)
+    scheduler.load_state_dict(state["scheduler"])
+    torch.set_rng_state(state["torch_rng"][rank])
+    if device.type == "cuda" and state.get("cuda_rng") is not None:  # GPU sampling; older checkpoints have none
+        torch.cuda.set_rng_state(state["cuda_rng"][rank])
+    # optimizer tensors left on the CPU (AdamW's step counts; all of them on a CPU run) still point into the mapped
+    # file: copy them, so that --save-total-limit can delete that checkpoint and its disk space is freed
+    for per_param in optimizer.state.values():
+        per_param.update({k: v.clone() for k, v in per_param.items() if torch.is_tensor(v) and v.device.type == "cpu"})
+    return state["global_step"], state["prompts_consumed"]
+
+
+def save_checkpoint(run, global_step, prompts_consumed):
+    """output_dir/checkpoint-N: the full weights and tokenizer, trainer_state.pt (optimizer, schedule, every rank's RNG
+    states, the prompts consumed) and run.json; then this run's checkpoints beyond --save-total-limit are deleted.
+    Every rank calls this (gathering the weights is a collective); rank 0 writes."""
+    args, world_size, cuda = run.args, run.world_size, run.device.type == "cuda"
+    model_state, optimizer_state = full_state(run.model, run.optimizer)
+    rng_states = gather_objects((torch.get_rng_state(), torch.cuda.get_rng_state() if cuda else None), world_size)
+    if not run.is_main:
+        return
+    path = os.path.join(args.output_dir, f"checkpoint-{global_step}")
+    tmp = f"{path}.tmp-{os.getpid()}"  # written in full, then renamed: a crash never leaves a half-written checkpoint
+    shutil.rmtree(tmp, ignore_errors=True)
+    run.model.save_pretrained(tmp, state_dict=model_state)
+    run.tokenizer.save_pretrained(tmp)
+    trainer_state = {"optimizer": optimizer_state, "scheduler": run.scheduler.state_dict(), "global_step": global_step}
+    trainer_state |= {"prompts_consumed": prompts_consumed, "torch_rng": [r[0] for r in rng_states]}
+    trainer_state["cuda_rng"] = [r[1] for r in rng_states] if cuda else None
+    torch.save(trainer_state, os.path.join(tmp, "trainer_state.pt"))
+    write_json(os.path.join(tmp, "run.json"), {**run.identity, "script": "grpo.py", "global_step": global_step})
+    replace_atomically(tmp, path)
+    limit = args.save_total_limit
+    for old in run_checkpoints(args.output_dir, run.identity["run_id"])[:-limit] if limit else []:
+        shutil.rmtree(old)  # this run's older checkpoints only, never another run's
+
+
+def stop_preempted(run, global_step):
+    """After SIGTERM's checkpoint: say how to continue, and exit with 143 (128 + SIGTERM: stopped, not finished)."""
+    if run.is_main:
+        tip = "the same command with --resume-from-checkpoint latest continues the run"
+        print(f"SIGTERM: wrote checkpoint-{global_step} and stopped; {tip}", flush=True)
+        if run.wandb:
+            run.wandb.mark_preempting()
+    if run.world_size > 1:
+        dist.destroy_process_group()
+    sys.exit(143)
+
+
+def finish(run):
+    """The final model + tokenizer, loadable with from_pretrained(output_dir) (--max-steps 0 only evaluated: nothing to
+    save); then the output directory's lock and the process group are released."""
+    args = run.args
+    run.progress.close()
+    model_state = full_state(run.model, None)[0] if args.max_steps else None
+    if run.is_main:
+        if args.max_steps:
+            save_final(args.output_dir, run.model, run.tokenizer, model_state)
+            print(f"saved the final model to {args.output_dir}")
+        run.metrics_file.close()
+        if run.wandb:
+            run.wandb.finish()
+    if run.output_lock is not None:
+        os.close(run.output_lock)  # the run is over: the directory is free for the next one
+    if run.world_size > 1:
+        dist.barrier()  # no rank tears down gloo while another is still saving (a rank aborted at exit under load)
+        dist.destroy_process_group()
+
+
+def replace_atomically(tmp, path):
+    """Rename the complete directory `tmp` to `path`, moving an older `path` aside first and deleting it after."""
+    if os.path.isdir(path):
+        old = f"{path}.old-{os.getpid()}"
+        os.replace(path, old)
+        os.replace(tmp, path)
+        shutil.rmtree(old)
+    else:
+        os.replace(tmp, path)
+
+
+def full_state(model, optimizer):
+    """Unsharded weights and optimizer state: on one rank their own tensors (torch.save copies GPU tensors one at a
+    time); with FSDP2 gathered onto rank 0's CPU by parameter name (a collective; the other ranks get empty dicts)."""
+    if not dist.is_initialized():
+        return model.state_dict(), optimizer.state_dict() if optimizer is not None else None
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    optimizer_state = optimizer.state_dict() if optimizer is not None else None
+    if optimizer is not None and optimizer.state:  # torch would fill an empty state with an AdamW step at lr 0
+        optimizer_state = get_optimizer_state_dict(model, optimizer, options=options)
+    return get_model_state_dict(model, options=options), optimizer_state
+
+
+def save_final(output_dir, model, tokenizer, state_dict=None):
+    """save_pretrained into output_dir itself, next to checkpoints and metrics: the files are written to a temporary
+    folder, then each is moved in with an atomic rename, config.json last, so a config.json means a complete model."""
+    tmp = os.path.join(output_dir, f".final-tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp, state_dict=state_dict)
+    tokenizer.save_pretrained(tmp)
+    for name in sorted(os.listdir(tmp), key=lambda n: n == "config.json"):
+        os.replace(os.path.join(tmp, name), os.path.join(output_dir, name))
+    os.rmdir(tmp)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Start-up: arguments, data and the output directory, all checked before any model loads
+
+
+def parse_args(argv=None):
+    """tyro.cli(Args), with --help in the groups of the "# ..." comment headers in Args (those of README.md's option
+    table). tyro groups the options of nested dataclasses, so each header's fields become one nested dataclass whose
+    flags keep their names (OmitArgPrefixes); the parsed groups are merged back into one flat Args."""
+    source = inspect.getsource(Args)
+    body = ast.parse(textwrap.dedent(source)).body[0].body
+    pairs = [(a, b) for a, b in itertools.pairwise(body) if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr)]
+    docs = {a.target.id: " ".join(b.value.value.split()) for a, b in pairs}  # each field's docstring, on one line
+    groups, title = {}, None
+    for line in source.splitlines():
+        if header := re.match(r" {4}# (.+?)(?: \(.*)?$", line):
+            title = header[1]
+        elif name := re.match(r" {4}(\w+):", line):
+            groups.setdefault(title, []).append(name[1])
+    fields = {f.name: f for f in dataclasses.fields(Args)}
+
+    def option(n):  # the field n of Args, with its docstring as the --help text
+        f = fields[n]
+        default = field(default=f.default, default_factory=f.default_factory)
+        return n, Annotated[f.type, tyro.conf.arg(help=docs[n])], default
+
+    parts = []
+    for title, names in groups.items():
+        group = dataclasses.make_dataclass(title, [option(n) for n in names])
+        group.__doc__ = ""
+        attribute = re.sub(r"\W+", "_", title).lower()
+        parts.append((attribute, tyro.conf.OmitArgPrefixes[group], field(default_factory=group)))
+    description = "\n\n".join(__doc__.split("\n\n")[:3])  # what it does, and the CPU example
+    parsed = tyro.cli(dataclasses.make_dataclass("Args", parts), args=argv, description=description)
+    return Args(**{k: v for part in dataclasses.fields(parsed) for k, v in vars(getattr(parsed, part.name)).items()})
+
+
+def looks_local(path):
+    """A path that cannot be a hub name: absolute, ./ ../ ~, several '/', or its first folder exists here."""
+    return path.startswith(("/", ".", "~")) or path.count("/") > 1 or "\\" in path or os.path.isdir(path.split("/")[0])
+
+
+def check_args(args, world_size=1):
+    """Every check that needs neither a model nor the data: value ranges, flag combinations, and that local paths
+    exist (a missing local model would otherwise surface later, as a hub error). Exits with one line per problem."""
+    problems = []
+    floor = args.vllm_importance_sampling_clip_min or 0  # --vllm-importance-sampling-clip-max must exceed it
+    rules = [  # (field, true for a valid value, what it must be); None (an option left unset) is always valid
+        ("num_generations", lambda v: v >= 2, "at least 2: advantages compare completions of the same prompt"),
+        ("prompts_per_step", lambda v: v >= 1, "at least 1"),
+        ("max_prompt_length", lambda v: v >= 1, "at least 1"),
+        ("max_completion_length", lambda v: v >= 1, "at least 1 (new tokens per completion)"),
+        ("temperature", lambda v: v > 0, "> 0"),
+        ("top_p", lambda v: 0 < v <= 1, "in (0, 1]"),
+        ("top_k", lambda v: v >= 0, ">= 0 (0 = off)"),
+        ("min_p", lambda v: 0 <= v <= 1, "in [0, 1] (0 = off)"),
+        ("repetition_penalty", lambda v: v > 0, "> 0 (1 = off)"),
+        ("vllm_gpu_memory_utilization", lambda v: 0 < v <= 1, "in (0, 1]"),
+        ("vllm_tensor_parallel_size", lambda v: v >= 1, "at least 1"),
+        ("vllm_max_model_len", lambda v: v >= 1, "at least 1"),
+        ("vllm_server_port", lambda v: 0 < v < 65536, "a TCP port (1-65535)"),
+        ("vllm_server_timeout", lambda v: v > 0, "> 0 seconds"),
+        ("vllm_group_port", lambda v: 0 < v < 65536, "a TCP port (1-65535)"),
+        ("vllm_importance_sampling_clip_min", lambda v: v >= 0, ">= 0"),
+        ("vllm_importance_sampling_clip_max", lambda v: v > floor, "> --vllm-importance-sampling-clip-min (and > 0)"),
+        ("dynamic_sampling_max_rounds", lambda v: v >= 1, "at least 1"),
+        ("epsilon", lambda v: v >= 0, ">= 0"),
+        ("epsilon_high", lambda v: v >= 0, ">= 0"),
+        ("delta", lambda v: v > 1, "> 1 (it caps the ratio from above)"),
+        ("beta", lambda v: v >= 0, ">= 0"),
+        ("num_iterations", lambda v: v >= 1, "at least 1"),
+        ("steps_per_generation", lambda v: v >= 1, "at least 1"),
+        ("learning_rate", lambda v: v >= 0, ">= 0"),
+        ("weight_decay", lambda v: v >= 0, ">= 0"),
+        ("adam_beta1", lambda v: 0 <= v < 1, "in [0, 1)"),
+        ("adam_beta2", lambda v: 0 <= v < 1, "in [0, 1)"),
+        ("warmup_steps", lambda v: v >= 0, ">= 0"),
+        ("max_steps", lambda v: v >= 0, ">= 0 (0 = evaluate the model and exit)"),
+        ("micro_batch_tokens", lambda v: v >= 1, "at least 1"),
+        ("logging_steps", lambda v: v >= 1, "at least 1"),
+        ("save_steps", lambda v: v >= 0, ">= 0 (0 = only the final model)"),
+        ("save_total_limit", lambda v: v >= 0, ">= 0"),
+        ("log_completions", lambda v: v >= 0, ">= 0 (0 = off)"),
+        ("eval_steps", lambda v: v >= 0, ">= 0 (0 = no evaluation during training)"),
+        ("eval_max_samples", lambda v: v >= 1, "at least 1"),
+        ("eval_num_generations", lambda v: v >= 1, "at least 1"),
+    ]
+    for name, valid, must in rules:
+        value = getattr(args, name)
+        if value is not None and not valid(value):
+            problems.append(f"--{name.replace('_', '-')} must be {must}, got {value}")
+    if args.steps_per_generation >= 1 and args.prompts_per_step % (args.steps_per_generation * world_size):
+        problems.append(
+            f"--prompts-per-step {args.prompts_per_step} must be divisible by --steps-per-generation x the "
+            f"number of processes ({args.steps_per_generation} x {world_size}): whole groups per rank and step"
+        )
+    steps_per_round = args.steps_per_generation * args.num_iterations
+    if steps_per_round > 0 and args.save_steps % steps_per_round:
+        problems.append(
+            f"--save-steps {args.save_steps} must be a multiple of the optimizer steps per generation round "
+            f"(--steps-per-generation x --num-iterations = {steps_per_round}): checkpoints are written between rounds"
+        )
+    if steps_per_round > 0 and args.eval_steps % steps_per_round:
+        problems.append(
+            f"--eval-steps {args.eval_steps} must be a multiple of the optimizer steps per generation "
+            f"round ({steps_per_round}): evaluation runs between rounds, after the weight push"
+        )
+    if args.reward_weights is not None and len(args.reward_weights) != len(args.reward_funcs):
+        problems.append(
+            f"--reward-weights has {len(args.reward_weights)} values for {len(args.reward_funcs)} --reward-funcs"
+        )
+    if args.use_vllm:
+        problems += vllm_utils.setup_problems()
+    if args.async_generation and not (args.use_vllm and args.vllm_mode == "server"):
+        problems.append(
+            "--async-generation needs --use-vllm --vllm-mode server: a colocated engine or `generate` share "
+            "the trainer's GPU, so generation cannot overlap training"
+        )
+    # local paths: a directory that is not there is reported as such, not as a hub name that does not parse
+    for name, marker, kind in (
+        ("model_name_or_path", "config.json", "model"),
+        ("resume_from_checkpoint", "trainer_state.pt", "checkpoint"),
+    ):
+        path = getattr(args, name)
+        if path is None or (name == "resume_from_checkpoint" and path == "latest"):
+            continue
+        if os.path.isdir(path) and not os.path.exists(os.path.join(path, marker)):
+            problems.append(f"--{name.replace('_', '-')} {path}: that directory has no {marker}, so it is not a {kind}")
+        elif not os.path.isdir(path) and (kind == "checkpoint" or looks_local(path)):
+            problems.append(f"--{name.replace('_', '-')} {path}: no such directory")
+    for flag, name in (("--dataset-name", args.dataset_name), ("--eval-dataset", args.eval_dataset)):
+        if name is not None and is_local_data(name) and not os.path.exists(name):
+            problems.append(f"{flag} {name} does not exist (no such file or directory)")
+    evaluating = args.eval_steps > 0 or args.max_steps == 0
+    if evaluating and eval_source(args) is None:
+        problems.append(
+            f"{'--eval-steps' if args.eval_steps else '--max-steps 0 (evaluate and exit)'} needs an eval dataset: "
+            f"--dataset-name {args.dataset_name} is a local file, with no test split; pass --eval-dataset"
+        )
+    if args.eval_dataset and not evaluating:
+        problems.append(
+            "--eval-dataset is evaluated with --eval-steps N (during training) or --max-steps 0 (once): pass one"
+        )
+    if os.path.exists(args.output_dir) and not os.path.isdir(args.output_dir):
+        problems.append(f"--output-dir {args.output_dir} is a file, not a directory")
+    if problems:
+        raise SystemExit("\n".join(["error: " + p for p in problems]))
+
+
+def reward_functions(names):
+    """The functions of rewards.py that --reward-funcs names."""
+    public = sorted(n for n, f in vars(rewards).items() if n[0] != "_" and callable(f) and f.__module__ == "rewards")
+    for name in names:
+        if name not in public:
+            raise SystemExit(
+                f"error: unknown reward function '{name}'. --reward-funcs takes names from rewards.py: {public}"
+            )
+    return [getattr(rewards, name) for name in names]
+
+
+def is_local_data(name):
+    """A dataset name that is a local file (or directory), not a hub dataset."""
+    return name.endswith((".json", ".jsonl", ".parquet")) or looks_local(name)
+
+
+def eval_source(args):
+    """(name, config, split) of the eval dataset: --eval-dataset, else the training dataset's --eval-dataset-split if it
+    is a hub dataset (a local file has no splits); None if there is none."""
+    if not args.eval_dataset and is_local_data(args.dataset_name):
+        return None
+    name = args.eval_dataset or args.dataset_name
+    config = args.eval_dataset_config or (args.dataset_config if name == args.dataset_name else None)
+    return name, config, args.eval_dataset_split
+
+
+def read_dataset(args, evaluation=False):
+    """Read the dataset (with `evaluation`, the eval dataset of eval_source) once, before any model loads: {column: list
+    of values}. Local .jsonl / .json files are parsed here, so that a malformed record is reported with its file and
+    line; .parquet files and hub datasets through `datasets`."""
+    source = eval_source(args) if evaluation else (args.dataset_name, args.dataset_config, args.dataset_split)
+    flag, (name, config, split) = "--eval-dataset" if evaluation else "--dataset-name", source
+    if name.endswith((".json", ".jsonl")):
+        with open(name, encoding="utf-8") as f:
+            text = f.read()
+        try:  # a .json file may hold one array of records; anything else is read as one record per line
+            array = json.loads(text)
+        except json.JSONDecodeError:
+            array = None
+        where, records = ("record", list(enumerate(array, 1))) if isinstance(array, list) else ("line", [])
+        if where == "line":
+            for number, line in enumerate(text.splitlines(), 1):
+                if not line.strip():
+                    continue
+                try:
+                    records.append((number, json.loads(line)))
+                except json.JSONDecodeError as error:
+                    raise SystemExit(
+                        f"error: {flag} {name}, line {number}: not valid JSON ({error.msg}, column "
+                        f"{error.colno}): {line[:120]}"
+                    ) from None
+        for number, record in records:
+            if not isinstance(record, dict):
+                raise SystemExit(
+                    f"error: {flag} {name}, {where} {number}: a JSON object per record is expected, "
+                    f"got {type(record).__name__}"
+                )
+        columns = dict.fromkeys(column for _, record in records for column in record)  # in first-seen order
+        dataset = {column: [record.get(column) for _, record in records] for column in columns}
+    else:
+        from datasets import load_dataset
+
+        if name.endswith(".parquet"):
+            dataset = load_dataset("parquet", data_files=name, split="train").to_dict()
+        else:
+            try:
+                dataset = load_dataset(name, config, split=split).to_dict()
+            except ValueError as error:  # e.g. no such split
+                raise SystemExit(f"error: {flag} {name}, split {split}: {error}") from None
+    if not dataset or not next(iter(dataset.values())):
+        raise SystemExit(f"error: {flag} {name} holds no records")
+    return dataset
+
+
+def check_dataset(args, dataset, reward_fns, flag="--dataset-name", name=None):
+    """The columns that the flags name exist in the dataset of `flag` (training or eval), and each reward function
+    finds every argument it requires (its signature against the dataset's columns and what the trainer passes)."""
+    name, columns = name or args.dataset_name, list(dataset)
+    for option, column in (("--prompt-column", args.prompt_column), ("--answer-column", args.answer_column)):
+        if (column or option == "--prompt-column") and column not in columns:
+            raise SystemExit(
+                f"error: dataset {name} has no column '{column}' (its columns: {columns}). "
+                f"Pass {option} with one of those"
+                + (', or --answer-column "" if it has none.' if "answer" in option else ".")
+            )
+    # what reward functions receive (load_prompts: the answer column as `answer`)
+    given = set(columns) - {args.prompt_column}
+    if args.answer_column and args.answer_column != "answer":
+        given = given - {args.answer_column} | {"answer"}
+    given |= {"completions", "prompts", "completion_ids", "max_completion_length", *args.reward_kwargs}
+    for fn in reward_fns:
+        for p in inspect.signature(fn).parameters.values():
+            if p.default is not p.empty or p.kind not in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) or p.name in given:
+                continue  # optional, *args / **kwargs, or given
+            if p.name == "answer":
+                raise SystemExit(
+                    f"error: reward function '{fn.__name__}' needs the reference answer, and --answer-column "
+                    f"'{args.answer_column}' gives none: pass --answer-column with the column of {name} that "
+                    f"holds it (its columns: {columns})"
+                )
+            raise SystemExit(
+                f"error: reward function '{fn.__name__}' (--reward-funcs) needs a column '{p.name}', which "
+                f"{flag} {name} does not have (its columns: {columns})"
+            )
+
+
+def read_json(path):
+    """The JSON value in the file `path`, or None if there is none (or it is unreadable)."""
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def write_json(path, value):
+    """Write `value` as JSON through a temporary file and a rename: a reader never sees half a file."""
+    with open(f"{path}.tmp-{os.getpid()}", "w") as f:
+        json.dump(value, f, indent=1)
+    os.replace(f"{path}.tmp-{os.getpid()}", path)
+
+
+def pid_alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        pass
+    return True
+
+
+CHECKPOINT_NAME = re.compile(r"checkpoint-(\d+)")  # a checkpoint directory's name: checkpoint-<optimizer step>
+
+
+def run_checkpoints(output_dir, run_id):
+    """The checkpoint-N directories in output_dir that belong to run `run_id` (their run.json says so), oldest first.
+    Checkpoints written before runs had ids have no run.json: they match run_id None (a directory without run.json)."""
+    found = []
+    for name in os.listdir(output_dir) if os.path.isdir(output_dir) else []:
+        path, match = os.path.join(output_dir, name), CHECKPOINT_NAME.fullmatch(name)
+        if match and (read_json(os.path.join(path, "run.json")) or {}).get("run_id") == run_id:
+            found.append((int(match[1]), path))
+    return [path for _, path in sorted(found)]
+
+
+def remove_dead_temporaries(output_dir):
+    """Remove what processes that died while saving left: checkpoint-N.tmp-PID (half written), .final-tmp-PID, and
+    checkpoint-N.old-PID (a complete checkpoint moved aside for its replacement: put back if that never arrived)."""
+    for name in sorted(os.listdir(output_dir)):
+        match = re.fullmatch(rf"({CHECKPOINT_NAME.pattern}|run\.json)\.(tmp|old)-(\d+)|\.final-tmp-(\d+)", name)
+        if not match or pid_alive(int(match[4] or match[5])):
+            continue
+        path = os.path.join(output_dir, name)
+        if match[3] == "old" and not os.path.exists(os.path.join(output_dir, match[1])):
+            os.replace(path, os.path.join(output_dir, match[1]))
+            print(f"{output_dir}: put back {match[1]} from {name}, left by a process that died while replacing it")
+        else:
+            shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+            print(f"{output_dir}: removed {name}, left by a process that died while saving")
+
+
+def claim_output_dir(args, script):
+    """Make --output-dir this run's (rank 0, before any model loads); returns (run, checkpoint to resume or None, the
+    lock's file descriptor).
+
+    run = {"run_id", "run_name"}: the identity written into output_dir/run.json and into every checkpoint, so that
+    `latest`, --save-total-limit and a resumed wandb run concern this run only.
+    * A lock (flock on output_dir/.lock, held for the life of the process and released by the kernel however it
+      ends, SIGKILL included) keeps a second live run out of the directory.
+    * Temporaries of dead processes (a SIGINT during a save) are removed.
+    * A directory holding another run's files is refused, unless --resume-from-checkpoint continues that run or
+      --overwrite-output-dir starts a new run there (its metrics.jsonl and final model are replaced; its
+      checkpoints stay, never resumed or deleted by this run).
+    * A checkpoint at or past --max-steps is refused: there would be nothing to train."""
+    out, locked = args.output_dir, False
+    created, lock_created = not os.path.isdir(out), not os.path.exists(os.path.join(out, ".lock"))
+    os.makedirs(out, exist_ok=True)
+    lock = os.open(os.path.join(out, ".lock"), os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            locked = True
+        except BlockingIOError:
+            holder = os.pread(lock, 300, 0).decode(errors="replace").strip() or "another process"
+            raise SystemExit(
+                f"error: --output-dir {out} is in use by a run that is still going ({holder}): two runs in "
+                f"one directory overwrite each other's checkpoints and metrics. Wait for it to end, or pass "
+                f"another --output-dir."
+            ) from None
+        except OSError as error:  # a file system without flock (some network mounts): run, but say so
+            print(f"warning: cannot lock {out}/.lock ({error}): nothing keeps a second run out of this directory")
+        os.ftruncate(lock, 0)
+        holder = f"{script}, pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}"
+        os.pwrite(lock, holder.encode(), 0)
+        remove_dead_temporaries(out)
+        owner = read_json(os.path.join(out, "run.json")) or {}
+        files = sorted(set(os.listdir(out)) - {".lock", "run.json"})
+        checkpoint = args.resume_from_checkpoint
+        if checkpoint == "latest":
+            checkpoint = (run_checkpoints(out, owner.get("run_id")) or [None])[-1]
+            if checkpoint is None:
+                others = ", ".join(f for f in files if f.startswith("checkpoint-"))
+                tip = f" ({others} are another run's: pass one's path to --resume-from-checkpoint to continue that run)"
+                raise SystemExit(
+                    f"error: --resume-from-checkpoint latest: no checkpoint-N directory in {out} of the run that "
+                    f"owns it{tip if others else ''}"
+                )
+        resumed = (read_json(os.path.join(checkpoint, "run.json")) or {}) if checkpoint else {}
+        if resumed.get("script", script) != script:
+            raise SystemExit(
+                f"error: --resume-from-checkpoint {checkpoint} is a checkpoint of {resumed['script']}: "
+                f"continue that run with {resumed['script']}, not {script}"
+            )
+        if files and not (checkpoint and resumed.get("run_id") == owner.get("run_id")):
+            if not args.overwrite_output_dir:
+                listed = ", ".join(files[:5]) + (f" and {len(files) - 5} more" if len(files) > 5 else "")
+                whose = f"files that are not this run's ({listed})"
+                if owner.get("script"):
+                    whose = f"another run's files ({listed}; a {owner['script']} run started {owner['started']})"
+                raise SystemExit(
+                    f"error: --output-dir {out} holds {whose}. A new run there would replace its model and mix its "
+                    "metrics and checkpoints with this one's. To continue that run, pass --resume-from-checkpoint "
+                    "latest (or a checkpoint's path); to start a new run there anyway, pass --overwrite-output-dir "
+                    "(its metrics.jsonl and final model are replaced, its checkpoints are kept and never resumed or "
+                    "deleted by the new run); or pass another --output-dir."
+                )
+            for name in ("metrics.jsonl", "config.json"):  # a new metrics file; no complete model until this run's
+                if os.path.exists(os.path.join(out, name)):
+                    os.remove(os.path.join(out, name))
+            print(
+                f"--overwrite-output-dir: a new run in {out}; the earlier run's metrics.jsonl is deleted, its model "
+                f"files are replaced at the end, its checkpoints are left alone"
+            )
+        if checkpoint:
+            step = resumed.get("global_step")
+            if step is None:  # a checkpoint written before run.json existed
+                state = torch.load(os.path.join(checkpoint, "trainer_state.pt"), weights_only=False, mmap=True)
+                step = state["global_step"]
+            if step >= args.max_steps:
+                raise SystemExit(
+                    f"error: --resume-from-checkpoint {checkpoint} is at step {step} and --max-steps is "
+                    f"{args.max_steps}: there is nothing left to train. Raise --max-steps to train on from it "
+                    f"(the learning-rate schedule follows --max-steps), or load it as a model."
+                )
+        if checkpoint and resumed.get("run_id"):
+            run = {"run_id": resumed["run_id"], "run_name": resumed["run_name"]}  # the same run continues
+        else:
+            run = {"run_id": uuid.uuid4().hex[:12], "run_name": f"{args.exp_name}__{args.seed}__{int(time.time())}"}
+            atexit.register(forget_unstarted_run, out, run["run_id"], created)
+        if run["run_id"] != owner.get("run_id"):
+            identity = {**run, "script": script, "started": time.strftime("%Y-%m-%d %H:%M:%S"), "args": asdict(args)}
+            write_json(os.path.join(out, "run.json"), identity)
+        return run, checkpoint, lock
+    except BaseException:
+        if locked and lock_created:  # refused before writing anything: leave the directory as it was
+            os.remove(os.path.join(out, ".lock"))
+            if created and not os.listdir(out):
+                os.rmdir(out)
+        os.close(lock)  # the lock goes with it
+        raise
+
+
+def forget_unstarted_run(output_dir, run_id, created):
+    """At exit: if this run failed while starting (it wrote only run.json), remove that, and the directory it made."""
+    try:
+        only_run_json = set(os.listdir(output_dir)) <= {".lock", "run.json"}
+        if only_run_json and read_json(os.path.join(output_dir, "run.json"))["run_id"] == run_id:
+            os.remove(os.path.join(output_dir, "run.json"))
+            os.remove(os.path.join(output_dir, ".lock"))
+            if created:
+                os.rmdir(output_dir)
+    except (OSError, TypeError, KeyError):
+        pass
+
+
+def on_sigterm():
+    """Preemption: a cluster scheduler sends SIGTERM, then SIGKILL after a grace period. SIGTERM sets the returned
+    event; the loop then writes a checkpoint at the end of the current step and exits (resume with
+    --resume-from-checkpoint latest). A second SIGTERM ends the process at once."""
+    requested = threading.Event()
+
+    def handler(signum, frame):
+        requested.set()
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+    signal.signal(signal.SIGTERM, handler)
+    return requested
+
+
+if __name__ == "__main__":
+    train(parse_args())

@@ -1,0 +1,500 @@
+"""vLLM for online RL, shared by grpo.py / rloo.py / online_dpo.py and their forks (README.md, "Using vLLM": the two
+modes, the supported vLLM versions, each failure and its fix). colocate: a `vllm.LLM` in the training process, fed new
+weights through vLLM's reload path; server: a stock `vllm serve` on other GPUs, sent concurrent token-id
+/v1/completions requests and, after each optimizer step, the weights over NCCL while paused. Both return completion
+token ids and vLLM's log-prob of each sampled token (after temperature). The entry points `start`, `generate`, `sleep`
+and `sync_weights` are built from small functions a fork can call directly; vLLM is imported only where needed."""
+
+import concurrent.futures
+import contextlib
+import importlib.util
+import os
+import socket
+import subprocess
+import threading
+import time
+
+import requests
+import torch
+
+SUPPORTED_VLLM = ((0, 26), (0, 33))  # (major, minor), both ends tested as README.md "Using vLLM" says
+PACKED_NUM_BUFFERS = 2  # packed-broadcast chunks in flight on each side; both sides must agree
+# server-mode Args fields (README.md, "Options") and their defaults, for a fork whose Args predate them
+SERVER_OPTIONS = dict(vllm_group_port=None, vllm_generation_chunk_size=8, vllm_generation_timeout=1800.0)
+SERVER_OPTIONS.update(vllm_weight_sync_timeout=300.0, vllm_weight_sync_buffer_mb=1024)
+_restart = lambda model: f"Restart it as:\n  {serve_command(model)}"  # noqa: E731
+_strip = lambda name: name.replace("_checkpoint_wrapped_module.", "").replace("_fsdp_wrapped_module.", "")
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Weights (what is sent, in which order, in which message format) and colocate: vllm.LLM in this process
+
+
+def _checkpoint_tensors(model, name, tensor):
+    """(name, tensor) pairs as save_pretrained writes this parameter, the names vLLM's loaders know: wrappers' infixes
+    go, and transformers' own reverse undoes its load-time conversions (a MoE layer's fused experts.gate_up_proj
+    [E, 2I, H] becomes DeepSeek-V2's / Qwen3-MoE's per-expert gate_proj and up_proj, which vLLM 0.26's DeepseekV2
+    loader needs; GPT-OSS's stays fused, Mixtral's becomes w1 / w3). Meta tensors give the shapes."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    if "_converted_names" not in vars(model):  # once per model, on the meta device: which parameters change at all
+        meta = {_strip(n): torch.empty(p.shape, device="meta") for n, p in model.named_parameters()}
+        saved = revert_weight_conversion(model, dict(meta))
+        model._converted_names = {n for n, t in meta.items() if n not in saved or saved[n].shape != t.shape}
+    name = _strip(name)  # the reverse costs ~0.3 ms a tensor: only for those that change
+    if name not in model._converted_names:
+        return [(name, tensor)]
+    return list(revert_weight_conversion(model, {name: tensor}).items())
+
+
+def named_weights(model, dtype=torch.bfloat16):
+    """(checkpoint name, tensor) per parameter, cast to `dtype` (bf16 halves the bytes sent), tied ones once. A
+    generator: with FSDP2 each is gathered (a collective: all ranks iterate alike) only when reached, then dropped."""
+    for name, param in model.named_parameters():
+        tensor = param.detach().full_tensor() if hasattr(param, "full_tensor") else param.detach()  # FSDP2: gather
+        yield from _checkpoint_tensors(model, name, tensor.to(dtype))
+
+
+def weight_metadata(model, dtype=torch.bfloat16):
+    """The lists vLLM allocates its receive buffers from: exactly the tensors `named_weights` streams, in its order.
+    Read from the parameters without gathering anything (an FSDP2 DTensor's shape is the full one)."""
+    meta = [(n, torch.empty(p.shape, device="meta")) for n, p in model.named_parameters()]
+    meta = [pair for n, t in meta for pair in _checkpoint_tensors(model, n, t)]
+    dtype_names = [str(dtype).removeprefix("torch.")] * len(meta)
+    return {"names": [n for n, _ in meta], "dtype_names": dtype_names, "shapes": [list(t.shape) for _, t in meta]}
+
+
+def vllm_version(version=None, who=None):
+    """(major, minor) of a vLLM version string ("0.28.1.dev3+g12ab" -> (0, 28)), the installed vLLM's by default. With
+    `who`, refuse one outside SUPPORTED_VLLM: this file knows the weight-transfer messages of those versions only."""
+    from packaging.version import Version
+
+    if version is None:
+        from vllm import __version__ as version
+    low, high = (".".join(map(str, v)) for v in SUPPORTED_VLLM)
+    if who and not SUPPORTED_VLLM[0] <= Version(version).release[:2] <= SUPPORTED_VLLM[1]:
+        raise RuntimeError(f"{who} runs vLLM {version}, outside the supported range {low} to {high} (vllm==0.26.0)")
+    return Version(version).release[:2]
+
+
+def weight_sync_messages(server_version, init_info, update_info, buffer_bytes=1 << 30):
+    """(init_info, update_info) as a server running `server_version` takes them. The packed-broadcast geometry goes in
+    every update up to 0.27 (0.26 and 0.27 distributed/weight_transfer/nccl_engine.py, NCCLWeightTransferUpdateInfo)
+    and once in the init from 0.28 (0.28 nccl_common.py, NCCLWeightTransferInitInfo); each rejects it in the other."""
+    packed = {"packed": True, "packed_buffer_size_bytes": buffer_bytes, "packed_num_buffers": PACKED_NUM_BUFFERS}
+    if vllm_version(server_version) >= (0, 28):
+        return {**init_info, **packed}, update_info
+    return init_info, {**update_info, **packed}
+
+
+def free_port():
+    """A TCP port that is free on this host now (the OS picks it)."""
+    with socket.create_server(("", 0)) as s:
+        return s.getsockname()[1]
+
+
+def colocate_engine(model_path, tensor_parallel_size=1, seed=0, **llm_args):
+    """A vllm.LLM in this (torchrun or plain) process, on its GPU; `llm_args` go to vllm.LLM. external_launcher runs
+    the engine's worker in this process, which lets the trainer hand it weights; env:// variables are filled in."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if world_size % tensor_parallel_size:
+        raise ValueError(f"--vllm-tensor-parallel-size {tensor_parallel_size} must divide the {world_size} processes")
+    os.environ.update({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", **os.environ})  # the environment's first
+    if "MASTER_PORT" not in os.environ:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    from vllm import LLM
+
+    fixed = {"distributed_executor_backend": "external_launcher", "logprobs_mode": "processed_logprobs"}
+    llm_args = {"gpu_memory_utilization": 0.3, "dtype": "bfloat16", **llm_args, **fixed}
+    if tensor_parallel_size > 1 and os.environ.get("NCCL_NVLS_ENABLE") == "0":
+        # TP > 1 fuses all-reduce + RMSNorm through FlashInfer, whose "mnnvl" workspace maps NVLink multicast memory:
+        # a host that switched multicast off (NCCL_NVLS_ENABLE=0) gets plain all-reduce.
+        llm_args["compilation_config"] = {"pass_config": {"fuse_allreduce_rms": False}}
+    seed += int(os.environ["RANK"]) // tensor_parallel_size  # ranks of one TP group must sample identically
+    return LLM(model=model_path, tensor_parallel_size=tensor_parallel_size, seed=seed, **llm_args)
+
+
+def sampling_fields(args):
+    """Both modes' sampling settings, all explicit (a server fills gaps from the model's generation_config.json)."""
+    top_k = args.top_k if args.top_k > 0 else -1
+    fields = {"temperature": args.temperature, "top_p": args.top_p, "top_k": top_k, "min_p": args.min_p}
+    return {**fields, "repetition_penalty": args.repetition_penalty, "max_tokens": args.max_completion_length}
+
+
+def colocate_generate(llm, prompt_ids, n, fields):
+    """n completions per prompt from an in-process engine: (completion ids, sampled-token log-probs), prompt-major."""
+    from vllm import SamplingParams
+
+    # no text (detokenizing stalls decoding here: 3.4 vs 2.2 s a bench round); logprobs=0, flat: one float per token
+    params = SamplingParams(n=n, logprobs=0, detokenize=False, flat_logprobs=True, **fields)
+    outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], params, use_tqdm=False)
+    samples = [sample for output in outputs for sample in output.outputs]
+    return [list(s.token_ids) for s in samples], [list(s.logprobs.logprobs) for s in samples]
+
+
+def tensor_parallel_group(tensor_parallel_size):
+    """The process group of this rank's tensor-parallel engine (consecutive ranks, same prompts), None without TP."""
+    if tensor_parallel_size > 1 and torch.distributed.is_initialized():
+        return torch.distributed.new_subgroups(tensor_parallel_size)[0]  # every rank creates every group, in order
+
+
+def colocate_load_weights(llm, weights):
+    """Load (name, full tensor) pairs through vLLM's layerwise reload: it reruns the post-load processing (MLA, MoE
+    repacking, fp8) a plain load_weights skips; same storage (CUDA graphs stay valid); each TP rank takes its shard."""
+    llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True})
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Server: a stock `vllm serve` over HTTP + NCCL
+
+
+def serve_command(model, host="0.0.0.0", port=8000, gpus="1"):
+    """The command that starts a server this codebase can train against; 4 HTTP front ends, because one alone turns the
+    sampled tokens' log-probs into responses slower than the engine samples them (README.md, "Using vLLM")."""
+    flags = '--weight-transfer-config \'{"backend": "nccl"}\' --logprobs-mode processed_logprobs --max-logprobs -1'
+    env = f"CUDA_VISIBLE_DEVICES={gpus} VLLM_SERVER_DEV_MODE=1"
+    return f"{env} vllm serve {model} --host {host} --port {port} {flags} --api-server-count 4"
+
+
+def wait_for_server(base_url, timeout, model):
+    """Poll GET /health until it answers 200; after `timeout` seconds raise with the command that starts it."""
+    deadline, port = time.monotonic() + timeout, base_url.rsplit(":", 1)[1]
+    while True:
+        with contextlib.suppress(requests.RequestException):
+            if requests.get(f"{base_url}/health", timeout=5).status_code == 200:
+                return
+        if time.monotonic() > deadline:
+            raise ConnectionError(
+                f"no vLLM server answered at {base_url}/health within {timeout:.0f} s (--vllm-server-timeout). "
+                f"Start one on GPUs the trainer does not use, e.g.\n  {serve_command(model, port=port)}\n"
+                f"or point --vllm-server-host / --vllm-server-port at it."
+            )
+        time.sleep(2)
+
+
+def probe_server(base_url, model, timeout=10.0):
+    """Whether the engine is paused: GET /is_paused, unlike /health, needs the engine's loop, which never runs again in
+    an engine blocked in an NCCL receive (its trainer died mid-broadcast)."""
+    try:
+        response = requests.get(f"{base_url}/is_paused", timeout=timeout)
+    except requests.Timeout:
+        raise RuntimeError(
+            f"the server at {base_url} answers /health but its engine not /is_paused within {timeout:.0f} s: it is "
+            f"likely stuck receiving a weight update whose trainer died (NCCL has no timeout). {_restart(model)}"
+        ) from None
+    return response.status_code == 200 and response.json().get("is_paused", False)
+
+
+def check_server(base_url, model):
+    """Fail early, with the fix, when the server cannot do RL (no dev mode or NCCL weight transfer, raw log-probs, a
+    vLLM outside SUPPORTED_VLLM, a stuck engine); resume one a dead trainer left paused. Returns its facts."""
+    response = requests.get(f"{base_url}/server_info", params={"config_format": "json"}, timeout=30)
+    if response.status_code == 404:  # the weight-sync endpoints need dev mode too
+        raise RuntimeError(f"the server at {base_url} was started without VLLM_SERVER_DEV_MODE=1. {_restart(model)}")
+    response.raise_for_status()
+    config = response.json()["vllm_config"]
+    if not config.get("weight_transfer_config"):
+        raise RuntimeError(f"the server at {base_url} has no --weight-transfer-config. {_restart(model)}")
+    model_config = config.get("model_config", {})
+    if (mode := model_config.get("logprobs_mode")) != "processed_logprobs":  # raw ones leave out the temperature
+        raise RuntimeError(f"the server at {base_url} returns {mode}, which biases every ratio. {_restart(model)}")
+    version = requests.get(f"{base_url}/version", timeout=30).json()["version"]
+    vllm_version(version, who=f"the server at {base_url}")  # any mix with the trainer's: messages follow the server
+    if probe_server(base_url, model):  # a trainer died between /pause and /resume
+        _post(base_url, "/resume", 30)
+    served = requests.get(f"{base_url}/v1/models", timeout=30).json()["data"][0]
+    info = {"model_id": served["id"], "max_model_len": served.get("max_model_len")}
+    return {**info, "version": version, "model_config": model_config}
+
+
+def check_same_model(server, model, model_path):
+    """Refuse a server that serves another model before any NCCL or /start_weight_update. No vLLM reports parameter
+    names (0.28+'s /weight_info: a version string), so the served model (/server_info's path, revision, hf_overrides)
+    is built on the meta device: it must have weight_metadata's names and shapes (dtypes may differ: vLLM casts)."""
+    import transformers
+
+    served = server["model_config"]
+    name, remote = served.get("model", server["model_id"]), {"trust_remote_code": bool(served.get("trust_remote_code"))}
+    try:  # the served model's HF parameters, built on the meta device (no memory)
+        config = transformers.AutoConfig.from_pretrained(name, revision=served.get("revision"), **remote)
+        config.update(served.get("hf_overrides") or {})
+        with torch.device("meta"):
+            served_model = transformers.AutoModelForCausalLM.from_config(config, **remote)
+    except (OSError, ValueError, TypeError, KeyError):
+        return print(f"vllm_utils: cannot build the served {name} here to compare it with the trainer's {model_path}")
+    sent, shapes = (dict(zip(*(weight_metadata(m)[key] for key in ("names", "shapes")))) for m in (model, served_model))
+    first = next((key for key in [*sent, *shapes] if sent.get(key) != shapes.get(key)), None)
+    if first is not None:
+        got = f"{first} is {sent.get(first, 'not sent')} in the trainer, {shapes.get(first, 'absent')} on the server"
+        raise RuntimeError(f"the server serves {name}, not {model_path} ({got}); nothing sent. {_restart(model_path)}")
+
+
+def check_gpu_not_shared(base_url):
+    """NCCL cannot put two ranks of one group on the same GPU: refuse to start when a local vLLM process already runs
+    on the trainer's GPU (set CUDA_VISIBLE_DEVICES differently for the two)."""
+    if base_url.split("//")[-1].rsplit(":", 1)[0] not in ("127.0.0.1", "localhost", "0.0.0.0", socket.gethostname()):
+        return
+    uuid = "GPU-" + str(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid)
+    query = ["nvidia-smi", "--query-compute-apps=gpu_uuid,pid", "--format=csv,noheader"]
+    try:
+        out = subprocess.run(query, capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return
+    for gpu, pid in (line.replace(" ", "").split(",") for line in out.splitlines()):
+        if gpu != uuid or int(pid) == os.getpid() or not os.path.exists(f"/proc/{pid}/cmdline"):
+            continue
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            cmdline = f.read().replace(b"\0", b" ")
+        # a server's GPU process is its engine core ("VLLM::EngineCore...") or `vllm serve`; a colocated engine is not
+        if any(mark in cmdline for mark in (b"VLLM::", b"vllm serve", b"vllm.entrypoints")):
+            raise RuntimeError(f"the vLLM server (pid {pid}) runs on the trainer's GPU {uuid}: use other GPUs for it")
+
+
+def _post(base_url, path, timeout, **kwargs):
+    # one attempt, never retried: a repeated /update_weights would wait forever for a broadcast that never comes
+    response = requests.post(f"{base_url}{path}", timeout=timeout, **kwargs)
+    if response.status_code != 200:
+        raise RuntimeError(f"POST {path} failed with {response.status_code}: {response.text[:500]}")
+    return response.json() if response.content else {}
+
+
+def _run_beside(nccl_work, http_call, timeout):
+    """Run the trainer's NCCL side and the HTTP call that blocks in the server's side of it, each in a daemon thread;
+    return the NCCL side's result. NCCL has no timeout: the first failure is raised at once, the other side left
+    behind; when both fail, the NCCL error (usually the cause: a taken port, an out-of-memory while packing)."""
+    device = torch.cuda.current_device() if torch.cuda.is_available() else None
+    outcome = {}  # side -> (ok, result or exception)
+    failed = lambda side: outcome.get(side, (True,))[0] is False  # noqa: E731
+
+    def run(side, work):
+        try:
+            if device is not None:
+                torch.cuda.set_device(device)  # the current device is per thread
+            outcome[side] = (True, work())
+        except BaseException as error:  # noqa: BLE001
+            outcome[side] = (False, error)
+
+    (nccl := threading.Thread(target=run, args=("nccl", nccl_work), daemon=True)).start()
+    threading.Thread(target=run, args=("http", http_call), daemon=True).start()
+    http_done = None
+    while True:  # the HTTP side ends by itself (requests' timeout); the NCCL side gets `timeout` s after it
+        if failed("nccl"):
+            raise outcome["nccl"][1]
+        if failed("http"):
+            nccl.join(1.0)  # a NCCL error that caused the server's failure is the one to report
+            if failed("nccl"):
+                raise outcome["nccl"][1] from outcome["http"][1]
+            raise outcome["http"][1]
+        if len(outcome) == 2:
+            return outcome["nccl"][1]
+        if "http" in outcome:
+            http_done = http_done or time.monotonic()
+            if time.monotonic() - http_done > timeout:
+                raise TimeoutError(f"the trainer's NCCL side did not finish within {timeout:.0f} s after the server's")
+        time.sleep(0.01)
+
+
+def server_init_weight_sync(base_url, port=None, address="127.0.0.1", version=None, buffer_bytes=1 << 30, timeout=300):
+    """Form the NCCL group trainer (rank 0) + server workers, hosting the rendezvous at address:port (None: a free one).
+    `version`: the server's vLLM; vLLM's trainer_init and packed producer are the same on the wire from 0.26 to 0.33."""
+    from vllm.distributed.weight_transfer.nccl_common import trainer_init
+
+    world_size = requests.get(f"{base_url}/get_world_size", timeout=30).json()["world_size"] + 1
+    info = {"master_address": address, "master_port": port or free_port(), "rank_offset": 1, "world_size": world_size}
+    info = weight_sync_messages(version, info, {}, buffer_bytes)[0]
+    init = lambda: _post(base_url, "/init_weight_transfer_engine", timeout, json={"init_info": info})  # noqa: E731
+    return _run_beside(lambda: trainer_init(info), init, timeout)
+
+
+def restore_after_failed_update(base_url, model, timeout=30.0):
+    """Best effort after a failed update: finishing it gives layers that got nothing their weights back. A raising
+    /update_weights ends it itself (0.26-0.33 v1/worker/gpu_worker.py): start again (layers stay waiting), finish."""
+    try:
+        try:
+            _post(base_url, "/finish_weight_update", timeout, json={})
+        except RuntimeError:  # "without a matching start_weight_update"
+            for path in ("/start_weight_update", "/finish_weight_update"):
+                _post(base_url, path, timeout, json={})
+    except (RuntimeError, requests.RequestException) as error:  # a timeout: the engine is stuck in the NCCL receive
+        return f"could not be restored ({error}): it may serve garbage. {_restart(model)}"
+    return "was restored: layers that received nothing keep their previous weights (the next sync sends all)."
+
+
+def server_sync_weights(base_url, group, model, version=None, buffer_bytes=1 << 30, timeout=300.0, name="MODEL"):
+    """Probe -> /pause (wait: running requests end on the old weights) -> /start_weight_update -> named_weights' packed
+    broadcast beside /update_weights (other torchrun ranks iterate them too) -> finish -> reset the prefix cache ->
+    /resume; a failure restores what it can and resumes. `version`: the server's vLLM; `name`: the model."""
+    from vllm.distributed.weight_transfer.packed_tensor import packed_nccl_broadcast_producer as send
+
+    update_info = weight_sync_messages(version, {}, weight_metadata(model), buffer_bytes)[1]
+    update = lambda: _post(base_url, "/update_weights", timeout, json={"update_info": update_info})  # noqa: E731
+    broadcast = lambda: send(named_weights(model), group, 0, lambda item: item[1], buffer_bytes, PACKED_NUM_BUFFERS)
+    probe_server(base_url, name)  # a wedged engine is reported now, not after `timeout` s
+    _post(base_url, "/pause", timeout, params={"mode": "wait"})
+    try:
+        try:
+            _post(base_url, "/start_weight_update", 60, json={})
+        except RuntimeError as error:  # "already active" (0.26 to 0.33 v1/worker/gpu_worker.py): a trainer died in one
+            dead = "a previous trainer died inside a weight update: " if "already active" in str(error) else ""
+            raise RuntimeError(f"{dead}{error}\n{_restart(name)}") from error
+        try:
+            if torch.cuda.is_available():  # the optimizer step ran on this stream; the producer packs on its own
+                torch.cuda.current_stream().synchronize()
+            _run_beside(broadcast, update, timeout)
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()  # 0.26's producer does not drain its streams
+            _post(base_url, "/finish_weight_update", 60, json={})
+        except BaseException as error:
+            restored = restore_after_failed_update(base_url, name)
+            raise RuntimeError(f"the weight update failed: {error}\nThe server {restored}") from error
+        if not _post(base_url, "/reset_prefix_cache", 60).get("success", True):  # paused: no request holds blocks
+            raise RuntimeError("the server's prefix cache could not be reset after a weight update")
+    except BaseException:
+        with contextlib.suppress(RuntimeError, requests.RequestException):  # the error in flight is the one to report
+            _post(base_url, "/resume", 30)
+        raise
+    _post(base_url, "/resume", 60)
+
+
+def completions_request(model_id, prompt_ids, n, fields):
+    """Body of POST /v1/completions: token-id prompts, each sampled n times, the sampled tokens' ids and log-probs."""
+    ids = {"return_token_ids": True, "return_tokens_as_token_ids": True, "skip_special_tokens": False}
+    return {"model": model_id, "prompt": prompt_ids, "n": n, **fields, "logprobs": 0, **ids}
+
+
+def parse_completions(response, num_prompts, n):
+    """Completion ids and per-token log-probs from a /v1/completions response. Choices come prompt-major (choice k
+    belongs to prompt k // n); a stop on EOS leaves the EOS as the last token; a missing log-prob is None."""
+    choices = sorted(response["choices"], key=lambda choice: choice["index"])
+    if len(choices) != num_prompts * n:
+        raise RuntimeError(f"the server returned {len(choices)} completions for {num_prompts} prompts x {n}")
+    completion_ids = [list(choice["token_ids"]) for choice in choices]
+    logprobs = [list(choice["logprobs"]["token_logprobs"]) for choice in choices]
+    if bad := next(((len(i), len(lp)) for i, lp in zip(completion_ids, logprobs) if len(i) != len(lp)), None):
+        raise RuntimeError(f"the server returned {bad[1]} log-probs for {bad[0]} tokens")
+    return completion_ids, logprobs
+
+
+def server_generate(base_url, model_id, prompt_ids, n, fields, chunk_size=8, timeout=1800.0):
+    """Sample n completions per prompt on the server: (completion ids, log-probs), prompt-major, from concurrent
+    requests of `chunk_size` prompts (vLLM batches them; no response holds a round), each within `timeout` s."""
+
+    def complete(chunk):
+        body, deadline = completions_request(model_id, chunk, n, fields), time.monotonic() + timeout
+        post = lambda: requests.post(f"{base_url}/v1/completions", json=body, timeout=timeout)  # noqa: E731
+        while (response := post()).status_code == 503 and time.monotonic() < deadline:  # 0.33: 503 while paused
+            time.sleep(1)
+        if response.status_code != 200:
+            raise RuntimeError(f"/v1/completions failed with {response.status_code}: {response.text[:500]}")
+        return parse_completions(response.json(), len(chunk), n)
+
+    chunks = [prompt_ids[i : i + chunk_size] for i in range(0, len(prompt_ids), chunk_size)]
+    with concurrent.futures.ThreadPoolExecutor(max(1, len(chunks))) as pool:
+        parts = list(pool.map(complete, chunks))
+    return [ids for part in parts for ids in part[0]], [lps for part in parts for lps in part[1]]
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# The calls the training scripts make
+
+
+def setup_problems():
+    """Why vLLM cannot run in this process ([] if it can), each with its fix: the scripts ask before any model loads."""
+    if not torch.cuda.is_available():
+        return ["--use-vllm needs a CUDA GPU and none is visible: drop --use-vllm to sample with Hugging Face generate"]
+    return [] if importlib.util.find_spec("vllm") else ["--use-vllm needs vllm: pip install -r requirements.txt"]
+
+
+def start(args, model_path, max_prompt_length):
+    """Build the generator `args.vllm_mode` asks for; returns a dict handed back to generate / sync_weights. Server
+    mode joins the NCCL group at the first sync_weights, once the model has been compared with the served one."""
+    vllm_version(None, who="this trainer")
+    engine = {"mode": args.vllm_mode, "fields": sampling_fields(args), "n": args.num_generations, "model": model_path}
+    max_len = max_prompt_length + args.max_completion_length
+    if args.vllm_mode == "colocate":
+        dtype, seqs = ("bfloat16" if args.bf16 else "auto"), args.prompts_per_step * engine["n"]
+        llm_args = dict(max_model_len=args.vllm_max_model_len or max_len, enable_sleep_mode=args.vllm_enable_sleep_mode)
+        llm_args.update(gpu_memory_utilization=args.vllm_gpu_memory_utilization, dtype=dtype, max_num_seqs=seqs)
+        engine["llm"] = colocate_engine(model_path, args.vllm_tensor_parallel_size, args.seed, **llm_args)
+        engine["sleep"] = args.vllm_enable_sleep_mode  # starts awake with the checkpoint's weights (model_path)
+        engine["tp_group"] = tensor_parallel_group(args.vllm_tensor_parallel_size)
+        return engine
+    engine["base_url"] = base_url = f"http://{args.vllm_server_host}:{args.vllm_server_port}"
+    wait_for_server(base_url, args.vllm_server_timeout, model_path)
+    engine["server"] = server = check_server(base_url, model_path)
+    if (limit := server["max_model_len"]) and max_len > limit:
+        longest = f"the longest prompt ({max_prompt_length} tokens) + --max-completion-length"
+        raise ValueError(f"{longest} {args.max_completion_length} exceeds the server's --max-model-len {limit}")
+    engine.update({key: getattr(args, key, default) for key, default in SERVER_OPTIONS.items()})
+    if os.environ.get("RANK", "0") == "0":  # with torchrun every rank generates over HTTP, rank 0 alone syncs
+        check_gpu_not_shared(base_url)
+        # the server's workers connect to this address: loopback for a local server, else this host's routable IP
+        # (vLLM's get_ip honours VLLM_HOST_IP, the override for hosts with several interfaces)
+        from vllm.utils.network_utils import get_ip
+
+        engine["master_address"] = "127.0.0.1" if args.vllm_server_host in ("127.0.0.1", "localhost") else get_ip()
+    return engine
+
+
+def generate(engine, prompt_ids, n=None, temperature=None):
+    """(completion ids, vLLM log-probs), prompt-major; n per prompt, temperature (0: greedy): None = training's."""
+    n, fields = n or engine["n"], {**engine["fields"], **({} if temperature is None else {"temperature": temperature})}
+    if engine["mode"] == "server":
+        chunking = engine["vllm_generation_chunk_size"], engine["vllm_generation_timeout"]
+        return server_generate(engine["base_url"], engine["server"]["model_id"], prompt_ids, n, fields, *chunking)
+    llm, group = engine["llm"], engine["tp_group"]
+    if engine.get("weights_asleep"):
+        raise RuntimeError("the colocated engine's weights are asleep (level 2 discards them): call sync_weights first")
+    if engine.get("kv_asleep"):
+        torch.cuda.empty_cache()  # the blocks the weight load cached go back before vLLM maps its KV cache
+        llm.wake_up(tags=["kv_cache"])  # scheduling resumes once weights and KV cache are both awake
+        engine["kv_asleep"] = False
+    if group is None:
+        return colocate_generate(llm, prompt_ids, n, fields)
+    # the ranks of one tensor-parallel engine generate everyone's prompts together, then keep their own
+    parts = [None] * torch.distributed.get_world_size(group)
+    torch.distributed.all_gather_object(parts, prompt_ids, group=group)
+    completion_ids, logprobs = colocate_generate(llm, [p for part in parts for p in part], n, fields)
+    start = sum(len(part) for part in parts[: torch.distributed.get_rank(group)]) * n
+    mine = slice(start, start + len(prompt_ids) * n)  # this rank's prompts, prompt-major
+    return completion_ids[mine], logprobs[mine]
+
+
+def sleep(engine):
+    """Colocate with sleep mode: free vLLM's GPU memory (weights and KV cache, level 2) for training, once the step's
+    generation is done; sync_weights wakes and refills the weights, generate wakes the KV cache. No-op otherwise."""
+    if engine["mode"] == "colocate" and engine["sleep"] and not engine.get("weights_asleep"):
+        engine["llm"].sleep(level=2)
+        engine["weights_asleep"] = engine["kv_asleep"] = True
+
+
+def sync_weights(engine, model):
+    """Push the trainer's weights to vLLM after each optimizer step (every torchrun rank: FSDP2 gathers are collective).
+    Colocate with sleep mode drops the gradients (the next step recomputes them) so that vLLM can map its memory."""
+    if engine["mode"] == "server":
+        if not engine.get("model_checked"):  # on every rank, so that all stop together
+            check_same_model(engine["server"], model, engine["model"])
+            engine["model_checked"] = True
+        if os.environ.get("RANK", "0") == "0":
+            sync = {"version": engine["server"]["version"], "timeout": engine["vllm_weight_sync_timeout"]}
+            sync["buffer_bytes"] = engine["vllm_weight_sync_buffer_mb"] << 20
+            if engine.get("group") is None:
+                where = engine["vllm_group_port"], engine["master_address"]
+                engine["group"] = server_init_weight_sync(engine["base_url"], *where, **sync)
+            group = engine.pop("group")  # a failed update leaves it unusable: a retry forms a new one
+            server_sync_weights(engine["base_url"], group, model, name=engine["model"], **sync)
+            engine["group"] = group
+        else:  # take part in each parameter's FSDP2 gather, in rank 0's order, and drop the result
+            for _ in named_weights(model):
+                pass
+        if torch.distributed.is_initialized():
+            torch.distributed.barrier()  # no rank generates before the server has the new weights
+        return
+    llm = engine["llm"]
+    if engine.get("weights_asleep"):
+        model.zero_grad(set_to_none=True)  # the step is done: its gradients would hold memory vLLM is about to map
+        torch.cuda.empty_cache()  # give the trainer's cached blocks back so that vLLM can map its weights again
+        llm.wake_up(tags=["weights"])  # level 2 left garbage: every weight is reloaded below
+        engine["weights_asleep"] = False
+    colocate_load_weights(llm, named_weights(model))  # streamed: one full parameter at a time
+    llm.reset_prefix_cache()
