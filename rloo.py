@@ -1280,9 +1280,8 @@ def global_sum(value, world_size, device):
 
 @torch.no_grad()
 def hf_generate(model, prompt_ids, args, eos_ids, pad_id, num_generations=None, temperature=None):
-    """Sample num_generations completions per prompt (None: --num-generations) at `temperature` (None: the training
-    one; 0: greedy, for evaluation); returns completion token ids (prompt-major), each cut after its first EOS (the EOS
-    is kept as the last token), and None (no sampler log-probs)."""
+    """num_generations completions per prompt (None: --num-generations) at `temperature` (None: the training one; 0:
+    greedy), as token ids, prompt-major, each cut after its first EOS (kept), and None (no sampler log-probs)."""
     from transformers import GenerationConfig
 
     num_generations = num_generations or args.num_generations
@@ -1295,9 +1294,8 @@ def hf_generate(model, prompt_ids, args, eos_ids, pad_id, num_generations=None, 
     stopping = dict(max_new_tokens=args.max_completion_length, eos_token_id=eos_ids, pad_token_id=pad_id)
     config = GenerationConfig(**decoding, **stopping, repetition_penalty=args.repetition_penalty, use_cache=True)
     model = (model.get_base_model() if hasattr(model, "peft_config") else model).eval()  # peft: its transformers model
-    # generate fills every field left None here from model.generation_config (the checkpoint's generation_config.json:
-    # no_repeat_ngram_size, suppress_tokens, ...), which neither the trainer's log-probs nor vLLM model; as the model's
-    # own config, this one is completed with the library's neutral defaults only
+    # generate fills every field left None from model.generation_config (generation_config.json: suppress_tokens, ...),
+    # which neither the trainer's log-probs nor vLLM model; as the model's own, this one gets neutral defaults only
     model_config, model.generation_config = model.generation_config, config
     try:
         with torch.autocast(model.device.type, torch.bfloat16, enabled=args.bf16 and model.device.type == "cuda"):
@@ -1396,9 +1394,9 @@ def load_checkpoint(run, checkpoint_dir):
 
 def save_checkpoint(run, global_step, prompts_consumed, **counters):
     """output_dir/checkpoint-N: the full weights and tokenizer, trainer_state.pt (optimizer, schedule, every rank's RNG
-    states, the counters) and run.json (the script, the wandb run, the step), written as checkpoint-N.tmp and renamed
-    when complete; then the run's checkpoints beyond --save-total-limit are deleted (the directory is this run's
-    alone). Every rank calls this (gathering the weights is a collective); rank 0 writes."""
+    states, the counters) and run.json (script, wandb run, step), written as checkpoint-N.tmp and renamed when complete;
+    then the run's checkpoints beyond --save-total-limit are deleted (the directory is this run's alone). Every rank
+    calls this (gathering the weights is a collective); rank 0 writes."""
     args, cuda = run.args, run.device.type == "cuda"
     model_state, optimizer_state = full_state(run.model, run.optimizer)
     rng_states = gather_objects((torch.get_rng_state(), torch.cuda.get_rng_state() if cuda else None), run.world_size)
@@ -1511,26 +1509,12 @@ def run_info(checkpoint):
     return {}
 
 
-def refuse_if_in_use(out):
-    """Exit if a run that is still going holds out/.lock: its flock, which the kernel drops however the process ends."""
-    with contextlib.suppress(OSError), open(os.path.join(out, ".lock"), "rb") as lock:
-        try:
-            fcntl.flock(lock, fcntl.LOCK_SH | fcntl.LOCK_NB)  # (a free lock is released again as the file closes)
-        except BlockingIOError:
-            holder = lock.read(300).decode(errors="replace").strip() or "another process"
-            raise SystemExit(
-                f"error: --output-dir {out} is in use by a run that is still going ({holder}). Wait for it to end, "
-                f"or pass another --output-dir."
-            ) from None
-
-
 def claim_run_dir(args):
-    """Rank 0, before any model loads: (the run directory, the checkpoint to resume or None, the run's identity, the
-    directory's lock). A new run writes to --output-dir, or else to a new runs/{exp_name}__{seed}__{unix time} (made
-    without exist_ok: a collision appends __2), and refuses a directory that holds files. A resume continues in its
-    checkpoint's directory; `latest` takes --output-dir's newest complete checkpoint. Every refusal comes before anything
-    is written; then a flock on DIR/.lock keeps a second live process out, and a run that fails while starting removes
-    the directory it made. The identity (wandb's run id and name) is new, or the resumed checkpoint's run.json."""
+    """Rank 0, before any model loads: (the run directory, the checkpoint to resume or None, the run's identity: new,
+    or the checkpoint's run.json; the directory's lock). A new run takes --output-dir, or else a new
+    runs/{exp_name}__{seed}__{unix time} (without exist_ok: a collision appends __2), and refuses a directory that
+    holds files; a resume continues in its checkpoint's directory (`latest`: --output-dir's newest). Nothing is written
+    before every check passed; then a flock on DIR/.lock keeps a second live process out."""
     script, out, checkpoint = os.path.basename(__file__), args.output_dir, args.resume_from_checkpoint
     stamp = f"{args.exp_name}__{args.seed}__{int(time.time())}"
     if checkpoint == "latest" and out is None:
@@ -1544,13 +1528,22 @@ def claim_run_dir(args):
             )
         out = parent
     created = out is None or not os.path.isdir(out)
-    if out is None:  # a new run, nothing to check: two runs started in the same second get __1 and __2
+    if out is None:  # a new run, nothing to check; the second of two started in the same second gets __2
         for n in itertools.count(1):
             out = os.path.join("runs", stamp + (f"__{n}" if n > 1 else ""))
             with contextlib.suppress(FileExistsError):
                 os.makedirs(out)
                 break
-    refuse_if_in_use(out)  # a live run's directory is in use, whatever it holds
+    # a live run holds its directory's flock (the kernel drops it however the process ends): in use, whatever it holds
+    with contextlib.suppress(OSError), open(os.path.join(out, ".lock"), "rb") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_SH | fcntl.LOCK_NB)  # (a free lock is released again as the file closes)
+        except BlockingIOError:
+            holder = lock.read(300).decode(errors="replace").strip() or "another process"
+            raise SystemExit(
+                f"error: --output-dir {out} is in use by a run that is still going ({holder}). Wait for it to end, "
+                f"or pass another --output-dir."
+            ) from None
     if checkpoint == "latest":
         checkpoint = (checkpoints(out) or [None])[-1]
         if checkpoint is None:
@@ -1582,8 +1575,7 @@ def claim_run_dir(args):
         if identity["global_step"] >= args.max_steps:
             raise SystemExit(
                 f"error: --resume-from-checkpoint {checkpoint} is at step {identity['global_step']} and --max-steps "
-                f"is {args.max_steps}: there is nothing left to train. Raise --max-steps to train on from it (the "
-                f"learning-rate schedule follows --max-steps), or load it as a model."
+                f"is {args.max_steps}: there is nothing left to train. Raise --max-steps, or load it as a model"
             )
         if others := [c for c in checkpoints(out) if run_info(c).get("run_id") != identity["run_id"]]:
             raise SystemExit(  # `latest`, --save-total-limit and a redone step's save would take or delete them
@@ -1594,7 +1586,7 @@ def claim_run_dir(args):
     lock = os.open(os.path.join(out, ".lock"), os.O_RDWR | os.O_CREAT, 0o644)
     try:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:  # a run that took the directory since refuse_if_in_use: start again, which says so
+    except BlockingIOError:  # a run that took the directory since the check above: start again, which says so
         os.close(lock)
         return claim_run_dir(args)
     except OSError as error:  # a file system without flock (some network mounts): run, but say so
@@ -1639,31 +1631,20 @@ def on_stop_signal():
 # ------------------------------------------------------------------------------------------------------------------
 # Start-up checks of the flags, all before any model loads
 
-COMMON_RULES = [  # (field, true for a valid value, what it must be) of the shared flags; None (unset) is always valid
-    ("lora_r", lambda v: v >= 1, "at least 1"),
-    ("lora_dropout", lambda v: 0 <= v < 1, "in [0, 1)"),
-    ("prompts_per_step", lambda v: v >= 1, "at least 1"),
-    ("max_prompt_length", lambda v: v >= 1, "at least 1"),
+COMMON_RULES = [  # (the shared flags' fields, true for a valid value, what they must be); None (unset) is always valid
+    ("prompts_per_step max_prompt_length micro_batch_tokens logging_steps lora_r", lambda v: v >= 1, "at least 1"),
+    ("eval_max_samples eval_num_generations", lambda v: v >= 1, "at least 1"),
     ("max_completion_length", lambda v: v >= 1, "at least 1 (new tokens per completion)"),
+    ("learning_rate weight_decay warmup_steps save_total_limit", lambda v: v >= 0, ">= 0"),
+    ("top_k log_completions", lambda v: v >= 0, ">= 0 (0 = off)"),
+    ("max_steps", lambda v: v >= 0, ">= 0 (0 = evaluate the model and exit)"),
+    ("save_steps", lambda v: v >= 0, ">= 0 (0 = only the final model)"),
+    ("eval_steps", lambda v: v >= 0, ">= 0 (0 = no evaluation during training)"),
+    ("lora_dropout adam_beta1 adam_beta2", lambda v: 0 <= v < 1, "in [0, 1)"),
     ("temperature", lambda v: v > 0, "> 0"),
     ("top_p", lambda v: 0 < v <= 1, "in (0, 1]"),
-    ("top_k", lambda v: v >= 0, ">= 0 (0 = off)"),
     ("min_p", lambda v: 0 <= v <= 1, "in [0, 1] (0 = off)"),
     ("repetition_penalty", lambda v: v > 0, "> 0 (1 = off)"),
-    ("learning_rate", lambda v: v >= 0, ">= 0"),
-    ("weight_decay", lambda v: v >= 0, ">= 0"),
-    ("adam_beta1", lambda v: 0 <= v < 1, "in [0, 1)"),
-    ("adam_beta2", lambda v: 0 <= v < 1, "in [0, 1)"),
-    ("warmup_steps", lambda v: v >= 0, ">= 0"),
-    ("max_steps", lambda v: v >= 0, ">= 0 (0 = evaluate the model and exit)"),
-    ("micro_batch_tokens", lambda v: v >= 1, "at least 1"),
-    ("logging_steps", lambda v: v >= 1, "at least 1"),
-    ("save_steps", lambda v: v >= 0, ">= 0 (0 = only the final model)"),
-    ("save_total_limit", lambda v: v >= 0, ">= 0"),
-    ("log_completions", lambda v: v >= 0, ">= 0 (0 = off)"),
-    ("eval_steps", lambda v: v >= 0, ">= 0 (0 = no evaluation during training)"),
-    ("eval_max_samples", lambda v: v >= 1, "at least 1"),
-    ("eval_num_generations", lambda v: v >= 1, "at least 1"),
 ]
 
 
@@ -1714,26 +1695,23 @@ def check_args(args, world_size, rules=(), problems=(), steps_per_round=1, steps
     """Every check that needs neither a model nor the data: value ranges (the shared flags', the algorithm's `rules`,
     vLLM's), flag combinations (and the algorithm's own `problems`) and that local paths exist (a missing local model
     would otherwise surface later, as a hub error). Exits with one line per problem, each naming its flag."""
-    problems = [p for p in problems if p]
-    for name, valid, must in COMMON_RULES + list(rules):
-        value = getattr(args, name)
-        if value is not None and not valid(value):
-            problems.append(f"--{name.replace('_', '-')} must be {must}, got {value}")
+    problems = list(problems)
+    for names, valid, must in COMMON_RULES + list(rules):  # a rule's fields: one, or several separated by spaces
+        for name in names.split():
+            value = getattr(args, name)
+            if value is not None and not valid(value):
+                problems.append(f"--{name.replace('_', '-')} must be {must}, got {value}")
     if steps_per_generation >= 1 and args.prompts_per_step % (steps_per_generation * world_size):
         problems.append(
             f"--prompts-per-step {args.prompts_per_step} must be divisible by the number of processes ({world_size}) "
             f"x the optimizer steps per generated batch ({steps_per_generation}): whole groups per rank and step"
         )
-    if steps_per_round > 0 and args.save_steps % steps_per_round:
-        problems.append(
-            f"--save-steps {args.save_steps} must be a multiple of the optimizer steps per generation round "
-            f"(--steps-per-generation x --num-iterations = {steps_per_round}): checkpoints are written between rounds"
-        )
-    if steps_per_round > 0 and args.eval_steps % steps_per_round:
-        problems.append(
-            f"--eval-steps {args.eval_steps} must be a multiple of the optimizer steps per generation "
-            f"round ({steps_per_round}): evaluation runs between rounds, after the weight push"
-        )
+    for flag, steps in (("--save-steps", args.save_steps), ("--eval-steps", args.eval_steps)):
+        if steps_per_round > 0 and steps % steps_per_round:
+            problems.append(
+                f"{flag} {steps} must be a multiple of the optimizer steps per generation round (--steps-per-generation"
+                f" x --num-iterations = {steps_per_round}): checkpoints and evaluations come between rounds"
+            )
     if args.reward_weights is not None and len(args.reward_weights) != len(args.reward_funcs):
         problems.append(
             f"--reward-weights has {len(args.reward_weights)} values for {len(args.reward_funcs)} --reward-funcs"
