@@ -1676,7 +1676,6 @@ def path_problem(flag, path, marker="config.json", kind="model"):
         return f"{flag} {path}: that directory has no {marker}, so it is not a {kind}"
     if path is not None and not os.path.isdir(path) and (kind == "checkpoint" or is_local(path)):
         return f"{flag} {path}: no such directory"
-    return None
 
 
 def lora_problem(args):
