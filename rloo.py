@@ -1280,9 +1280,8 @@ def global_sum(value, world_size, device):
 
 @torch.no_grad()
 def hf_generate(model, prompt_ids, args, eos_ids, pad_id, num_generations=None, temperature=None):
-    """Sample num_generations completions per prompt (None: --num-generations) at `temperature` (None: the training
-    one; 0: greedy, for evaluation); returns completion token ids (prompt-major), each cut after its first EOS (the EOS
-    is kept as the last token), and None (no sampler log-probs)."""
+    """num_generations completions per prompt (None: --num-generations) at `temperature` (None: the training one; 0:
+    greedy), as token ids, prompt-major, each cut after its first EOS (kept), and None (no sampler log-probs)."""
     from transformers import GenerationConfig
 
     num_generations = num_generations or args.num_generations
@@ -1295,9 +1294,8 @@ def hf_generate(model, prompt_ids, args, eos_ids, pad_id, num_generations=None, 
     stopping = dict(max_new_tokens=args.max_completion_length, eos_token_id=eos_ids, pad_token_id=pad_id)
     config = GenerationConfig(**decoding, **stopping, repetition_penalty=args.repetition_penalty, use_cache=True)
     model = (model.get_base_model() if hasattr(model, "peft_config") else model).eval()  # peft: its transformers model
-    # generate fills every field left None here from model.generation_config (the checkpoint's generation_config.json:
-    # no_repeat_ngram_size, suppress_tokens, ...), which neither the trainer's log-probs nor vLLM model; as the model's
-    # own config, this one is completed with the library's neutral defaults only
+    # generate fills every field left None from model.generation_config (generation_config.json: suppress_tokens, ...),
+    # which neither the trainer's log-probs nor vLLM model; as the model's own, this one gets neutral defaults only
     model_config, model.generation_config = model.generation_config, config
     try:
         with torch.autocast(model.device.type, torch.bfloat16, enabled=args.bf16 and model.device.type == "cuda"):
@@ -1372,43 +1370,40 @@ def log_completions(run, prompt_ids, completion_ids, rewards, step):
 def load_checkpoint(run, checkpoint_dir):
     """Restore a checkpoint's optimizer, schedule and this rank's RNG states (its weights were loaded as the model);
     returns its counters (global_step, prompts_consumed and the script's own)."""
-    model, optimizer, scheduler, device, rank = run.model, run.optimizer, run.scheduler, run.device, run.rank
     # mmap: pages of the full optimizer state are read as used, not all into every rank's memory (copy-on-write)
     state = torch.load(os.path.join(checkpoint_dir, "trainer_state.pt"), weights_only=False, mmap=True)
     if run.world_size == 1 and all(isinstance(key, int) for key in state["optimizer"]["state"]):  # written by one rank
         # directly: torch's set_optimizer_state_dict first builds a throw-away AdamW state, 2x the weights' memory
-        optimizer.load_state_dict(state["optimizer"])
+        run.optimizer.load_state_dict(state["optimizer"])
     else:  # written by several ranks (by parameter name), or resumed on several (sharded like the weights). Not strict:
         # a parameter that never had a gradient (a multimodal model's unused tower) has no AdamW state
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
         full = StateDictOptions(full_state_dict=run.world_size > 1, strict=False)
-        set_optimizer_state_dict(model, optimizer, state["optimizer"], options=full)
-    scheduler.load_state_dict(state["scheduler"])
-    torch.set_rng_state(state["torch_rng"][rank])
-    if device.type == "cuda" and state.get("cuda_rng") is not None:  # GPU sampling; older checkpoints have none
-        torch.cuda.set_rng_state(state["cuda_rng"][rank])
+        set_optimizer_state_dict(run.model, run.optimizer, state["optimizer"], options=full)
+    run.scheduler.load_state_dict(state["scheduler"])
+    torch.set_rng_state(state["torch_rng"][run.rank])
+    if run.device.type == "cuda" and state.get("cuda_rng") is not None:  # GPU sampling; older checkpoints have none
+        torch.cuda.set_rng_state(state["cuda_rng"][run.rank])
     # optimizer tensors left on the CPU (AdamW's step counts; all of them on a CPU run) still point into the mapped
     # file: copy them, so that --save-total-limit can delete that checkpoint and its disk space is freed
-    for per_param in optimizer.state.values():
+    for per_param in run.optimizer.state.values():
         per_param.update({k: v.clone() for k, v in per_param.items() if torch.is_tensor(v) and v.device.type == "cpu"})
     return {k: v for k, v in state.items() if k not in ("optimizer", "scheduler", "torch_rng", "cuda_rng")}
 
 
 def save_checkpoint(run, global_step, prompts_consumed, **counters):
     """output_dir/checkpoint-N: the full weights and tokenizer, trainer_state.pt (optimizer, schedule, every rank's RNG
-    states, the counters) and run.json (the script, the wandb run, the step), written as checkpoint-N.tmp and renamed
-    when complete; then the run's checkpoints beyond --save-total-limit are deleted (the directory is this run's
-    alone). Every rank calls this (gathering the weights is a collective); rank 0 writes."""
+    states, the counters) and run.json (script, wandb run, step), written as checkpoint-N.tmp and renamed when complete;
+    then the run's checkpoints beyond --save-total-limit are deleted (the directory is this run's alone). Every rank
+    calls this (gathering the weights is a collective); rank 0 writes."""
     args, cuda = run.args, run.device.type == "cuda"
     model_state, optimizer_state = full_state(run.model, run.optimizer)
     rng_states = gather_objects((torch.get_rng_state(), torch.cuda.get_rng_state() if cuda else None), run.world_size)
     if not run.is_main:
         return
     path = os.path.join(run.output_dir, f"checkpoint-{global_step}")
-    shutil.rmtree(f"{path}.tmp", ignore_errors=True)  # a save of this run that a crash interrupted
-    run.model.save_pretrained(f"{path}.tmp", state_dict=model_state)
-    save_tokenizer(f"{path}.tmp", run.tokenizer_files)
+    save_model(f"{path}.tmp", run.model, run.tokenizer_files, model_state)  # (a crash's .tmp went at the resume)
     counters |= dict(global_step=global_step, prompts_consumed=prompts_consumed)
     state = {"optimizer": optimizer_state, "scheduler": run.scheduler.state_dict(), **counters}
     state |= {"torch_rng": [r[0] for r in rng_states], "cuda_rng": [r[1] for r in rng_states] if cuda else None}
@@ -1471,15 +1466,22 @@ def full_state(model, optimizer):
 
 
 def save_final(output_dir, model, tokenizer_files, state_dict=None):
-    """save_pretrained into output_dir itself, next to checkpoints and metrics: the files are written to a temporary
+    """save_model into output_dir itself, next to checkpoints and metrics: the files are written to a temporary
     folder, then each is moved in with an atomic rename, config.json last, so a config.json means a complete model."""
     tmp = os.path.join(output_dir, ".final.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp, state_dict=state_dict)
-    save_tokenizer(tmp, tokenizer_files)
+    shutil.rmtree(tmp, ignore_errors=True)  # (output_dir/merged's: a resume removes only the run directory's .tmp)
+    save_model(tmp, model, tokenizer_files, state_dict)
     for name in sorted(os.listdir(tmp), key=lambda n: n == "config.json"):
         os.replace(os.path.join(tmp, name), os.path.join(output_dir, name))
     os.rmdir(tmp)
+
+
+def save_model(directory, model, tokenizer_files, state_dict=None):
+    """save_pretrained, with the tokenizer's files as tokenizer_files read them."""
+    model.save_pretrained(directory, state_dict=state_dict)
+    for name, data in tokenizer_files.items():
+        with open(os.path.join(directory, name), "wb") as f:
+            f.write(data)
 
 
 def tokenizer_files(model_path, tokenizer):
@@ -1493,41 +1495,30 @@ def tokenizer_files(model_path, tokenizer):
     return {os.path.basename(path): open(path, "rb").read() for path in paths if path}
 
 
-def save_tokenizer(directory, tokenizer_files):
-    """Write the tokenizer's files, as tokenizer_files read them, into directory."""
-    for name, data in tokenizer_files.items():
-        with open(os.path.join(directory, name), "wb") as f:
-            f.write(data)
-
-
 def checkpoints(output_dir):
     """The complete checkpoint-N directories of a run directory, oldest first (one being written is checkpoint-N.tmp)."""
-    names = (
-        [n for n in os.listdir(output_dir) if re.fullmatch(r"checkpoint-\d+", n)] if os.path.isdir(output_dir) else []
-    )
-    return [os.path.join(output_dir, n) for n in sorted(names, key=lambda n: int(n.split("-")[1]))]
+    names = os.listdir(output_dir) if os.path.isdir(output_dir) else []
+    complete = [n for n in names if re.fullmatch(r"checkpoint-\d+", n)]
+    return [os.path.join(output_dir, n) for n in sorted(complete, key=lambda n: int(n.split("-")[1]))]
 
 
-def checkpoint_run_id(checkpoint):
-    """The run a checkpoint belongs to (its run.json's run_id; None without one)."""
-    with contextlib.suppress(OSError, ValueError):
-        with open(os.path.join(checkpoint, "run.json")) as f:
-            return json.load(f).get("run_id")
+def run_info(checkpoint):
+    """A checkpoint's run.json: its run (run_id, run_name: wandb's), script and global_step; {} without one."""
+    with contextlib.suppress(OSError, ValueError), open(os.path.join(checkpoint, "run.json")) as f:
+        return json.load(f)
+    return {}
 
 
 def claim_run_dir(args):
-    """Rank 0, before any model loads: (the run directory, the checkpoint to resume or None, the run's identity, the
-    directory's lock). A new run writes to --output-dir, or else to runs/{exp_name}__{seed}__{unix time} (made without
-    exist_ok; a collision appends __2), and refuses a directory that holds files. A resume continues in its
-    checkpoint's directory; `latest` takes --output-dir's newest complete checkpoint. A held flock on DIR/.lock (the
-    kernel drops it however the process ends) keeps a second live process out; a run that fails while starting removes
-    the directory it made. The identity (wandb's run id and name) is new, or the resumed checkpoint's."""
+    """Rank 0, before any model loads: (the run directory, the checkpoint to resume or None, the run's identity: new,
+    or the checkpoint's run.json; the directory's lock). A new run takes --output-dir, or else a new
+    runs/{exp_name}__{seed}__{unix time} (without exist_ok: a collision appends __2), and refuses a directory that
+    holds files; a resume continues in its checkpoint's directory (`latest`: --output-dir's newest). Nothing is written
+    before every check passed; then a flock on DIR/.lock keeps a second live process out."""
     script, out, checkpoint = os.path.basename(__file__), args.output_dir, args.resume_from_checkpoint
     stamp = f"{args.exp_name}__{args.seed}__{int(time.time())}"
     if checkpoint == "latest" and out is None:
-        raise SystemExit(
-            "error: --resume-from-checkpoint latest needs --output-dir DIR: it resumes DIR's newest checkpoint"
-        )
+        raise SystemExit("error: --resume-from-checkpoint latest needs --output-dir DIR, the run directory to resume")
     if checkpoint not in (None, "latest"):
         parent = os.path.dirname(os.path.abspath(checkpoint))
         if out is not None and os.path.abspath(out) != parent:
@@ -1537,99 +1528,87 @@ def claim_run_dir(args):
             )
         out = parent
     created = out is None or not os.path.isdir(out)
-    if out is None:  # two runs started in the same second: the second gets __2
+    if out is None:  # a new run, nothing to check; the second of two started in the same second gets __2
         for n in itertools.count(1):
             out = os.path.join("runs", stamp + (f"__{n}" if n > 1 else ""))
             with contextlib.suppress(FileExistsError):
                 os.makedirs(out)
                 break
-    os.makedirs(out, exist_ok=True)
-    lock_path = os.path.join(out, ".lock")
-    had_lock = os.path.exists(lock_path)
-    lock, locked = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644), False
-    try:
+    # a live run holds its directory's flock (the kernel drops it however the process ends): in use, whatever it holds
+    with contextlib.suppress(OSError), open(os.path.join(out, ".lock"), "rb") as lock:
         try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            locked = True
+            fcntl.flock(lock, fcntl.LOCK_SH | fcntl.LOCK_NB)  # (a free lock is released again as the file closes)
         except BlockingIOError:
-            holder = os.pread(lock, 300, 0).decode(errors="replace").strip() or "another process"
+            holder = lock.read(300).decode(errors="replace").strip() or "another process"
             raise SystemExit(
                 f"error: --output-dir {out} is in use by a run that is still going ({holder}). Wait for it to end, "
                 f"or pass another --output-dir."
             ) from None
-        except OSError as error:  # a file system without flock (some network mounts): run, but say so
-            print(f"warning: cannot lock {lock_path} ({error}): nothing keeps a second run out of this directory")
-        os.ftruncate(lock, 0)
-        os.pwrite(lock, f"{script}, pid {os.getpid()} on {socket.gethostname()}, since {time.ctime()}".encode(), 0)
-        if checkpoint == "latest":
-            checkpoint = (checkpoints(out) or [None])[-1]
-            if checkpoint is None:
-                raise SystemExit(
-                    f"error: --resume-from-checkpoint latest: {out} holds no complete checkpoint-N to continue. Start a "
-                    f"new run: the same command without --resume-from-checkpoint and with another --output-dir, or none"
-                )
+    if checkpoint == "latest":
+        checkpoint = (checkpoints(out) or [None])[-1]
         if checkpoint is None:
-            files = sorted(set(os.listdir(out)) - {".lock"})
-            if files:
-                listed = ", ".join(files[:5]) + (f" and {len(files) - 5} more" if len(files) > 5 else "")
-                resume = ", or --resume-from-checkpoint latest to continue its run" if checkpoints(out) else ""
-                raise SystemExit(
-                    f"error: --output-dir {out} holds files ({listed}): a new run there would mix its files with "
-                    f"them. Pass another --output-dir, or none (a new runs/{stamp}){resume}."
-                )
-            identity = {"run_id": uuid.uuid4().hex[:12], "run_name": stamp}
-        else:
-            try:
-                with open(os.path.join(checkpoint, "run.json")) as f:
-                    identity = json.load(f)
-            except (OSError, ValueError):
-                raise SystemExit(
-                    f"error: --resume-from-checkpoint {checkpoint} has no run.json, so its script and run are unknown: "
-                    f"start a new run from its weights with --model-name-or-path {checkpoint}"
-                ) from None
-            if identity.get("script") != script:
-                raise SystemExit(
-                    f"error: --resume-from-checkpoint {checkpoint} is a checkpoint of {identity.get('script')}: "
-                    f"continue that run with {identity.get('script')}, not {script}"
-                )
-            if identity["global_step"] >= args.max_steps:
-                raise SystemExit(
-                    f"error: --resume-from-checkpoint {checkpoint} is at step {identity['global_step']} and --max-steps "
-                    f"is {args.max_steps}: there is nothing left to train. Raise --max-steps to train on from it (the "
-                    f"learning-rate schedule follows --max-steps), or load it as a model."
-                )
-            others = [c for c in checkpoints(out) if checkpoint_run_id(c) != identity["run_id"]]
-            if others:  # `latest`, --save-total-limit and a redone step's save would take or delete them
-                raise SystemExit(
-                    f"error: {out} also holds checkpoints of another run ({os.path.basename(others[0])}): copy "
-                    f"{checkpoint} into a directory of its own and resume it from there"
-                )
-            for name in os.listdir(out):  # what a crash of this run left half-written
-                if name.endswith(".tmp"):
-                    shutil.rmtree(os.path.join(out, name))
-                    print(f"{out}: removed {name}, left half-written by a crash")
-        if created:
-            atexit.register(remove_unstarted, os.path.abspath(out))
-        return out, checkpoint, {"run_id": identity["run_id"], "run_name": identity["run_name"]}, lock
-    except BaseException:
+            raise SystemExit(
+                f"error: --resume-from-checkpoint latest: {out} holds no complete checkpoint-N to continue. Start a "
+                f"new run: the same command without --resume-from-checkpoint and with another --output-dir, or none"
+            )
+    files = sorted(set(os.listdir(out)) - {".lock"}) if os.path.isdir(out) else []
+    if checkpoint is None and files:
+        listed = ", ".join(files[:5]) + (f" and {len(files) - 5} more" if len(files) > 5 else "")
+        resume = ", or --resume-from-checkpoint latest to continue its run" if checkpoints(out) else ""
+        raise SystemExit(
+            f"error: --output-dir {out} holds files ({listed}): a new run there would mix its files with "
+            f"them. Pass another --output-dir, or none (a new runs/{stamp}){resume}."
+        )
+    identity = {"run_id": uuid.uuid4().hex[:12], "run_name": stamp}  # a new run's, or else the checkpoint's
+    if checkpoint is not None:
+        identity = run_info(checkpoint)
+        if not identity:
+            raise SystemExit(
+                f"error: --resume-from-checkpoint {checkpoint} has no run.json, so its script and run are unknown: "
+                f"start a new run from its weights with --model-name-or-path {checkpoint}"
+            )
+        if identity.get("script") != script:
+            raise SystemExit(
+                f"error: --resume-from-checkpoint {checkpoint} is a checkpoint of {identity.get('script')}: "
+                f"continue that run with {identity.get('script')}, not {script}"
+            )
+        if identity["global_step"] >= args.max_steps:
+            raise SystemExit(
+                f"error: --resume-from-checkpoint {checkpoint} is at step {identity['global_step']} and --max-steps "
+                f"is {args.max_steps}: there is nothing left to train. Raise --max-steps, or load it as a model"
+            )
+        if others := [c for c in checkpoints(out) if run_info(c).get("run_id") != identity["run_id"]]:
+            raise SystemExit(  # `latest`, --save-total-limit and a redone step's save would take or delete them
+                f"error: {out} also holds checkpoints of another run ({os.path.basename(others[0])}): copy "
+                f"{checkpoint} into a directory of its own and resume it from there"
+            )
+    os.makedirs(out, exist_ok=True)
+    lock = os.open(os.path.join(out, ".lock"), os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:  # a run that took the directory since the check above: start again, which says so
         os.close(lock)
-        if locked and not had_lock:  # refused: leave the directory as it was (not when another run holds the lock)
-            os.remove(lock_path)
-            if created:
-                os.rmdir(out)
-        raise
+        return claim_run_dir(args)
+    except OSError as error:  # a file system without flock (some network mounts): run, but say so
+        print(f"warning: cannot lock {out}/.lock ({error}): nothing keeps a second run out of this directory")
+    os.ftruncate(lock, 0)
+    os.pwrite(lock, f"{script}, pid {os.getpid()} on {socket.gethostname()}, since {time.ctime()}".encode(), 0)
+    for name in [n for n in os.listdir(out) if n.endswith(".tmp")]:  # what a crash of this run left half-written
+        shutil.rmtree(os.path.join(out, name))
+        print(f"{out}: removed {name}, left half-written by a crash")
+    if created:
+        atexit.register(remove_unstarted, os.path.abspath(out))
+    return out, checkpoint, identity, lock
 
 
 def remove_unstarted(output_dir):
     """At exit: remove the run directory this run made if the run failed while starting (it holds only the lock and
     an empty metrics.jsonl)."""
+    metrics = os.path.join(output_dir, "metrics.jsonl")
     with contextlib.suppress(OSError):
-        names = set(os.listdir(output_dir))
-        metrics = os.path.join(output_dir, "metrics.jsonl")
-        if names <= {".lock", "metrics.jsonl"} and not (os.path.exists(metrics) and os.path.getsize(metrics)):
-            for name in names:
-                os.remove(os.path.join(output_dir, name))
-            os.rmdir(output_dir)
+        unstarted = set(os.listdir(output_dir)) <= {".lock", "metrics.jsonl"}
+        if unstarted and not (os.path.exists(metrics) and os.path.getsize(metrics)):
+            shutil.rmtree(output_dir)
 
 
 def on_stop_signal():
@@ -1652,31 +1631,20 @@ def on_stop_signal():
 # ------------------------------------------------------------------------------------------------------------------
 # Start-up checks of the flags, all before any model loads
 
-COMMON_RULES = [  # (field, true for a valid value, what it must be) of the shared flags; None (unset) is always valid
-    ("lora_r", lambda v: v >= 1, "at least 1"),
-    ("lora_dropout", lambda v: 0 <= v < 1, "in [0, 1)"),
-    ("prompts_per_step", lambda v: v >= 1, "at least 1"),
-    ("max_prompt_length", lambda v: v >= 1, "at least 1"),
+COMMON_RULES = [  # (the shared flags' fields, true for a valid value, what they must be); None (unset) is always valid
+    ("prompts_per_step max_prompt_length micro_batch_tokens logging_steps lora_r", lambda v: v >= 1, "at least 1"),
+    ("eval_max_samples eval_num_generations", lambda v: v >= 1, "at least 1"),
     ("max_completion_length", lambda v: v >= 1, "at least 1 (new tokens per completion)"),
+    ("learning_rate weight_decay warmup_steps save_total_limit", lambda v: v >= 0, ">= 0"),
+    ("top_k log_completions", lambda v: v >= 0, ">= 0 (0 = off)"),
+    ("max_steps", lambda v: v >= 0, ">= 0 (0 = evaluate the model and exit)"),
+    ("save_steps", lambda v: v >= 0, ">= 0 (0 = only the final model)"),
+    ("eval_steps", lambda v: v >= 0, ">= 0 (0 = no evaluation during training)"),
+    ("lora_dropout adam_beta1 adam_beta2", lambda v: 0 <= v < 1, "in [0, 1)"),
     ("temperature", lambda v: v > 0, "> 0"),
     ("top_p", lambda v: 0 < v <= 1, "in (0, 1]"),
-    ("top_k", lambda v: v >= 0, ">= 0 (0 = off)"),
     ("min_p", lambda v: 0 <= v <= 1, "in [0, 1] (0 = off)"),
     ("repetition_penalty", lambda v: v > 0, "> 0 (1 = off)"),
-    ("learning_rate", lambda v: v >= 0, ">= 0"),
-    ("weight_decay", lambda v: v >= 0, ">= 0"),
-    ("adam_beta1", lambda v: 0 <= v < 1, "in [0, 1)"),
-    ("adam_beta2", lambda v: 0 <= v < 1, "in [0, 1)"),
-    ("warmup_steps", lambda v: v >= 0, ">= 0"),
-    ("max_steps", lambda v: v >= 0, ">= 0 (0 = evaluate the model and exit)"),
-    ("micro_batch_tokens", lambda v: v >= 1, "at least 1"),
-    ("logging_steps", lambda v: v >= 1, "at least 1"),
-    ("save_steps", lambda v: v >= 0, ">= 0 (0 = only the final model)"),
-    ("save_total_limit", lambda v: v >= 0, ">= 0"),
-    ("log_completions", lambda v: v >= 0, ">= 0 (0 = off)"),
-    ("eval_steps", lambda v: v >= 0, ">= 0 (0 = no evaluation during training)"),
-    ("eval_max_samples", lambda v: v >= 1, "at least 1"),
-    ("eval_num_generations", lambda v: v >= 1, "at least 1"),
 ]
 
 
@@ -1704,7 +1672,6 @@ def path_problem(flag, path, marker="config.json", kind="model"):
         return f"{flag} {path}: that directory has no {marker}, so it is not a {kind}"
     if path is not None and not os.path.isdir(path) and (kind == "checkpoint" or is_local(path)):
         return f"{flag} {path}: no such directory"
-    return None
 
 
 def lora_problem(args):
@@ -1727,26 +1694,23 @@ def check_args(args, world_size, rules=(), problems=(), steps_per_round=1, steps
     """Every check that needs neither a model nor the data: value ranges (the shared flags', the algorithm's `rules`,
     vLLM's), flag combinations (and the algorithm's own `problems`) and that local paths exist (a missing local model
     would otherwise surface later, as a hub error). Exits with one line per problem, each naming its flag."""
-    problems = [p for p in problems if p]
-    for name, valid, must in COMMON_RULES + list(rules):
-        value = getattr(args, name)
-        if value is not None and not valid(value):
-            problems.append(f"--{name.replace('_', '-')} must be {must}, got {value}")
+    problems = list(problems)
+    for names, valid, must in COMMON_RULES + list(rules):  # a rule's fields: one, or several separated by spaces
+        for name in names.split():
+            value = getattr(args, name)
+            if value is not None and not valid(value):
+                problems.append(f"--{name.replace('_', '-')} must be {must}, got {value}")
     if steps_per_generation >= 1 and args.prompts_per_step % (steps_per_generation * world_size):
         problems.append(
             f"--prompts-per-step {args.prompts_per_step} must be divisible by the number of processes ({world_size}) "
             f"x the optimizer steps per generated batch ({steps_per_generation}): whole groups per rank and step"
         )
-    if steps_per_round > 0 and args.save_steps % steps_per_round:
-        problems.append(
-            f"--save-steps {args.save_steps} must be a multiple of the optimizer steps per generation round "
-            f"(--steps-per-generation x --num-iterations = {steps_per_round}): checkpoints are written between rounds"
-        )
-    if steps_per_round > 0 and args.eval_steps % steps_per_round:
-        problems.append(
-            f"--eval-steps {args.eval_steps} must be a multiple of the optimizer steps per generation "
-            f"round ({steps_per_round}): evaluation runs between rounds, after the weight push"
-        )
+    for flag, steps in (("--save-steps", args.save_steps), ("--eval-steps", args.eval_steps)):
+        if steps_per_round > 0 and steps % steps_per_round:
+            problems.append(
+                f"{flag} {steps} must be a multiple of the optimizer steps per generation round (--steps-per-generation"
+                f" x --num-iterations = {steps_per_round}): checkpoints and evaluations come between rounds"
+            )
     if args.reward_weights is not None and len(args.reward_weights) != len(args.reward_funcs):
         problems.append(
             f"--reward-weights has {len(args.reward_weights)} values for {len(args.reward_funcs)} --reward-funcs"
