@@ -21,6 +21,10 @@ import time
 
 import requests
 import torch
+import transformers
+from packaging.version import Version
+from torch.multiprocessing.reductions import reduce_tensor
+from transformers.core_model_loading import revert_weight_conversion
 
 SUPPORTED_VLLM = ((0, 26), (0, 33))  # (major, minor), both ends tested as docs/vllm.md "Supported vLLM versions" says
 PACKED_NUM_BUFFERS = 2  # packed-broadcast chunks in flight on each side; both sides must agree
@@ -42,8 +46,6 @@ def _checkpoint_tensors(model, name, tensor):
     """(name, tensor) pairs as save_pretrained writes this parameter, the names vLLM's loaders know: no wrapper infixes,
     transformers' load-time conversions reversed (fused MoE experts.gate_up_proj [E, 2I, H] -> DeepSeek-V2's /
     Qwen3-MoE's per-expert gate_proj and up_proj, which vLLM 0.26 needs; GPT-OSS's stays fused, Mixtral's: w1 / w3)."""
-    from transformers.core_model_loading import revert_weight_conversion
-
     model = model.get_base_model() if hasattr(model, "peft_config") else model  # peft: the transformers model inside
     if "_converted_names" not in vars(model):  # once per model, on the meta device: which parameters change at all
         meta = {_strip(n): torch.empty(p.shape, device="meta") for n, p in base_parameters(model)}
@@ -61,10 +63,9 @@ def base_parameters(model):
 
 
 def named_weights(model, dtype=torch.bfloat16):
-    """(checkpoint name, tensor) per parameter in `dtype` (bf16 halves the bytes sent), tied ones once; a generator:
-    FSDP2 gathers each (a collective: all ranks iterate alike) only when reached. peft's adapted weights go merged,
-    W + (alpha / r) B A in fp32 rounded once, under the base's names; the stored base is never changed (a bf16 merge and
-    unmerge would not restore it)."""
+    """(checkpoint name, tensor) per parameter in `dtype` (bf16 halves the bytes sent), tied ones once; FSDP2 gathers
+    each (a collective: all ranks iterate alike) only when reached. peft's adapted weights go merged, W + (alpha/r) B A
+    in fp32 rounded once, under the base's names (the base stays: a bf16 merge and unmerge would not restore it)."""
     full = lambda param: param.detach().full_tensor() if hasattr(param, "full_tensor") else param.detach()  # noqa: E731
     lora = {f"{n}.base_layer.weight": m for n, m in model.named_modules() if "default" in getattr(m, "lora_A", {})}
     if other := [n for n, m in lora.items() if not isinstance(m.base_layer, torch.nn.Linear)]:  # e.g. MoE experts
@@ -92,8 +93,6 @@ def weight_metadata(model, dtype=torch.bfloat16):
 def vllm_version(version=None, who=None):
     """(major, minor) of a vLLM version string ("0.28.1.dev3+g12ab" -> (0, 28)), the installed vLLM's by default. With
     `who`, refuse one outside SUPPORTED_VLLM: this file knows the weight-transfer messages of those versions only."""
-    from packaging.version import Version
-
     if version is None:
         from vllm import __version__ as version
     low, high = (".".join(map(str, v)) for v in SUPPORTED_VLLM)
@@ -103,12 +102,11 @@ def vllm_version(version=None, who=None):
 
 
 def weight_sync_messages(server_version, init_info, update_info, buffer_bytes=1 << 30, backend="nccl"):
-    """(init_info, update_info) as a server running `server_version` takes them: `packed` goes in every update up to
-    one version and in the init from the next, and each rejects it in the other. NCCL (with the broadcast's geometry):
-    from 0.28 (0.26-0.27 distributed/weight_transfer/nccl_engine.py NCCLWeightTransferUpdateInfo, 0.28+ nccl_common.py
-    NCCLWeightTransferInitInfo); IPC: from 0.27 (ipc_engine.py, IPCWeightTransferUpdateInfo / InitInfo)."""
-    packed = {"packed": True, "packed_buffer_size_bytes": buffer_bytes, "packed_num_buffers": PACKED_NUM_BUFFERS}
-    packed, moved = ({"packed": True}, (0, 27)) if backend == "ipc" else (packed, (0, 28))
+    """(init_info, update_info) as a server running `server_version` takes them: `packed` (NCCL: with the broadcast's
+    geometry) goes in each update up to one version, in the init from the next, and each rejects it in the other. NCCL
+    moved it at 0.28 (weight_transfer/nccl_engine.py's UpdateInfo -> nccl_common.py's InitInfo), IPC at 0.27."""
+    nccl = {"packed": True, "packed_buffer_size_bytes": buffer_bytes, "packed_num_buffers": PACKED_NUM_BUFFERS}
+    packed, moved = ({"packed": True}, (0, 27)) if backend == "ipc" else (nccl, (0, 28))
     if vllm_version(server_version) >= moved:
         return {**init_info, **packed}, update_info
     return init_info, {**update_info, **packed}
@@ -260,8 +258,6 @@ def check_same_model(server, model, model_path):
     """Refuse a server that serves another model before any NCCL or /start_weight_update. No vLLM reports parameter
     names (0.28+'s /weight_info: a version string), so the served model (/server_info's path, revision, hf_overrides)
     is built on the meta device: it must have weight_metadata's names and shapes (dtypes may differ: vLLM casts)."""
-    import transformers
-
     served = server["model_config"]
     name, remote = served.get("model", server["model_id"]), {"trust_remote_code": bool(served.get("trust_remote_code"))}
     try:  # the served model's HF parameters, built on the meta device (no memory)
@@ -281,18 +277,14 @@ def check_same_model(server, model, model_path):
 def _serves_port(pid, port):
     """Whether process `pid` or one of its ancestors is a `vllm serve` listening on `port` (8000 if it names none):
     a server's GPU process is its engine core, a child of `vllm serve` that renamed itself VLLM::EngineCore."""
-    while pid > 1:
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                cmdline = f.read().replace(b"\0", b" ")
-            with open(f"/proc/{pid}/stat") as f:
-                parent = int(f.read().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            return False
-        if b"vllm" in cmdline and b" serve " in cmdline:
-            named = re.search(rb"--port[= ](\d+)", cmdline)
-            return int(named.group(1)) == port if named else port == 8000
-        pid = parent
+    import psutil  # a vLLM dependency
+
+    with contextlib.suppress(psutil.Error):  # a process that ended, or that this user may not read
+        process = psutil.Process(pid)
+        for cmdline in (" ".join(p.cmdline()) + " " for p in [process, *process.parents()] if p.pid > 1):
+            if "vllm" in cmdline and " serve " in cmdline:
+                named = re.search(r"--port[= ](\d+)", cmdline)
+                return int(named.group(1)) == port if named else port == 8000
     return False
 
 
@@ -458,8 +450,6 @@ def server_sync_weights(base_url, group, model, version=None, buffer_bytes=1 << 
 def ipc_handle(buffer):
     """{GPU UUID: the args that rebuild `buffer` in another process} (torch's CUDA IPC export; vLLM keys it by the
     physical GPU). Each call is a fresh export, so each chunk pairs with one rebuild and release by the server."""
-    from torch.multiprocessing.reductions import reduce_tensor
-
     return {str(torch.cuda.get_device_properties(buffer.device).uuid): reduce_tensor(buffer)[1]}
 
 
