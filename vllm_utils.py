@@ -164,7 +164,7 @@ def tensor_parallel_group(tensor_parallel_size):
 
 
 # ------------------------------------------------------------------------------------------------------------------
-# Server: a stock `vllm serve` over HTTP + NCCL
+# Server: a stock `vllm serve` over HTTP, weights by NCCL or CUDA IPC
 
 
 def serve_command(model, host="0.0.0.0", port=8000, gpus=None, backend="nccl"):
@@ -557,7 +557,7 @@ def server_generate(base_url, model_id, prompt_ids, n, fields, chunk_size=8, tim
 
 
 # ------------------------------------------------------------------------------------------------------------------
-# The calls the training scripts make
+# The calls the training scripts make: the start-up checks (before any model loads), the generator, its weights
 
 
 def setup_problems():
@@ -565,6 +565,43 @@ def setup_problems():
     if not torch.cuda.is_available():
         return ["--use-vllm needs a CUDA GPU and none is visible: drop --use-vllm to sample with Hugging Face generate"]
     return [] if importlib.util.find_spec("vllm") else ["--use-vllm needs vllm: pip install -r requirements.txt"]
+
+
+def check_args(args):
+    """The vLLM flags' problems, one line each naming its flag and fix ([] if none), and their warnings; asked with the
+    scripts' own checks, before any model loads (the importance-sampling flags where a script has them)."""
+    problems = setup_problems() if args.use_vllm else []
+    floor = getattr(args, "vllm_importance_sampling_clip_min", None) or 0  # the clip max must exceed it
+    rules = [  # (field, true for a valid value, what it must be); None (an option left unset) is always valid
+        ("vllm_gpu_memory_utilization", lambda v: 0 < v <= 1, "in (0, 1]"),
+        ("vllm_tensor_parallel_size", lambda v: v >= 1, "at least 1"),
+        ("vllm_max_model_len", lambda v: v >= 1, "at least 1"),
+        ("vllm_server_port", lambda v: 0 < v < 65536, "a TCP port (1-65535)"),
+        ("vllm_server_timeout", lambda v: v > 0, "> 0 seconds"),
+        ("vllm_group_port", lambda v: 0 < v < 65536, "a TCP port (1-65535)"),
+        ("vllm_importance_sampling_clip_min", lambda v: v >= 0, ">= 0"),
+        ("vllm_importance_sampling_clip_max", lambda v: v > floor, "> --vllm-importance-sampling-clip-min (and > 0)"),
+    ]
+    for name, valid, must in rules:
+        if (value := getattr(args, name, None)) is not None and not valid(value):
+            problems.append(f"--{name.replace('_', '-')} must be {must}, got {value}")
+    if args.async_generation and not (args.use_vllm and args.vllm_mode == "server"):
+        problems.append(
+            "--async-generation needs --use-vllm --vllm-mode server: only a server (on other GPUs or on the trainer's "
+            "own) generates in another process, so that generation overlaps training"
+        )
+    if args.use_vllm and getattr(args, "use_peft", False) and getattr(args, "torch_compile", False):
+        print("warning: --torch-compile is off with --use-peft: peft's LoRA layers are not compiled (not measured)")
+    truncated = args.top_p < 1 or args.top_k > 0 or args.min_p > 0 or args.repetition_penalty != 1
+    if args.use_vllm and getattr(args, "vllm_importance_sampling_correction", False) and truncated:
+        print(
+            "warning: with top_p / top_k / min_p / repetition_penalty, vLLM's processed log-probs come from a truncated "
+            "distribution that the trainer does not model: the importance ratio is biased below 1, and at the sequence "
+            "level (product over tokens) it shrinks the updates of long completions. Prefer neutral values, or a "
+            "*_truncate --vllm-importance-sampling-mode (token_truncate where the script has it; sequence_truncate "
+            "with a --vllm-importance-sampling-clip-min such as 0.5 bounds the shrinking)."
+        )
+    return problems
 
 
 def start(args, model_path, max_prompt_length):
@@ -590,11 +627,20 @@ def start(args, model_path, max_prompt_length):
     engine.update({key: getattr(args, key, default) for key, default in SERVER_OPTIONS.items()})
     if os.environ.get("RANK", "0") == "0":  # with torchrun every rank generates over HTTP, rank 0 alone syncs
         check_transport(base_url, server, model_path)
-        # the server's workers connect to this address: loopback for a local server, else this host's routable IP
-        # (vLLM's get_ip honours VLLM_HOST_IP, the override for hosts with several interfaces)
+        # the server's workers connect here: loopback for a local server, else this host's IP (VLLM_HOST_IP picks one)
         from vllm.utils.network_utils import get_ip
 
         engine["master_address"] = "127.0.0.1" if args.vllm_server_host in ("127.0.0.1", "localhost") else get_ip()
+    return engine
+
+
+def start_with_weights(args, model, model_path, max_prompt_length):
+    """start(), then a server gets the trainer's weights at once: it may hold others (an earlier run, or this one
+    before a resume), and every round must be sampled by the trained policy. With --use-peft a colocated engine too:
+    it starts from the base model (a checkpoint holds only the adapter) and gets the merged weights."""
+    engine = start(args, model_path, max_prompt_length)
+    if args.vllm_mode == "server" or getattr(args, "use_peft", False):
+        sync_weights(engine, model)
     return engine
 
 
@@ -664,54 +710,3 @@ def sync_weights(engine, model):
     reload = {"weights_iterator": named_weights(model), "is_checkpoint_format": True}
     llm.collective_rpc("reload_weights", kwargs=reload)
     llm.reset_prefix_cache()
-
-
-# ------------------------------------------------------------------------------------------------------------------
-# Start-up: the checks and warnings of the vLLM flags (before any model loads), the generator with the trainer's weights
-
-
-def check_args(args):
-    """The vLLM flags' problems, one line each naming its flag and fix ([] if none), and their warnings; asked with the
-    scripts' own checks, before any model loads (the importance-sampling flags where a script has them)."""
-    problems = setup_problems() if args.use_vllm else []
-    floor = getattr(args, "vllm_importance_sampling_clip_min", None) or 0  # the clip max must exceed it
-    rules = [  # (field, true for a valid value, what it must be); None (an option left unset) is always valid
-        ("vllm_gpu_memory_utilization", lambda v: 0 < v <= 1, "in (0, 1]"),
-        ("vllm_tensor_parallel_size", lambda v: v >= 1, "at least 1"),
-        ("vllm_max_model_len", lambda v: v >= 1, "at least 1"),
-        ("vllm_server_port", lambda v: 0 < v < 65536, "a TCP port (1-65535)"),
-        ("vllm_server_timeout", lambda v: v > 0, "> 0 seconds"),
-        ("vllm_group_port", lambda v: 0 < v < 65536, "a TCP port (1-65535)"),
-        ("vllm_importance_sampling_clip_min", lambda v: v >= 0, ">= 0"),
-        ("vllm_importance_sampling_clip_max", lambda v: v > floor, "> --vllm-importance-sampling-clip-min (and > 0)"),
-    ]
-    for name, valid, must in rules:
-        if (value := getattr(args, name, None)) is not None and not valid(value):
-            problems.append(f"--{name.replace('_', '-')} must be {must}, got {value}")
-    if args.async_generation and not (args.use_vllm and args.vllm_mode == "server"):
-        problems.append(
-            "--async-generation needs --use-vllm --vllm-mode server: only a server (on other GPUs or on the trainer's "
-            "own) generates in another process, so that generation overlaps training"
-        )
-    if args.use_vllm and getattr(args, "use_peft", False) and getattr(args, "torch_compile", False):
-        print("warning: --torch-compile is off with --use-peft: peft's LoRA layers are not compiled (not measured)")
-    truncated = args.top_p < 1 or args.top_k > 0 or args.min_p > 0 or args.repetition_penalty != 1
-    if args.use_vllm and getattr(args, "vllm_importance_sampling_correction", False) and truncated:
-        print(
-            "warning: with top_p / top_k / min_p / repetition_penalty, vLLM's processed log-probs come from a truncated "
-            "distribution that the trainer does not model: the importance ratio is biased below 1, and at the sequence "
-            "level (product over tokens) it shrinks the updates of long completions. Prefer neutral values, or a "
-            "*_truncate --vllm-importance-sampling-mode (token_truncate where the script has it; sequence_truncate "
-            "with a --vllm-importance-sampling-clip-min such as 0.5 bounds the shrinking)."
-        )
-    return problems
-
-
-def start_with_weights(args, model, model_path, max_prompt_length):
-    """start(), then a server gets the trainer's weights at once: it may hold others (an earlier run, or this one
-    before a resume), and every round must be sampled by the trained policy. With --use-peft a colocated engine too:
-    it starts from the base model (a checkpoint holds only the adapter) and gets the merged weights."""
-    engine = start(args, model_path, max_prompt_length)
-    if args.vllm_mode == "server" or getattr(args, "use_peft", False):
-        sync_weights(engine, model)
-    return engine
