@@ -326,9 +326,8 @@ def check_transport(base_url, server, model):
     allocator = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "") + os.environ.get("PYTORCH_ALLOC_CONF", "")
     if "expandable_segments:true" in allocator.lower().replace(" ", ""):
         raise RuntimeError(
-            "PYTORCH_CUDA_ALLOC_CONF (or PYTORCH_ALLOC_CONF) has expandable_segments:True: memory allocated that way "
-            "cannot be exported as a CUDA IPC handle (pytorch#165685). Unset it for the trainer, or serve with NCCL "
-            "on other GPUs."
+            "PYTORCH_CUDA_ALLOC_CONF (or PYTORCH_ALLOC_CONF) has expandable_segments:True, whose memory cannot be "
+            "exported as a CUDA IPC handle (pytorch#165685). Unset it for the trainer or serve with NCCL on other GPUs."
         )
 
 
@@ -450,6 +449,7 @@ def server_sync_weights(base_url, group, model, version=None, buffer_bytes=1 << 
 def ipc_handle(buffer):
     """{GPU UUID: the args that rebuild `buffer` in another process} (torch's CUDA IPC export; vLLM keys it by the
     physical GPU). Each call is a fresh export, so each chunk pairs with one rebuild and release by the server."""
+    torch.cuda.current_stream().synchronize()  # the copies into `buffer` are done before the server reads it
     return {str(torch.cuda.get_device_properties(buffer.device).uuid): reduce_tensor(buffer)[1]}
 
 
@@ -459,29 +459,23 @@ def packed_chunks(weights, capacity):
     beside the model: the caller must be done with it (the server answered) before asking for the next. A tensor above
     `capacity` goes alone, as a copy (exporting a parameter's storage would add a CUDA IPC record to it each sync)."""
     buffer, used, meta = None, 0, {key: [] for key in ("names", "dtype_names", "shapes", "tensor_sizes")}
-
-    def chunk(data):
-        nonlocal used, meta
-        if data.is_cuda:
-            torch.cuda.current_stream().synchronize()  # the copies are done before the server reads
-        out, used, meta = (data, meta), 0, {key: [] for key in meta}
-        return out
-
     for name, tensor in weights:
         flat = tensor.detach().contiguous().view(-1).view(torch.uint8)
         if used and used + flat.numel() > capacity:
-            yield chunk(buffer[:used])
+            yield buffer[:used], meta
+            used, meta = 0, {key: [] for key in meta}
         for key, value in zip(meta, (name, str(tensor.dtype).removeprefix("torch."), list(tensor.shape), flat.numel())):
             meta[key].append(value)
         if flat.numel() > capacity:
-            yield chunk(flat.clone())
+            yield flat.clone(), meta
+            meta = {key: [] for key in meta}
             continue
         if buffer is None:
             buffer = torch.empty(capacity, dtype=torch.uint8, device=flat.device)
         buffer[used : used + flat.numel()].copy_(flat)
         used += flat.numel()
     if used:
-        yield chunk(buffer[:used])
+        yield buffer[:used], meta
 
 
 def server_sync_weights_ipc(base_url, model, version=None, buffer_bytes=1 << 30, timeout=300.0, name="MODEL"):
