@@ -1,9 +1,9 @@
 """vLLM for online RL, shared by grpo.py / rloo.py / online_dpo.py and their forks (docs/vllm.md: the two modes, the
 supported versions, each failure and its fix). colocate: a `vllm.LLM` in the training process, fed new weights through
 vLLM's reload path; server: a stock `vllm serve`, sent concurrent token-id /v1/completions requests and, after each
-optimizer step, the weights while paused, as its --weight-transfer-config says: over NCCL to a server on other GPUs, or
-as CUDA IPC handles to one on the trainer's GPU. Both return completion ids and vLLM's log-prob of each sampled token
-(after temperature). `start`, `generate`, `sleep` and `sync_weights` are built from small functions a fork can call;
+optimizer step, the weights while paused, as its --weight-transfer-config says: over NCCL (a server on other GPUs) or as
+CUDA IPC handles (one on the trainer's GPU). Both return completion ids and vLLM's log-prob of each sampled token (after
+temperature). `start`, `generate`, `sleep` and `sync_weights` are built from small functions a fork can call directly;
 vLLM is imported only where needed."""
 
 import base64
@@ -172,10 +172,13 @@ def serve_command(model, host="0.0.0.0", port=8000, gpus=None, backend="nccl"):
     sampled tokens' log-probs into responses slower than the engine samples them (docs/vllm.md, "HTTP front ends").
     backend "nccl": on GPUs the trainer does not use (`gpus`, default 1); "ipc": on the trainer's GPU (the default),
     with a memory share that leaves the trainer room, pickled CUDA IPC handles allowed (vLLM 0.26's also needs ray)."""
-    gpus = gpus or (trainer_gpu() if backend == "ipc" else "1")
+    if gpus is None and backend == "ipc":  # the trainer's GPU, as its CUDA_VISIBLE_DEVICES names it
+        index = torch.cuda.current_device() if torch.cuda.is_available() else 0
+        visible = [gpu for gpu in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if gpu.strip()]
+        gpus = visible[index] if index < len(visible) else str(index)
     transfer = f'\'{{"backend": "{backend}"}}\''
     flags = f"--weight-transfer-config {transfer} --logprobs-mode processed_logprobs --max-logprobs -1"
-    env = f"CUDA_VISIBLE_DEVICES={gpus} VLLM_SERVER_DEV_MODE=1"
+    env = f"CUDA_VISIBLE_DEVICES={gpus or 1} VLLM_SERVER_DEV_MODE=1"
     if backend == "ipc":
         env, flags = f"{env} VLLM_ALLOW_INSECURE_SERIALIZATION=1", f"{flags} --gpu-memory-utilization 0.35"
     return f"{env} vllm serve {model} --host {host} --port {port} {flags} --api-server-count 4"
@@ -186,13 +189,6 @@ def _both_commands(base_url, model, ipc_first="Restart it"):
     port, ray = base_url.rsplit(":", 1)[1], "a vLLM 0.26 server also needs ray, which requirements.txt installs"
     ipc = f"{ipc_first} on this GPU (weights by CUDA IPC; {ray}):\n  {serve_command(model, port=port, backend='ipc')}"
     return f"{ipc}\nor on other GPUs (weights by NCCL):\n  {serve_command(model, port=port)}"
-
-
-def trainer_gpu():
-    """This process's GPU as CUDA_VISIBLE_DEVICES names it (what an IPC server's CUDA_VISIBLE_DEVICES must be)."""
-    index = torch.cuda.current_device() if torch.cuda.is_available() else 0
-    visible = [gpu for gpu in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if gpu.strip()]
-    return visible[index] if index < len(visible) else str(index)
 
 
 def wait_for_server(base_url, timeout, model):
@@ -629,9 +625,8 @@ def start(args, model_path, max_prompt_length):
 
 
 def start_with_weights(args, model, model_path, max_prompt_length):
-    """start(), then a server gets the trainer's weights at once: it may hold others (an earlier run, or this one
-    before a resume), and every round must be sampled by the trained policy. With --use-peft a colocated engine too:
-    it starts from the base model (a checkpoint holds only the adapter) and gets the merged weights."""
+    """start(), then the trainer's weights at once, as every round must sample the trained policy: a server may hold
+    others (an earlier run's, this one's before a resume); with --use-peft a colocated one too (it loaded the base)."""
     engine = start(args, model_path, max_prompt_length)
     if args.vllm_mode == "server" or getattr(args, "use_peft", False):
         sync_weights(engine, model)
