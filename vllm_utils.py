@@ -178,7 +178,7 @@ def serve_command(model, host="0.0.0.0", port=8000, gpus=None, backend="nccl"):
         gpus = visible[index] if index < len(visible) else str(index)
     transfer = f'\'{{"backend": "{backend}"}}\''
     flags = f"--weight-transfer-config {transfer} --logprobs-mode processed_logprobs --max-logprobs -1"
-    env = f"CUDA_VISIBLE_DEVICES={gpus or 1} VLLM_SERVER_DEV_MODE=1"
+    env = f"CUDA_VISIBLE_DEVICES={1 if gpus is None else gpus} VLLM_SERVER_DEV_MODE=1"
     if backend == "ipc":
         env, flags = f"{env} VLLM_ALLOW_INSECURE_SERIALIZATION=1", f"{flags} --gpu-memory-utilization 0.35"
     return f"{env} vllm serve {model} --host {host} --port {port} {flags} --api-server-count 4"
