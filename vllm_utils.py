@@ -678,8 +678,9 @@ def sync_weights(engine, model):
             if engine["server"]["backend"] == "ipc":  # no group: each chunk's handle goes over HTTP
                 server_sync_weights_ipc(engine["base_url"], model, name=engine["model"], **sync)
             else:  # popped: a failed update leaves the group unusable, and a retry forms a new one
-                where = engine["vllm_group_port"], engine["master_address"]
-                group = engine.pop("group", None) or server_init_weight_sync(engine["base_url"], *where, **sync)
+                if (group := engine.pop("group", None)) is None:
+                    where = engine["vllm_group_port"], engine["master_address"]
+                    group = server_init_weight_sync(engine["base_url"], *where, **sync)
                 server_sync_weights(engine["base_url"], group, model, name=engine["model"], **sync)
                 engine["group"] = group
         else:  # take part in each parameter's FSDP2 gather, in rank 0's order, and drop the result
