@@ -299,7 +299,7 @@ def server_gpus(port):
 def check_transport(base_url, server, model):
     """Before anything is sent, refuse a layout the server's weight transfer cannot serve, with the command that works:
     IPC needs its one worker on trainer rank 0's GPU (the handles' tensors are there), on this host; NCCL cannot put
-    two ranks on one GPU (NVIDIA/nccl#418). Where the server's GPU cannot be told, its first IPC answer tells."""
+    two ranks on one GPU (NVIDIA/nccl#418). Where the server's GPU cannot be told, its first IPC answer says so."""
     host, port = base_url.split("//")[-1].rsplit(":", 1)
     mine = f"GPU-{torch.cuda.get_device_properties(torch.cuda.current_device()).uuid}"
     gpus = server_gpus(int(port)) if host in LOCAL_HOSTS else None
