@@ -1,11 +1,10 @@
 """vLLM for online RL, shared by grpo.py / rloo.py / online_dpo.py and their forks (docs/vllm.md: the two modes, the
-supported vLLM versions, each failure and its fix). colocate: a `vllm.LLM` in the training process, fed new weights
-through vLLM's reload path; server: a stock `vllm serve`, sent concurrent token-id /v1/completions requests and, after
-each optimizer step, the weights while paused: over NCCL to a server on other GPUs, or as CUDA IPC handles to a server
-on the trainer's own GPU (one GPU is enough), as the server's --weight-transfer-config says. Both modes return
-completion token ids and vLLM's log-prob of each sampled token (after temperature). The entry points `start`,
-`generate`, `sleep` and `sync_weights` are built from small functions a fork can call directly; vLLM is imported only
-where needed."""
+supported versions, each failure and its fix). colocate: a `vllm.LLM` in the training process, fed new weights through
+vLLM's reload path; server: a stock `vllm serve`, sent concurrent token-id /v1/completions requests and, after each
+optimizer step, the weights while paused, as its --weight-transfer-config says: over NCCL (a server on other GPUs) or as
+CUDA IPC handles (one on the trainer's GPU). Both return completion ids and vLLM's log-prob of each sampled token (after
+temperature). `start`, `generate`, `sleep` and `sync_weights` are built from small functions a fork can call directly;
+vLLM is imported only where needed."""
 
 import base64
 import concurrent.futures
@@ -22,14 +21,17 @@ import time
 
 import requests
 import torch
+import transformers
+from packaging.version import Version
+from torch.multiprocessing.reductions import reduce_tensor
+from transformers.core_model_loading import revert_weight_conversion
 
 SUPPORTED_VLLM = ((0, 26), (0, 33))  # (major, minor), both ends tested as docs/vllm.md "Supported vLLM versions" says
 PACKED_NUM_BUFFERS = 2  # packed-broadcast chunks in flight on each side; both sides must agree
 # server-mode Args fields (docs/vllm.md, "Server flags") and their defaults, for a fork whose Args predate them
 SERVER_OPTIONS = dict(vllm_group_port=None, vllm_generation_chunk_size=8, vllm_generation_timeout=1800.0)
 SERVER_OPTIONS.update(vllm_weight_sync_timeout=300.0, vllm_weight_sync_buffer_mb=1024)
-_restart = lambda model, backend="nccl": f"Restart it as:\n  {serve_command(model, **_layout(backend))}"  # noqa: E731
-_layout = lambda backend: {"backend": backend, **({"gpus": trainer_gpu()} if backend == "ipc" else {})}  # noqa: E731
+_restart = lambda model, backend="nccl": f"Restart it as:\n  {serve_command(model, backend=backend)}"  # noqa: E731
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "0.0.0.0", "::1", socket.gethostname())
 _strip = lambda name: (  # noqa: E731 - wrappers' infixes: activation checkpointing's, FSDP's, peft's
     name.replace("_checkpoint_wrapped_module.", "").replace("_fsdp_wrapped_module.", "").replace(".base_layer.", ".")
@@ -41,12 +43,9 @@ _strip = lambda name: (  # noqa: E731 - wrappers' infixes: activation checkpoint
 
 
 def _checkpoint_tensors(model, name, tensor):
-    """(name, tensor) pairs as save_pretrained writes this parameter, the names vLLM's loaders know: wrappers' infixes
-    go, and transformers' own reverse undoes its load-time conversions (a MoE layer's fused experts.gate_up_proj
-    [E, 2I, H] becomes DeepSeek-V2's / Qwen3-MoE's per-expert gate_proj and up_proj, which vLLM 0.26's DeepseekV2
-    loader needs; GPT-OSS's stays fused, Mixtral's becomes w1 / w3). Meta tensors give the shapes."""
-    from transformers.core_model_loading import revert_weight_conversion
-
+    """(name, tensor) pairs as save_pretrained writes this parameter, the names vLLM's loaders know: no wrapper infixes,
+    transformers' load-time conversions reversed (fused MoE experts.gate_up_proj [E, 2I, H] -> DeepSeek-V2's /
+    Qwen3-MoE's per-expert gate_proj and up_proj, which vLLM 0.26 needs; GPT-OSS's stays fused, Mixtral's: w1 / w3)."""
     model = model.get_base_model() if hasattr(model, "peft_config") else model  # peft: the transformers model inside
     if "_converted_names" not in vars(model):  # once per model, on the meta device: which parameters change at all
         meta = {_strip(n): torch.empty(p.shape, device="meta") for n, p in base_parameters(model)}
@@ -64,10 +63,9 @@ def base_parameters(model):
 
 
 def named_weights(model, dtype=torch.bfloat16):
-    """(checkpoint name, tensor) per parameter, cast to `dtype` (bf16 halves the bytes sent), tied ones once. A
-    generator: with FSDP2 each is gathered (a collective: all ranks iterate alike) only when reached, then dropped.
-    A peft model's adapted weights go merged, W + (alpha / r) B A, in fp32 rounded once to `dtype`, under the base
-    model's names; the stored base is never changed (a bf16 merge and unmerge would not restore it)."""
+    """(checkpoint name, tensor) per parameter in `dtype` (bf16 halves the bytes sent), tied ones once; FSDP2 gathers
+    each (a collective: all ranks iterate alike) only when reached. peft's adapted weights go merged, W + (alpha/r) B A
+    in fp32 rounded once, under the base's names (the base stays: a bf16 merge and unmerge would not restore it)."""
     full = lambda param: param.detach().full_tensor() if hasattr(param, "full_tensor") else param.detach()  # noqa: E731
     lora = {f"{n}.base_layer.weight": m for n, m in model.named_modules() if "default" in getattr(m, "lora_A", {})}
     if other := [n for n, m in lora.items() if not isinstance(m.base_layer, torch.nn.Linear)]:  # e.g. MoE experts
@@ -95,8 +93,6 @@ def weight_metadata(model, dtype=torch.bfloat16):
 def vllm_version(version=None, who=None):
     """(major, minor) of a vLLM version string ("0.28.1.dev3+g12ab" -> (0, 28)), the installed vLLM's by default. With
     `who`, refuse one outside SUPPORTED_VLLM: this file knows the weight-transfer messages of those versions only."""
-    from packaging.version import Version
-
     if version is None:
         from vllm import __version__ as version
     low, high = (".".join(map(str, v)) for v in SUPPORTED_VLLM)
@@ -105,12 +101,13 @@ def vllm_version(version=None, who=None):
     return Version(version).release[:2]
 
 
-def weight_sync_messages(server_version, init_info, update_info, buffer_bytes=1 << 30):
-    """(init_info, update_info) as a server running `server_version` takes them. The packed-broadcast geometry goes in
-    every update up to 0.27 (0.26 and 0.27 distributed/weight_transfer/nccl_engine.py, NCCLWeightTransferUpdateInfo)
-    and once in the init from 0.28 (0.28 nccl_common.py, NCCLWeightTransferInitInfo); each rejects it in the other."""
-    packed = {"packed": True, "packed_buffer_size_bytes": buffer_bytes, "packed_num_buffers": PACKED_NUM_BUFFERS}
-    if vllm_version(server_version) >= (0, 28):
+def weight_sync_messages(server_version, init_info, update_info, buffer_bytes=1 << 30, backend="nccl"):
+    """(init_info, update_info) as a server running `server_version` takes them: `packed` (NCCL: with the broadcast's
+    geometry) goes in each update up to one version, in the init from the next, and each rejects it in the other. NCCL
+    moved it at 0.28 (weight_transfer/nccl_engine.py's UpdateInfo -> nccl_common.py's InitInfo), IPC at 0.27."""
+    nccl = {"packed": True, "packed_buffer_size_bytes": buffer_bytes, "packed_num_buffers": PACKED_NUM_BUFFERS}
+    packed, moved = ({"packed": True}, (0, 27)) if backend == "ipc" else (nccl, (0, 28))
+    if vllm_version(server_version) >= moved:
         return {**init_info, **packed}, update_info
     return init_info, {**update_info, **packed}
 
@@ -166,56 +163,43 @@ def tensor_parallel_group(tensor_parallel_size):
         return torch.distributed.new_subgroups(tensor_parallel_size)[0]  # every rank creates every group, in order
 
 
-def colocate_load_weights(llm, weights):
-    """Load (name, full tensor) pairs through vLLM's layerwise reload: it reruns the post-load processing (MLA, MoE
-    repacking, fp8) a plain load_weights skips; same storage (CUDA graphs stay valid); each TP rank takes its shard."""
-    llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True})
-
-
 # ------------------------------------------------------------------------------------------------------------------
-# Server: a stock `vllm serve` over HTTP + NCCL
+# Server: a stock `vllm serve` over HTTP, weights by NCCL or CUDA IPC
 
 
-def serve_command(model, host="0.0.0.0", port=8000, gpus="1", backend="nccl"):
-    """The command that starts a server this codebase can train against; 4 HTTP front ends, because one alone turns the
+def serve_command(model, host="0.0.0.0", port=8000, gpus=None, backend="nccl"):
+    """The command that starts a server this codebase can train against, with 4 HTTP front ends: one alone turns the
     sampled tokens' log-probs into responses slower than the engine samples them (docs/vllm.md, "HTTP front ends").
-    backend "nccl": on GPUs the trainer does not use; "ipc": on the trainer's own GPU (`gpus`), with a memory share
-    that leaves the trainer room, and the pickled CUDA IPC handles allowed (vLLM 0.26's IPC engine also imports ray)."""
-    flags = (
-        f'--weight-transfer-config \'{{"backend": "{backend}"}}\' --logprobs-mode processed_logprobs --max-logprobs -1'
-    )
-    env = f"CUDA_VISIBLE_DEVICES={gpus} VLLM_SERVER_DEV_MODE=1"
+    backend "nccl": on GPUs the trainer does not use (`gpus`, default 1); "ipc": on the trainer's GPU (the default),
+    with a memory share that leaves the trainer room, pickled CUDA IPC handles allowed (vLLM 0.26's also needs ray)."""
+    if gpus is None and backend == "ipc":  # the trainer's GPU, as its CUDA_VISIBLE_DEVICES names it
+        index = torch.cuda.current_device() if torch.cuda.is_available() else 0
+        visible = [gpu for gpu in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if gpu.strip()]
+        gpus = visible[index] if index < len(visible) else str(index)
+    transfer = f'\'{{"backend": "{backend}"}}\''
+    flags = f"--weight-transfer-config {transfer} --logprobs-mode processed_logprobs --max-logprobs -1"
+    env = f"CUDA_VISIBLE_DEVICES={1 if gpus is None else gpus} VLLM_SERVER_DEV_MODE=1"
     if backend == "ipc":
         env, flags = f"{env} VLLM_ALLOW_INSECURE_SERIALIZATION=1", f"{flags} --gpu-memory-utilization 0.35"
     return f"{env} vllm serve {model} --host {host} --port {port} {flags} --api-server-count 4"
 
 
-def _both_commands(model, port, ipc_first="Restart it on this GPU", nccl_then="or keep it on its GPU"):
+def _both_commands(base_url, model, ipc_first="Restart it"):
     """The two layouts that work, each as the full command: the server on this GPU (IPC) or on others (NCCL)."""
-    ipc = serve_command(model, port=port, gpus=trainer_gpu(), backend="ipc")
-    ray = "a vLLM 0.26 server also needs ray, which requirements.txt installs"
-    ipc = f"{ipc_first} (weights by CUDA IPC; {ray}):\n  {ipc}"
-    return f"{ipc}\n{nccl_then} (weights by NCCL):\n  {serve_command(model, port=port)}"
-
-
-def trainer_gpu():
-    """This process's GPU as CUDA_VISIBLE_DEVICES names it (what an IPC server's CUDA_VISIBLE_DEVICES must be)."""
-    index = torch.cuda.current_device() if torch.cuda.is_available() else 0
-    visible = [gpu for gpu in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if gpu.strip()]
-    return visible[index] if index < len(visible) else str(index)
+    port, ray = base_url.rsplit(":", 1)[1], "a vLLM 0.26 server also needs ray, which requirements.txt installs"
+    ipc = f"{ipc_first} on this GPU (weights by CUDA IPC; {ray}):\n  {serve_command(model, port=port, backend='ipc')}"
+    return f"{ipc}\nor on other GPUs (weights by NCCL):\n  {serve_command(model, port=port)}"
 
 
 def wait_for_server(base_url, timeout, model):
     """Poll GET /health until it answers 200; after `timeout` seconds raise with the command that starts it."""
-    deadline, port = time.monotonic() + timeout, base_url.rsplit(":", 1)[1]
+    deadline = time.monotonic() + timeout
     while True:
         with contextlib.suppress(requests.RequestException):
             if requests.get(f"{base_url}/health", timeout=5).status_code == 200:
                 return
         if time.monotonic() > deadline:
-            start_one = _both_commands(
-                model, port, "Start one on the trainer's GPU, before the trainer", "or on others"
-            )
+            start_one = _both_commands(base_url, model, "Start one before the trainer,")
             raise ConnectionError(
                 f"no vLLM server answered at {base_url}/health within {timeout:.0f} s (--vllm-server-timeout). "
                 f"{start_one}\nor point --vllm-server-host / --vllm-server-port at it."
@@ -237,33 +221,32 @@ def probe_server(base_url, model, timeout=10.0):
 
 
 def check_server(base_url, model):
-    """Fail early, with the fix, when the server cannot do RL (no dev mode or weight transfer, raw log-probs, a vLLM
-    outside SUPPORTED_VLLM, a stuck or sleeping engine); resume one a dead trainer left paused. Returns its facts, its
-    weight-transfer backend ("nccl" or "ipc") and number of workers among them."""
-    response = requests.get(f"{base_url}/server_info", params={"config_format": "json"}, timeout=30)
+    """Refuse, with the fix, a server that cannot do RL (no dev mode or weight transfer, raw log-probs, a vLLM outside
+    SUPPORTED_VLLM, a stuck or sleeping engine); resume one a dead trainer left paused. Returns its facts."""
+    get = lambda path, **params: requests.get(f"{base_url}{path}", params=params, timeout=30)  # noqa: E731
+    at, restart = f"the server at {base_url}", _restart(model)
+    response = get("/server_info", config_format="json")
     if response.status_code == 404:  # the weight-sync endpoints need dev mode too
-        raise RuntimeError(f"the server at {base_url} was started without VLLM_SERVER_DEV_MODE=1. {_restart(model)}")
+        raise RuntimeError(f"{at} was started without VLLM_SERVER_DEV_MODE=1. {restart}")
     response.raise_for_status()
     config = response.json()["vllm_config"]
     if not config.get("weight_transfer_config"):
-        raise RuntimeError(f"the server at {base_url} has no --weight-transfer-config. {_restart(model)}")
+        raise RuntimeError(f"{at} has no --weight-transfer-config. {restart}")
     if (backend := config["weight_transfer_config"].get("backend", "nccl")) not in ("nccl", "ipc"):
-        raise RuntimeError(
-            f"the server at {base_url} transfers weights by {backend}, not nccl or ipc. {_restart(model)}"
-        )
+        raise RuntimeError(f"{at} transfers weights by {backend}, not nccl or ipc. {restart}")
     model_config = config.get("model_config", {})
     if (mode := model_config.get("logprobs_mode")) != "processed_logprobs":  # raw ones leave out the temperature
-        raise RuntimeError(f"the server at {base_url} returns {mode}, which biases every ratio. {_restart(model)}")
-    version = requests.get(f"{base_url}/version", timeout=30).json()["version"]
-    vllm_version(version, who=f"the server at {base_url}")  # any mix with the trainer's: messages follow the server
+        raise RuntimeError(f"{at} returns {mode}, which biases every ratio. {restart}")
+    version = get("/version").json()["version"]
+    vllm_version(version, who=at)  # any mix with the trainer's: messages follow the server
     if probe_server(base_url, model):  # a trainer died between /pause and /resume
         _post(base_url, "/resume", 30)
-    asleep = requests.get(f"{base_url}/is_sleeping", timeout=30)
+    asleep = get("/is_sleeping")
     if asleep.status_code == 200 and asleep.json().get("is_sleeping"):  # an update of its freed weights segfaults it
-        raise RuntimeError(f"the server at {base_url} is asleep: POST {base_url}/wake_up first, or restart it")
-    served = requests.get(f"{base_url}/v1/models", timeout=30).json()["data"][0]
+        raise RuntimeError(f"{at} is asleep: POST {base_url}/wake_up first, or restart it")
+    served = get("/v1/models").json()["data"][0]
     info = {"model_id": served["id"], "max_model_len": served.get("max_model_len"), "backend": backend}
-    workers = requests.get(f"{base_url}/get_world_size", timeout=30).json()["world_size"]
+    workers = get("/get_world_size").json()["world_size"]
     return {**info, "version": version, "model_config": model_config, "workers": workers}
 
 
@@ -271,8 +254,6 @@ def check_same_model(server, model, model_path):
     """Refuse a server that serves another model before any NCCL or /start_weight_update. No vLLM reports parameter
     names (0.28+'s /weight_info: a version string), so the served model (/server_info's path, revision, hf_overrides)
     is built on the meta device: it must have weight_metadata's names and shapes (dtypes may differ: vLLM casts)."""
-    import transformers
-
     served = server["model_config"]
     name, remote = served.get("model", server["model_id"]), {"trust_remote_code": bool(served.get("trust_remote_code"))}
     try:  # the served model's HF parameters, built on the meta device (no memory)
@@ -292,18 +273,14 @@ def check_same_model(server, model, model_path):
 def _serves_port(pid, port):
     """Whether process `pid` or one of its ancestors is a `vllm serve` listening on `port` (8000 if it names none):
     a server's GPU process is its engine core, a child of `vllm serve` that renamed itself VLLM::EngineCore."""
-    while pid > 1:
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                cmdline = f.read().replace(b"\0", b" ")
-            with open(f"/proc/{pid}/stat") as f:
-                parent = int(f.read().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            return False
-        if b"vllm" in cmdline and b" serve " in cmdline:
-            named = re.search(rb"--port[= ](\d+)", cmdline)
-            return int(named.group(1)) == port if named else port == 8000
-        pid = parent
+    import psutil  # a vLLM dependency
+
+    with contextlib.suppress(psutil.Error):  # a process that ended, or that this user may not read
+        process = psutil.Process(pid)
+        for cmdline in (" ".join(p.cmdline()) + " " for p in [process, *process.parents()] if p.pid > 1):
+            if "vllm" in cmdline and " serve " in cmdline:
+                named = re.search(r"--port[= ](\d+)", cmdline)
+                return int(named.group(1)) == port if named else port == 8000
     return False
 
 
@@ -320,10 +297,9 @@ def server_gpus(port):
 
 
 def check_transport(base_url, server, model):
-    """Before anything is sent: refuse a layout the server's weight transfer cannot serve, with the command that works.
-    IPC hands the server CUDA IPC handles of tensors on trainer rank 0's GPU: its one worker must run on that GPU, on
-    this host; NCCL cannot put two ranks on one GPU (NVIDIA/nccl#418): the server must run on other GPUs. Where the
-    server's GPU cannot be told, its first "IPC handle not found for GPU UUID" answer is reported the same way."""
+    """Before anything is sent, refuse a layout the server's weight transfer cannot serve, with the command that works:
+    IPC needs its one worker on trainer rank 0's GPU (the handles' tensors are there), on this host; NCCL cannot put
+    two ranks on one GPU (NVIDIA/nccl#418). Where the server's GPU cannot be told, its first IPC answer says so."""
     host, port = base_url.split("//")[-1].rsplit(":", 1)
     mine = f"GPU-{torch.cuda.get_device_properties(torch.cuda.current_device()).uuid}"
     gpus = server_gpus(int(port)) if host in LOCAL_HOSTS else None
@@ -331,7 +307,7 @@ def check_transport(base_url, server, model):
         if gpus and mine in gpus:
             raise RuntimeError(
                 f"the server at {base_url} runs on the trainer's GPU {mine} with NCCL weight transfer, and NCCL cannot "
-                f"put two ranks on one GPU. {_both_commands(model, port, 'Restart it on this GPU', 'or on other GPUs')}"
+                f"put two ranks on one GPU. {_both_commands(base_url, model)}"
             )
         return
     if host not in LOCAL_HOSTS or server["workers"] > 1:
@@ -342,19 +318,19 @@ def check_transport(base_url, server, model):
             + serve_command(model, port=port)
         )
     if gpus and mine not in gpus:
-        raise RuntimeError(_ipc_elsewhere(base_url, mine, model, port, f"runs on {', '.join(sorted(gpus))}"))
+        raise RuntimeError(_ipc_elsewhere(base_url, model, f"runs on {', '.join(sorted(gpus))}"))
     allocator = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "") + os.environ.get("PYTORCH_ALLOC_CONF", "")
     if "expandable_segments:true" in allocator.lower().replace(" ", ""):
         raise RuntimeError(
-            "PYTORCH_CUDA_ALLOC_CONF (or PYTORCH_ALLOC_CONF) has expandable_segments:True: memory allocated that way "
-            "cannot be exported as a CUDA IPC handle (pytorch#165685). Unset it for the trainer, or serve with NCCL "
-            "on other GPUs."
+            "PYTORCH_CUDA_ALLOC_CONF (or PYTORCH_ALLOC_CONF) has expandable_segments:True, whose memory cannot be "
+            "exported as a CUDA IPC handle (pytorch#165685). Unset it for the trainer or serve with NCCL on other GPUs."
         )
 
 
-def _ipc_elsewhere(base_url, mine, model, port, what):
+def _ipc_elsewhere(base_url, model, what):
+    mine = f"GPU-{torch.cuda.get_device_properties(torch.cuda.current_device()).uuid}"
     where = f"the server at {base_url} {what}, not on trainer rank 0's GPU {mine}, which CUDA IPC weight transfer needs"
-    return f"{where}. {_both_commands(model, port)}"
+    return f"{where}. {_both_commands(base_url, model)}"
 
 
 def _post(base_url, path, timeout, **kwargs):
@@ -370,35 +346,29 @@ def _run_beside(nccl_work, http_call, timeout):
     return the NCCL side's result. NCCL has no timeout: the first failure is raised at once, the other side left
     behind; when both fail, the NCCL error (usually the cause: a taken port, an out-of-memory while packing)."""
     device = torch.cuda.current_device() if torch.cuda.is_available() else None
-    outcome = {}  # side -> (ok, result or exception)
-    failed = lambda side: outcome.get(side, (True,))[0] is False  # noqa: E731
+    nccl, http = concurrent.futures.Future(), concurrent.futures.Future()
 
-    def run(side, work):
+    def run(future, work):
         try:
             if device is not None:
                 torch.cuda.set_device(device)  # the current device is per thread
-            outcome[side] = (True, work())
+            future.set_result(work())
         except BaseException as error:  # noqa: BLE001
-            outcome[side] = (False, error)
+            future.set_exception(error)
 
-    (nccl := threading.Thread(target=run, args=("nccl", nccl_work), daemon=True)).start()
-    threading.Thread(target=run, args=("http", http_call), daemon=True).start()
-    http_done = None
-    while True:  # the HTTP side ends by itself (requests' timeout); the NCCL side gets `timeout` s after it
-        if failed("nccl"):
-            raise outcome["nccl"][1]
-        if failed("http"):
-            nccl.join(1.0)  # a NCCL error that caused the server's failure is the one to report
-            if failed("nccl"):
-                raise outcome["nccl"][1] from outcome["http"][1]
-            raise outcome["http"][1]
-        if len(outcome) == 2:
-            return outcome["nccl"][1]
-        if "http" in outcome:
-            http_done = http_done or time.monotonic()
-            if time.monotonic() - http_done > timeout:
-                raise TimeoutError(f"the trainer's NCCL side did not finish within {timeout:.0f} s after the server's")
-        time.sleep(0.01)
+    for future, work in ((nccl, nccl_work), (http, http_call)):
+        threading.Thread(target=run, args=(future, work), daemon=True).start()
+    concurrent.futures.wait((nccl, http), return_when=concurrent.futures.FIRST_COMPLETED)
+    if not nccl.done() and (error := http.exception()) is not None:  # the HTTP side failed first
+        concurrent.futures.wait((nccl,), 1.0)  # a NCCL error that caused the server's failure is the one to report
+        if nccl.done() and nccl.exception() is not None:
+            raise nccl.exception() from error
+        raise error
+    if not nccl.done() and concurrent.futures.wait((nccl,), timeout).not_done:  # the HTTP side is done
+        raise TimeoutError(f"the trainer's NCCL side did not finish within {timeout:.0f} s after the server's")
+    result = nccl.result()  # a NCCL failure is raised at once
+    http.result()  # the HTTP side ends by itself (requests' timeout)
+    return result
 
 
 def server_init_weight_sync(base_url, port=None, address="127.0.0.1", version=None, buffer_bytes=1 << 30, timeout=300):
@@ -472,72 +442,50 @@ def server_sync_weights(base_url, group, model, version=None, buffer_bytes=1 << 
     paused_update(base_url, send, name, "nccl", timeout)
 
 
-def ipc_init_info(server_version):
-    """The IPC init message, None where there is none: `packed` moved from each update (0.26 ipc_engine.py,
-    IPCWeightTransferUpdateInfo) into the init at 0.27 (0.27-0.33 IPCWeightTransferInitInfo)."""
-    return {"packed": True} if vllm_version(server_version) >= (0, 27) else None
-
-
-def ipc_update_info(server_version, chunk, handle):
-    """The update message of one packed chunk (packed_chunks' metadata) and its IPC handle, pickled: HTTP carries
-    JSON. `packed` is in it only up to 0.26 (0.27+ rejects it there: ipc_init_info)."""
-    update = {key: chunk[key] for key in ("names", "dtype_names", "shapes", "tensor_sizes")}
-    update["ipc_handles_pickled"] = base64.b64encode(pickle.dumps(handle)).decode()
-    return update if ipc_init_info(server_version) else {**update, "packed": True}
-
-
 def ipc_handle(buffer):
     """{GPU UUID: the args that rebuild `buffer` in another process} (torch's CUDA IPC export; vLLM keys it by the
     physical GPU). Each call is a fresh export, so each chunk pairs with one rebuild and release by the server."""
-    from torch.multiprocessing.reductions import reduce_tensor
-
+    torch.cuda.current_stream().synchronize()  # the copies into `buffer` are done before the server reads it
     return {str(torch.cuda.get_device_properties(buffer.device).uuid): reduce_tensor(buffer)[1]}
 
 
 def packed_chunks(weights, capacity):
-    """Pack (name, tensor) pairs into one reused byte buffer of `capacity` bytes; yield (the filled part, its
-    names, dtype_names, shapes, tensor_sizes) whenever the next tensor would not fit. The caller must be done with a
-    chunk (the server answered: its update synchronizes) before asking for the next. A tensor above `capacity` is a
-    chunk of its own, a copy (exporting a parameter's own storage would add a CUDA IPC record to it at every sync), so
-    the trainer never holds more than one chunk beside the model."""
+    """Pack (name, tensor) pairs into one reused byte buffer of `capacity` bytes; yield (the filled part, its names,
+    dtype_names, shapes, tensor_sizes) whenever the next tensor would not fit, so that the trainer holds one chunk
+    beside the model: the caller must be done with it (the server answered) before asking for the next. A tensor above
+    `capacity` goes alone, as a copy (exporting a parameter's storage would add a CUDA IPC record to it each sync)."""
     buffer, used, meta = None, 0, {key: [] for key in ("names", "dtype_names", "shapes", "tensor_sizes")}
-
-    def chunk(data):
-        nonlocal used, meta
-        if data.is_cuda:
-            torch.cuda.current_stream().synchronize()  # the copies are done before the server reads
-        out, used, meta = (data, meta), 0, {key: [] for key in meta}
-        return out
-
     for name, tensor in weights:
         flat = tensor.detach().contiguous().view(-1).view(torch.uint8)
         if used and used + flat.numel() > capacity:
-            yield chunk(buffer[:used])
+            yield buffer[:used], meta
+            used, meta = 0, {key: [] for key in meta}
         for key, value in zip(meta, (name, str(tensor.dtype).removeprefix("torch."), list(tensor.shape), flat.numel())):
             meta[key].append(value)
         if flat.numel() > capacity:
-            yield chunk(flat.clone())
+            yield flat.clone(), meta
+            meta = {key: [] for key in meta}
             continue
         if buffer is None:
             buffer = torch.empty(capacity, dtype=torch.uint8, device=flat.device)
         buffer[used : used + flat.numel()].copy_(flat)
         used += flat.numel()
     if used:
-        yield chunk(buffer[:used])
+        yield buffer[:used], meta
 
 
 def server_sync_weights_ipc(base_url, model, version=None, buffer_bytes=1 << 30, timeout=300.0, name="MODEL"):
-    """CUDA IPC to a server on this GPU: named_weights packed into chunks of at most `buffer_bytes` (the model's size if
-    smaller), each one /update_weights carrying its handle (torchrun's other ranks iterate the weights too), inside
-    paused_update; from 0.27 the server learns `packed` from /init_weight_transfer_engine, sent before every sync (it
-    costs one request, and a restarted server has forgotten it)."""
+    """CUDA IPC to a server on this GPU, inside paused_update: named_weights in packed chunks of at most `buffer_bytes`,
+    one /update_weights with its handle each (torchrun's other ranks iterate the weights too). 0.27+ learns `packed`
+    from /init_weight_transfer_engine, sent at every sync (one request; a restarted server has forgotten it)."""
     total = sum(2 * math.prod(shape) for shape in weight_metadata(model)["shapes"])  # bf16 bytes
-    if (init_info := ipc_init_info(version)) is not None:
+    if init_info := weight_sync_messages(version, {}, {}, backend="ipc")[0]:
         _post(base_url, "/init_weight_transfer_engine", timeout, json={"init_info": init_info})
 
     def send():
         for data, chunk in packed_chunks(named_weights(model), min(buffer_bytes, total)):
-            update_info = ipc_update_info(version, chunk, ipc_handle(data))
+            handle = base64.b64encode(pickle.dumps(ipc_handle(data))).decode()  # pickled: HTTP carries JSON
+            update_info = weight_sync_messages(version, {}, {**chunk, "ipc_handles_pickled": handle}, backend="ipc")[1]
             try:
                 _post(base_url, "/update_weights", timeout, json={"update_info": update_info})
             except RuntimeError as error:
@@ -552,12 +500,8 @@ def server_sync_weights_ipc(base_url, model, version=None, buffer_bytes=1 << 30,
 
 def _ipc_problem(base_url, error, model):
     """A server's answer to an IPC update, with the fix where the cause is known."""
-    port = base_url.rsplit(":", 1)[1]
     if "IPC handle not found for GPU UUID" in error:  # the server's worker is on another GPU than trainer rank 0
-        mine = f"GPU-{torch.cuda.get_device_properties(torch.cuda.current_device()).uuid}"
-        return _ipc_elsewhere(
-            base_url, mine, model, port, "answered 'IPC handle not found for GPU UUID': it runs elsewhere"
-        )
+        return _ipc_elsewhere(base_url, model, "answered 'IPC handle not found for GPU UUID': it runs elsewhere")
     if "VLLM_ALLOW_INSECURE_SERIALIZATION" in error:
         without = f"the server at {base_url} was started without VLLM_ALLOW_INSECURE_SERIALIZATION=1"
         return f"{without}. {_restart(model, 'ipc')}"
@@ -603,7 +547,7 @@ def server_generate(base_url, model_id, prompt_ids, n, fields, chunk_size=8, tim
 
 
 # ------------------------------------------------------------------------------------------------------------------
-# The calls the training scripts make
+# The calls the training scripts make: the start-up checks (before any model loads), the generator, its weights
 
 
 def setup_problems():
@@ -613,10 +557,46 @@ def setup_problems():
     return [] if importlib.util.find_spec("vllm") else ["--use-vllm needs vllm: pip install -r requirements.txt"]
 
 
+def check_args(args):
+    """The vLLM flags' problems, one line each naming its flag and fix ([] if none), and their warnings; asked with the
+    scripts' own checks, before any model loads (the importance-sampling flags where a script has them)."""
+    problems = setup_problems() if args.use_vllm else []
+    floor = getattr(args, "vllm_importance_sampling_clip_min", None) or 0  # the clip max must exceed it
+    rules = [  # (field, true for a valid value, what it must be); None (an option left unset) is always valid
+        ("vllm_gpu_memory_utilization", lambda v: 0 < v <= 1, "in (0, 1]"),
+        ("vllm_tensor_parallel_size", lambda v: v >= 1, "at least 1"),
+        ("vllm_max_model_len", lambda v: v >= 1, "at least 1"),
+        ("vllm_server_port", lambda v: 0 < v < 65536, "a TCP port (1-65535)"),
+        ("vllm_server_timeout", lambda v: v > 0, "> 0 seconds"),
+        ("vllm_group_port", lambda v: 0 < v < 65536, "a TCP port (1-65535)"),
+        ("vllm_importance_sampling_clip_min", lambda v: v >= 0, ">= 0"),
+        ("vllm_importance_sampling_clip_max", lambda v: v > floor, "> --vllm-importance-sampling-clip-min (and > 0)"),
+    ]
+    for name, valid, must in rules:
+        if (value := getattr(args, name, None)) is not None and not valid(value):
+            problems.append(f"--{name.replace('_', '-')} must be {must}, got {value}")
+    if args.async_generation and not (args.use_vllm and args.vllm_mode == "server"):
+        problems.append(
+            "--async-generation needs --use-vllm --vllm-mode server: only a server (on other GPUs or on the trainer's "
+            "own) generates in another process, so that generation overlaps training"
+        )
+    if args.use_vllm and getattr(args, "use_peft", False) and getattr(args, "torch_compile", False):
+        print("warning: --torch-compile is off with --use-peft: peft's LoRA layers are not compiled (not measured)")
+    truncated = args.top_p < 1 or args.top_k > 0 or args.min_p > 0 or args.repetition_penalty != 1
+    if args.use_vllm and getattr(args, "vllm_importance_sampling_correction", False) and truncated:
+        print(
+            "warning: with top_p / top_k / min_p / repetition_penalty, vLLM's processed log-probs come from a truncated "
+            "distribution that the trainer does not model: the importance ratio is biased below 1, and at the sequence "
+            "level (product over tokens) it shrinks the updates of long completions. Prefer neutral values, or a "
+            "*_truncate --vllm-importance-sampling-mode (token_truncate where the script has it; sequence_truncate "
+            "with a --vllm-importance-sampling-clip-min such as 0.5 bounds the shrinking)."
+        )
+    return problems
+
+
 def start(args, model_path, max_prompt_length):
-    """Build the generator `args.vllm_mode` asks for; returns a dict handed back to generate / sync_weights. Server
-    mode checks the layout its weight transfer needs (check_transport) and, over NCCL, joins the group at the first
-    sync_weights, once the model has been compared with the served one."""
+    """The generator `args.vllm_mode` asks for, a dict handed back to generate / sync_weights. A server is checked (its
+    layout on rank 0); over NCCL the group forms at the first sync_weights, once the served model has been compared."""
     vllm_version(None, who="this trainer")
     engine = {"mode": args.vllm_mode, "fields": sampling_fields(args), "n": args.num_generations, "model": model_path}
     max_len = max_prompt_length + args.max_completion_length
@@ -637,11 +617,19 @@ def start(args, model_path, max_prompt_length):
     engine.update({key: getattr(args, key, default) for key, default in SERVER_OPTIONS.items()})
     if os.environ.get("RANK", "0") == "0":  # with torchrun every rank generates over HTTP, rank 0 alone syncs
         check_transport(base_url, server, model_path)
-        # the server's workers connect to this address: loopback for a local server, else this host's routable IP
-        # (vLLM's get_ip honours VLLM_HOST_IP, the override for hosts with several interfaces)
+        # the server's workers connect here: loopback for a local server, else this host's IP (VLLM_HOST_IP picks one)
         from vllm.utils.network_utils import get_ip
 
         engine["master_address"] = "127.0.0.1" if args.vllm_server_host in ("127.0.0.1", "localhost") else get_ip()
+    return engine
+
+
+def start_with_weights(args, model, model_path, max_prompt_length):
+    """start(), then the trainer's weights at once, as every round must sample the trained policy: a server may hold
+    others (an earlier run's, this one's before a resume); with --use-peft a colocated one too (it loaded the base)."""
+    engine = start(args, model_path, max_prompt_length)
+    if args.vllm_mode == "server" or getattr(args, "use_peft", False):
+        sync_weights(engine, model)
     return engine
 
 
@@ -689,11 +677,10 @@ def sync_weights(engine, model):
             sync["buffer_bytes"] = engine["vllm_weight_sync_buffer_mb"] << 20
             if engine["server"]["backend"] == "ipc":  # no group: each chunk's handle goes over HTTP
                 server_sync_weights_ipc(engine["base_url"], model, name=engine["model"], **sync)
-            else:
-                if engine.get("group") is None:
+            else:  # popped: a failed update leaves the group unusable, and a retry forms a new one
+                if (group := engine.pop("group", None)) is None:
                     where = engine["vllm_group_port"], engine["master_address"]
-                    engine["group"] = server_init_weight_sync(engine["base_url"], *where, **sync)
-                group = engine.pop("group")  # a failed update leaves it unusable: a retry forms a new one
+                    group = server_init_weight_sync(engine["base_url"], *where, **sync)
                 server_sync_weights(engine["base_url"], group, model, name=engine["model"], **sync)
                 engine["group"] = group
         else:  # take part in each parameter's FSDP2 gather, in rank 0's order, and drop the result
@@ -708,57 +695,8 @@ def sync_weights(engine, model):
         torch.cuda.empty_cache()  # give the trainer's cached blocks back so that vLLM can map its weights again
         llm.wake_up(tags=["weights"])  # level 2 left garbage: every weight is reloaded below
         engine["weights_asleep"] = False
-    colocate_load_weights(llm, named_weights(model))  # streamed: one full parameter at a time
+    # vLLM's layerwise reload reruns the post-load processing (MLA, MoE repacking, fp8) a plain load_weights skips, into
+    # the same storage (CUDA graphs stay valid); each TP rank takes its shard; streamed: one full parameter at a time
+    reload = {"weights_iterator": named_weights(model), "is_checkpoint_format": True}
+    llm.collective_rpc("reload_weights", kwargs=reload)
     llm.reset_prefix_cache()
-
-
-# ------------------------------------------------------------------------------------------------------------------
-# Start-up: the checks and warnings of the vLLM flags (before any model loads), the generator with the trainer's weights
-
-
-def check_args(args):
-    """The problems of the vLLM flags, one line each naming its flag and fix ([] if none), and the truncated-sampling
-    warning; the scripts ask with their own checks, before any model loads. The importance-sampling flags are checked
-    where a script has them."""
-    problems = setup_problems() if args.use_vllm else []
-    floor = getattr(args, "vllm_importance_sampling_clip_min", None) or 0  # the clip max must exceed it
-    rules = [  # (field, true for a valid value, what it must be); None (an option left unset) is always valid
-        ("vllm_gpu_memory_utilization", lambda v: 0 < v <= 1, "in (0, 1]"),
-        ("vllm_tensor_parallel_size", lambda v: v >= 1, "at least 1"),
-        ("vllm_max_model_len", lambda v: v >= 1, "at least 1"),
-        ("vllm_server_port", lambda v: 0 < v < 65536, "a TCP port (1-65535)"),
-        ("vllm_server_timeout", lambda v: v > 0, "> 0 seconds"),
-        ("vllm_group_port", lambda v: 0 < v < 65536, "a TCP port (1-65535)"),
-        ("vllm_importance_sampling_clip_min", lambda v: v >= 0, ">= 0"),
-        ("vllm_importance_sampling_clip_max", lambda v: v > floor, "> --vllm-importance-sampling-clip-min (and > 0)"),
-    ]
-    for name, valid, must in rules:
-        if (value := getattr(args, name, None)) is not None and not valid(value):
-            problems.append(f"--{name.replace('_', '-')} must be {must}, got {value}")
-    if args.async_generation and not (args.use_vllm and args.vllm_mode == "server"):
-        problems.append(
-            "--async-generation needs --use-vllm --vllm-mode server: only a server (on other GPUs or on the trainer's "
-            "own) generates in another process, so that generation overlaps training"
-        )
-    if args.use_vllm and getattr(args, "use_peft", False) and getattr(args, "torch_compile", False):
-        print("warning: --torch-compile is off with --use-peft: peft's LoRA layers are not compiled (not measured)")
-    truncated = args.top_p < 1 or args.top_k > 0 or args.min_p > 0 or args.repetition_penalty != 1
-    if args.use_vllm and getattr(args, "vllm_importance_sampling_correction", False) and truncated:
-        print(
-            "warning: with top_p / top_k / min_p / repetition_penalty, vLLM's processed log-probs come from a truncated "
-            "distribution that the trainer does not model: the importance ratio is biased below 1, and at the sequence "
-            "level (product over tokens) it shrinks the updates of long completions. Prefer neutral values, or a "
-            "*_truncate --vllm-importance-sampling-mode (token_truncate where the script has it; sequence_truncate "
-            "with a --vllm-importance-sampling-clip-min such as 0.5 bounds the shrinking)."
-        )
-    return problems
-
-
-def start_with_weights(args, model, model_path, max_prompt_length):
-    """start(), then a server gets the trainer's weights at once: it may hold others (an earlier run, or this one
-    before a resume), and every round must be sampled by the trained policy. With --use-peft a colocated engine too:
-    it starts from the base model (a checkpoint holds only the adapter) and gets the merged weights."""
-    engine = start(args, model_path, max_prompt_length)
-    if args.vllm_mode == "server" or getattr(args, "use_peft", False):
-        sync_weights(engine, model)
-    return engine

@@ -1091,29 +1091,35 @@ def test_layouts_each_transport_serves_pass(monkeypatch, backend, gpus):
     vllm_utils.check_transport(_layout(monkeypatch, gpus), {"backend": backend, "workers": 1}, "my/m")
 
 
-def test_the_server_gpus_are_found_through_the_vllm_serve_ancestor_and_its_port(monkeypatch, tmp_path):
+def test_the_server_gpus_are_found_through_the_vllm_serve_ancestor_and_its_port(monkeypatch):
     """nvidia-smi lists the engine core (renamed VLLM::EngineCore): its parent `vllm serve ... --port 8001` says
-    which server it belongs to; another server's engine (port 8002) and other processes are not this one."""
-    procs = {
-        10: (b"vllm\0serve\0m\0--port\0008001\0", 1),
-        11: (b"VLLM::EngineCore\0", 10),
-        20: (b"python3\0-m\0vllm.entrypoints.cli.main\0serve\0m\0--port=8002\0", 1),
-        21: (b"VLLM::EngineCore\0", 20),
-        30: (b"python3\0train.py\0", 1),
+    which server it belongs to; another server's engine (port 8002), other processes and ones that ended are not."""
+    import psutil
+
+    procs = {  # pid: (cmdline, parent pid), as psutil reads them from /proc
+        10: (["vllm", "serve", "m", "--port", "8001"], 1),
+        11: (["VLLM::EngineCore"], 10),
+        20: (["python3", "-m", "vllm.entrypoints.cli.main", "serve", "m", "--port=8002"], 1),
+        21: (["VLLM::EngineCore"], 20),
+        30: (["python3", "train.py"], 1),
+        1: (["vllm", "serve", "m"], 0),  # init is never taken for a server
     }
-    real_open = open
 
-    def fake_open(path, mode="r", *a, **k):
-        parts = str(path).split("/")
-        if len(parts) == 4 and parts[1] == "proc" and int(parts[2]) in procs:
-            cmdline, parent = procs[int(parts[2])]
-            data = cmdline if parts[3] == "cmdline" else f"{parts[2]} (x y) S {parent} 0"
-            path = tmp_path / f"{parts[2]}_{parts[3]}"
-            path.write_bytes(data) if isinstance(data, bytes) else path.write_text(data)
-        return real_open(path, mode, *a, **k)
+    class Process:
+        def __init__(self, pid):
+            if pid not in procs:
+                raise psutil.NoSuchProcess(pid)
+            self.pid = pid
 
-    monkeypatch.setattr("builtins.open", fake_open)
-    out = "GPU-aa, 11\nGPU-bb, 21\nGPU-cc, 30\n"
+        def cmdline(self):
+            return procs[self.pid][0]
+
+        def parents(self):
+            parent = procs[self.pid][1]
+            return [Process(parent), *Process(parent).parents()] if parent else []
+
+    monkeypatch.setattr(psutil, "Process", Process)
+    out = "GPU-aa, 11\nGPU-bb, 21\nGPU-cc, 30\nGPU-dd, 40\n"
     monkeypatch.setattr(vllm_utils.subprocess, "run", lambda *a, **k: SimpleNamespace(stdout=out))
     assert vllm_utils.server_gpus(8001) == {"GPU-aa"} and vllm_utils.server_gpus(8002) == {"GPU-bb"}
     assert vllm_utils.server_gpus(8000) is None

@@ -42,8 +42,7 @@ def test_colocate_sleep_wake_sync():
     change_weights(model, tokenizer)
     t0 = time.perf_counter()
     llm.wake_up(tags=["weights"])
-    vllm_utils.colocate_load_weights(llm, vllm_utils.named_weights(model))
-    llm.reset_prefix_cache()
+    vllm_utils.sync_weights({"mode": "colocate", "llm": llm}, model)  # reload every weight, reset the prefix cache
     llm.wake_up(tags=["kv_cache"])
     wake_load_s = time.perf_counter() - t0
 
