@@ -31,7 +31,10 @@ PACKED_NUM_BUFFERS = 2  # packed-broadcast chunks in flight on each side; both s
 # server-mode Args fields (docs/vllm.md, "Server flags") and their defaults, for a fork whose Args predate them
 SERVER_OPTIONS = dict(vllm_group_port=None, vllm_generation_chunk_size=8, vllm_generation_timeout=1800.0)
 SERVER_OPTIONS.update(vllm_weight_sync_timeout=300.0, vllm_weight_sync_buffer_mb=1024)
-_restart = lambda model, backend="nccl": f"Restart it as:\n  {serve_command(model, backend=backend)}"  # noqa: E731
+# the restart line of an error: the command for the server's port (base_url) and weight transfer (its backend)
+_restart = lambda model, backend="nccl", base_url=":8000": (  # noqa: E731
+    f"Restart it as:\n  {serve_command(model, port=base_url.rsplit(':', 1)[1], backend=backend)}"
+)
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "0.0.0.0", "::1", socket.gethostname())
 _strip = lambda name: (  # noqa: E731 - wrappers' infixes: activation checkpointing's, FSDP's, peft's
     name.replace("_checkpoint_wrapped_module.", "").replace("_fsdp_wrapped_module.", "").replace(".base_layer.", ".")
@@ -207,7 +210,7 @@ def wait_for_server(base_url, timeout, model):
         time.sleep(2)
 
 
-def probe_server(base_url, model, timeout=10.0):
+def probe_server(base_url, model, timeout=10.0, backend="nccl"):
     """Whether the engine is paused: GET /is_paused, unlike /health, needs the engine's loop, which never runs again in
     an engine blocked in an NCCL receive (its trainer died mid-broadcast)."""
     try:
@@ -215,7 +218,8 @@ def probe_server(base_url, model, timeout=10.0):
     except requests.Timeout:
         raise RuntimeError(
             f"the server at {base_url} answers /health but its engine not /is_paused within {timeout:.0f} s: it is "
-            f"likely stuck receiving a weight update whose trainer died (NCCL has no timeout). {_restart(model)}"
+            f"likely stuck receiving a weight update whose trainer died (NCCL has no timeout). "
+            + _restart(model, backend, base_url)
         ) from None
     return response.status_code == 200 and response.json().get("is_paused", False)
 
@@ -224,7 +228,7 @@ def check_server(base_url, model):
     """Refuse, with the fix, a server that cannot do RL (no dev mode or weight transfer, raw log-probs, a vLLM outside
     SUPPORTED_VLLM, a stuck or sleeping engine); resume one a dead trainer left paused. Returns its facts."""
     get = lambda path, **params: requests.get(f"{base_url}{path}", params=params, timeout=30)  # noqa: E731
-    at, restart = f"the server at {base_url}", _restart(model)
+    at, restart = f"the server at {base_url}", _restart(model, base_url=base_url)
     response = get("/server_info", config_format="json")
     if response.status_code == 404:  # the weight-sync endpoints need dev mode too
         raise RuntimeError(f"{at} was started without VLLM_SERVER_DEV_MODE=1. {restart}")
@@ -245,7 +249,7 @@ def check_server(base_url, model):
     if asleep.status_code == 200 and asleep.json().get("is_sleeping"):  # an update of its freed weights segfaults it
         raise RuntimeError(f"{at} is asleep: POST {base_url}/wake_up first, or restart it")
     served = get("/v1/models").json()["data"][0]
-    info = {"model_id": served["id"], "max_model_len": served.get("max_model_len"), "backend": backend}
+    info = {"model_id": served["id"], "max_model_len": served.get("max_model_len"), "backend": backend, "url": base_url}
     workers = get("/get_world_size").json()["world_size"]
     return {**info, "version": version, "model_config": model_config, "workers": workers}
 
@@ -267,7 +271,8 @@ def check_same_model(server, model, model_path):
     first = next((key for key in [*sent, *shapes] if sent.get(key) != shapes.get(key)), None)
     if first is not None:
         got = f"{first} is {sent.get(first, 'not sent')} in the trainer, {shapes.get(first, 'absent')} on the server"
-        raise RuntimeError(f"the server serves {name}, not {model_path} ({got}); nothing sent. {_restart(model_path)}")
+        restart = _restart(model_path, server.get("backend", "nccl"), server.get("url", ":8000"))
+        raise RuntimeError(f"the server serves {name}, not {model_path} ({got}); nothing sent. {restart}")
 
 
 def _serves_port(pid, port):
@@ -393,21 +398,21 @@ def restore_after_failed_update(base_url, model, timeout=30.0, backend="nccl"):
             for path in ("/start_weight_update", "/finish_weight_update"):
                 _post(base_url, path, timeout, json={})
     except (RuntimeError, requests.RequestException) as error:  # a timeout: the engine is stuck in the NCCL receive
-        return f"could not be restored ({error}): it may serve garbage. {_restart(model, backend)}"
+        return f"could not be restored ({error}): it may serve garbage. {_restart(model, backend, base_url)}"
     return "was restored: layers that received nothing keep their previous weights (the next sync sends all)."
 
 
 def paused_update(base_url, send, name="MODEL", backend="nccl", timeout=300.0):
     """Probe -> /pause (wait: running requests end on the old weights) -> /start_weight_update -> send() -> finish ->
     reset the prefix cache -> /resume. A failure restores what it can and resumes; the error names the fix."""
-    probe_server(base_url, name)  # a wedged engine is reported now, not after `timeout` s
+    probe_server(base_url, name, backend=backend)  # a wedged engine is reported now, not after `timeout` s
     _post(base_url, "/pause", timeout, params={"mode": "wait"})
     try:
         try:
             _post(base_url, "/start_weight_update", 60, json={})
         except RuntimeError as error:  # "already active" (0.26 to 0.33 v1/worker/gpu_worker.py): a trainer died in one
             dead = "a previous trainer died inside a weight update: " if "already active" in str(error) else ""
-            raise RuntimeError(f"{dead}{error}\n{_restart(name, backend)}") from error
+            raise RuntimeError(f"{dead}{error}\n{_restart(name, backend, base_url)}") from error
         try:
             send()
             _post(base_url, "/finish_weight_update", 60, json={})
@@ -504,7 +509,7 @@ def _ipc_problem(base_url, error, model):
         return _ipc_elsewhere(base_url, model, "answered 'IPC handle not found for GPU UUID': it runs elsewhere")
     if "VLLM_ALLOW_INSECURE_SERIALIZATION" in error:
         without = f"the server at {base_url} was started without VLLM_ALLOW_INSECURE_SERIALIZATION=1"
-        return f"{without}. {_restart(model, 'ipc')}"
+        return f"{without}. {_restart(model, 'ipc', base_url)}"
     return error
 
 

@@ -650,23 +650,30 @@ def test_a_server_that_cannot_be_restored_is_reported_with_the_restart_command(s
     assert "vllm serve my/model" in str(error.value) and server.paths()[-1] == "/resume"
 
 
-def test_an_update_left_active_by_a_dead_trainer_is_explained(serve, no_nccl):
+@pytest.mark.parametrize("backend", ["nccl", "ipc"])
+def test_an_update_left_active_by_a_dead_trainer_is_explained(serve, no_nccl, backend):
     """A trainer killed between /start_weight_update and its end leaves the update active: the next one is told why and
-    how to recover instead of a bare 500, and nothing is sent."""
+    how to recover instead of a bare 500, and nothing is sent. The restart command is the one of this server: its port
+    and its weight transfer (the first GPU run printed port 8000 and NCCL for an IPC server on port 8041)."""
     active = _vllm_error(
         "start_weight_update called while a weight update is already active. Call finish_weight_update first."
     )
     server = serve(_sync_routes(**{"/start_weight_update": active}))
     with pytest.raises(RuntimeError, match="a previous trainer died inside a weight update") as error:
-        vllm_utils.server_sync_weights(
-            server.url, "group", _tiny_llama(), "0.26.0", 1 << 20, timeout=5, name="my/model"
-        )
-    assert "vllm serve my/model" in str(error.value)
+        if backend == "nccl":
+            vllm_utils.server_sync_weights(
+                server.url, "group", _tiny_llama(), "0.26.0", 1 << 20, timeout=5, name="my/model"
+            )
+        else:  # nothing is exported before the start fails: no GPU needed
+            vllm_utils.server_sync_weights_ipc(server.url, _tiny_llama(), "0.26.0", 1 << 20, timeout=5, name="my/model")
+    port = server.url.rsplit(":", 1)[1]
+    assert f"vllm serve my/model --host 0.0.0.0 --port {port} " in str(error.value)
+    assert f'{{"backend": "{backend}"}}' in str(error.value)
     assert server.paths() == ["/is_paused", "/pause", "/start_weight_update", "/resume"] and no_nccl == []
 
 
 def test_a_stuck_server_is_reported_before_anything_is_sent(serve, no_nccl, monkeypatch):
-    monkeypatch.setattr(vllm_utils.probe_server, "__defaults__", (1.0,))
+    monkeypatch.setattr(vllm_utils.probe_server, "__defaults__", (1.0, "nccl"))
     server = serve(_sync_routes(**{"/is_paused": lambda body: time.sleep(20) or (200, {"is_paused": False})}))
     t0 = time.perf_counter()
     with pytest.raises(RuntimeError, match="answers /health but its engine not /is_paused"):
@@ -698,6 +705,7 @@ def test_a_server_serving_another_model_is_refused_before_any_nccl(serve, monkey
             message = str(error.value)
             assert str(tmp_path / "served") in message and "trainer/model" in message
             assert "model.embed_tokens.weight is [64, 16] in the trainer, [64, 32] on the server" in message
+            assert f"--port {server.url.rsplit(':', 1)[1]} " in message  # this server's port, not the default
             assert joined == [] and "/start_weight_update" not in server.paths()
         else:  # the same model, or one whose config cannot be read here (the check is skipped, with a message)
             joined.clear()
