@@ -1572,7 +1572,8 @@ def tokenizer_files(model_path, tokenizer):
     from transformers.utils import cached_file
 
     names = {"tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "chat_template.jinja"}
-    names |= set(tokenizer.vocab_files_names.values())  # tokenizer.json, tokenizer.model, vocab.json, ...
+    # tokenizer.json too: transformers 5 loads it whatever the class lists (SmolLM2's GPT2Tokenizer: vocab.json, ...)
+    names |= set(tokenizer.vocab_files_names.values()) | {"tokenizer.json"}  # tokenizer.model, vocab.json, ...
     missing_ok = dict(_raise_exceptions_for_missing_entries=False, _raise_exceptions_for_connection_errors=False)
     paths = (cached_file(model_path, name, **missing_ok) for name in sorted(names))
     return {os.path.basename(path): open(path, "rb").read() for path in paths if path}

@@ -257,6 +257,27 @@ def test_checkpoints_and_the_final_model_tokenize_like_the_original(tmp_path):
         assert loaded(text)["input_ids"] == original(text)["input_ids"], directory
 
 
+def test_a_tokenizer_json_that_its_class_does_not_list_is_kept_and_the_run_resumes(tmp_path):
+    """A tokenizer as ../shared/gpu/smollm2_gguf_to_hf.py leaves the GPU tests' SmolLM2 (/tmp/smol): tokenizer.json
+    alone, under a class whose own files are others (GPT2Tokenizer: vocab.json, merges.txt); transformers 5 loads it
+    from tokenizer.json. Checkpoints lacked that file, so a resume's tokenizer knew only the special tokens and the run
+    failed before "resumed from" (tests/gpu/test_faults_ipc.py test_4's resume: rc 1, nothing on stdout)."""
+    model, out, text = tmp_path / "model", tmp_path / "run", "Once upon a time, there was a little girl named Lily."
+    shutil.copytree(STORIES, model)
+    (model / "tokenizer.model").unlink()
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    (model / "tokenizer_config.json").write_text(json.dumps({**config, "tokenizer_class": "GPT2Tokenizer"}))
+    args = [model if arg == STORIES else arg for arg in BASE] + ["--save-steps", 1, "--output-dir", out]
+    check(run_script("grpo.py", *args, "--max-steps", 2))
+    resumed = check(run_script("grpo.py", *args, "--max-steps", 3, "--resume-from-checkpoint", "latest"))
+    assert f"resumed from {out / 'checkpoint-1'} at step 1" in resumed.stdout
+    original = transformers.AutoTokenizer.from_pretrained(model)
+    for directory in (out / "checkpoint-1", out / "checkpoint-2", out):
+        assert (directory / "tokenizer.json").read_bytes() == (model / "tokenizer.json").read_bytes(), directory
+        loaded = transformers.AutoTokenizer.from_pretrained(directory)
+        assert loaded(text)["input_ids"] == original(text)["input_ids"], directory
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # 7. a fork (a copy of grpo.py under another name, with a reward of its own) is named after its file
 
