@@ -613,6 +613,9 @@ def start(args, model_path, max_prompt_length):
         engine["sleep"] = args.vllm_enable_sleep_mode  # starts awake with the checkpoint's weights (model_path)
         engine["tp_group"] = tensor_parallel_group(args.vllm_tensor_parallel_size)
         return engine
+    # what to serve is the base model: a resume's checkpoint-N may be deleted (--save-total-limit), and the server gets
+    # this run's weights at once anyway (start_with_weights)
+    engine["model"] = model_path = args.model_name_or_path
     engine["base_url"] = base_url = f"http://{args.vllm_server_host}:{args.vllm_server_port}"
     wait_for_server(base_url, args.vllm_server_timeout, model_path)
     engine["server"] = server = check_server(base_url, model_path)

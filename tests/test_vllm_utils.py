@@ -393,6 +393,7 @@ def test_every_rank_generates_through_the_server_and_only_rank_0_joins_the_weigh
         ),
     )
     args = SimpleNamespace(
+        model_name_or_path="m",
         vllm_mode="server",
         vllm_server_host="10.0.0.7",
         vllm_server_port=8001,
@@ -419,6 +420,17 @@ def test_every_rank_generates_through_the_server_and_only_rank_0_joins_the_weigh
     assert len(joined) == 1 and joined[0][0] == ("http://10.0.0.7:8001", None, "10.0.0.1")  # once, rank 0, free port
     assert joined[0][1] == {"version": "0.26.0", "timeout": 300.0, "buffer_bytes": 1 << 30}
     assert len(synced) == 2 and synced[0][0] == ("http://10.0.0.7:8001", "group", model)
+
+
+def test_a_resumed_run_tells_to_serve_its_base_model_not_its_checkpoint():
+    """A full-model resume loads runs/.../checkpoint-N, but the server is told to serve --model-name-or-path: the
+    checkpoint may be deleted by --save-total-limit, and the server gets the run's weights at once anyway."""
+    args = SimpleNamespace(model_name_or_path="base/model", vllm_mode="server", vllm_server_host="127.0.0.1")
+    args.__dict__.update(vllm_server_port=vllm_utils.free_port(), vllm_server_timeout=0.1, num_generations=2)
+    args.__dict__.update(max_completion_length=8, temperature=1.0, top_p=1.0, top_k=0, min_p=0.0, repetition_penalty=1)
+    with pytest.raises(ConnectionError) as error:
+        vllm_utils.start(args, "runs/grpo__1__1/checkpoint-3", max_prompt_length=10)
+    assert "vllm serve base/model " in str(error.value) and "checkpoint-3" not in str(error.value)
 
 
 def _sleep_then(seconds, result=None, error=None):
