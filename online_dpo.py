@@ -705,8 +705,8 @@ def generate(run, prompt_ids, num_generations=None, temperature=None):
 
 
 def start_round(run):
-    """Draw the next prompts_per_step prompts (the same on every rank) and start generating this rank's share, in the
-    background with --async-generation: (rows, the weights' optimizer step, a Future of (generate's output, seconds))."""
+    """Draw the next prompts_per_step prompts (same on every rank) and start generating this rank's share (background:
+    --async-generation). Returns the rows, the weights' optimizer step and a Future of (generate's output, seconds)."""
     args = run.args
     rows = [next(run.prompts) for _ in range(args.prompts_per_step)]
     rows = rows[run.rank * run.prompts_per_rank : (run.rank + 1) * run.prompts_per_rank]
@@ -801,10 +801,8 @@ def evaluate(run):
         greedy, greedy_ids = complete(1, 0.0)
         sampled = complete(k, args.temperature)[0] if k > 1 else None
     lengths = torch.tensor([len(c) for c in greedy_ids[:real]], dtype=torch.float)
-    parts = zip(
-        *gather_objects((greedy[:, 0], sampled, lengths), world_size)
-    )  # every rank's in rank order: prompts in order
-    greedy, sampled, lengths = (None if part[0] is None else torch.cat(part) for part in parts)
+    parts = gather_objects((greedy[:, 0], sampled, lengths), world_size)  # every rank's in rank order: prompts in order
+    greedy, sampled, lengths = (None if part[0] is None else torch.cat(part) for part in zip(*parts))
     metrics = eval_metrics(greedy, sampled, run.reward_weights, [fn.__name__ for fn in run.reward_fns])
     metrics.update({"eval/num_prompts": len(greedy), "eval/completions/mean_length": lengths.mean().item()})
     return {**metrics, "timing/eval": time.perf_counter() - t0}
@@ -983,8 +981,8 @@ def final_logits(logits, config):
 
 
 class TokenLogprobs(torch.autograd.Function):
-    """log pi(target) and the entropy (None unless asked) of each final hidden state, (n,) each, `chunk` tokens at a time
-    so that no (n, vocabulary) tensor exists. The forward saves the hidden states and the log-sum-exp; the backward
+    """log pi(target) and the entropy (None unless asked) of each final hidden state, (n,) each, `chunk` tokens at a
+    time so that no (n, vocabulary) tensor exists. The forward saves the hidden states and the log-sum-exp; the backward
     recomputes each chunk's logits once: d log pi(t) / dz = onehot(t) - softmax(z), z the logits after the model's
     transform and the temperature. The LM head's weight is cast once per pass; its gradient is summed in one buffer, or
     in .grad with into_grad (fp32 weights, autocast: 0.8 GiB less than one per chunk, benchmarks/results/README.md)."""
@@ -1067,11 +1065,9 @@ def per_token_logprobs(
     model, ids, attn, pos, cmask, P, temperature=1.0, chunk_tokens=1024, with_entropy=False, into_grad=False
 ):
     """log pi(token) of each completion token at the sampling temperature, (B, C), 0 on padding, from a collate batch.
-    The fp32 logits of a 150k vocabulary would be the memory peak, so the LM head runs on chunks of `chunk_tokens`
-    tokens, forward and backward (TokenLogprobs). into_grad: the caller runs loss.backward(), so the LM head's gradient
-    may go straight into .grad."""
-    # the model's own forward (not its backbone alone), so that FSDP2 gathers every parameter; it computes the logits
-    # of one position only, and its last hidden state is the final, normed one
+    The fp32 logits of a 150k vocabulary would be the memory peak: the LM head runs on `chunk_tokens` tokens at a time
+    (TokenLogprobs). into_grad: the caller runs loss.backward(), so the LM head's gradient may go straight to .grad."""
+    # the whole model's forward, so that FSDP2 gathers every parameter: logits of one position, the final normed states
     inputs = dict(input_ids=ids, attention_mask=attn, position_ids=pos)
     hidden = model(**inputs, use_cache=False, logits_to_keep=1, output_hidden_states=True).hidden_states[-1]
     mask = cmask.bool()  # position t predicts completion token t: (n_tokens, H) and (n_tokens,)
