@@ -910,16 +910,16 @@ def read_dataset(args, reward_fns, evaluation=False):
         where, message, keys = ("" if is_local(name) else f", split {split}"), repr(error), None
         if os.path.isdir(name):
             message = "a directory of .json / .jsonl / .csv / .parquet files (or a dataset script) expected: " + message
-        lines = open(name, encoding="utf-8").read().splitlines() if name.endswith(".jsonl") else []
-        for number, line in ((n, line.strip()) for n, line in enumerate(lines, 1) if line.strip()):
+        lines = enumerate(open(name, encoding="utf-8") if name.endswith(".jsonl") else [], 1)
+        for number, line, text in ((n, line, line.strip()[:120]) for n, line in lines if line.strip()):
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as bad:
-                where, message = f", line {number}", f"not valid JSON ({bad.msg}, column {bad.colno}): {line[:120]}"
+                where, message = f", line {number}", f"not valid JSON ({bad.msg}, column {bad.colno}): {text}"
                 break
             keys = keys or (sorted(record) if isinstance(record, dict) else None)
             if not isinstance(record, dict) or sorted(record) != keys:
-                where, message = f", line {number}", f"a JSON object with the keys {keys} expected, got {line[:120]}"
+                where, message = f", line {number}", f"a JSON object with the keys {keys} expected, got {text}"
                 break
         raise SystemExit(f"error: {source}{where}: {message}") from None
     if not dataset or not next(iter(dataset.values())):
@@ -939,10 +939,9 @@ def read_dataset(args, reward_fns, evaluation=False):
             f"error: {source}, row {row}: --prompt-column '{args.prompt_column}' holds {prompts[row]!r}, not a "
             f"prompt: every row holds a string, or every row a list of chat messages"
         )
-    if args.answer_column:  # what reward functions receive: the answer column as `answer`, and the other columns
+    rewards.check_arguments(reward_fns, list(dataset), source, args)
+    if args.answer_column:  # reward functions get the answer column as `answer`
         dataset["answer"] = dataset.pop(args.answer_column)
-    columns = sorted(set(dataset) - {args.prompt_column})
-    rewards.check_arguments(reward_fns, columns, args.reward_kwargs, source, args.answer_column)
     return dataset
 
 

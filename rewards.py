@@ -170,10 +170,13 @@ def missing_argument(reward_fns, given):
     return None
 
 
-def check_arguments(reward_fns, columns, reward_kwargs, source, answer_column):
-    """Exit unless each reward function finds every argument it requires among the dataset's `columns` (of `source`,
-    the answer column as `answer`), what the trainer passes and --reward-kwargs, which replace none of those."""
-    given = set(columns) | {"completions", "prompts", "completion_ids", "max_completion_length"}
+def check_arguments(reward_fns, columns, source, args):
+    """Exit unless each reward function finds every argument it requires among the `columns` of dataset `source` (all
+    but --prompt-column, --answer-column's as `answer`), what the trainer passes and --reward-kwargs, which replace
+    none of those."""
+    answer_column, reward_kwargs = args.answer_column, args.reward_kwargs
+    given = set(columns) - {args.prompt_column, answer_column} | ({"answer"} if answer_column else set())
+    given |= {"completions", "prompts", "completion_ids", "max_completion_length"}
     if clash := sorted(given & set(reward_kwargs)):
         raise SystemExit(
             f"error: --reward-kwargs {clash[0]} would replace the reward functions' argument of that name (a column of "
