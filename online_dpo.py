@@ -32,7 +32,6 @@ import itertools
 import json
 import math
 import os
-import random
 import re
 import shutil
 import signal
@@ -50,7 +49,6 @@ from datetime import timedelta
 from types import SimpleNamespace
 from typing import Literal, NamedTuple
 
-import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -591,32 +589,26 @@ def reward_model_scores(reward_model, input_ids, micro_batch_tokens, device):
 
 
 def set_up(args, rules, problems=(), reference_model=False, steps_per_generation=1, num_iterations=1):
-    """Everything before the first round, as one namespace: the checks of the flags (the shared ones, the algorithm's
-    `rules` and `problems`) and of the data, before any model loads or anything is written; the run directory;
-    seeding; the policy and, with reference_model, a frozen copy of the initial model; the prompts; the optimizer (and
-    a resumed checkpoint's state); the generator and the logs. A generation round is steps_per_generation x
-    num_iterations optimizer steps (checkpoints and evaluations fall between rounds)."""
+    """Everything before the first round, as one namespace: the checks of the flags (the shared ones, `rules`,
+    `problems`) and of the data, before anything loads or is written; the run directory; the seed; the policy, the
+    frozen initial model (with reference_model), the prompts, the optimizer (and a resumed checkpoint's state), the
+    generator, the logs. A round is steps_per_generation x num_iterations optimizer steps (checkpoints between)."""
     # several processes (torchrun): each rank takes an equal share of every step's prompts, whole groups
     world_size, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
     run = SimpleNamespace(args=args, world_size=world_size, rank=rank, is_main=rank == 0)
     run.prompts_per_rank = args.prompts_per_step // world_size
-    # every mistake in the flags or the data stops the run here: before any model loads or anything is written
+    # every mistake in the flags or the data stops the run here, before anything loads or is written
     check_args(args, world_size, rules, problems, steps_per_generation * num_iterations, steps_per_generation)
     run.reward_fns = rewards.functions(args.reward_funcs)
     run.reward_weights = torch.tensor(args.reward_weights or [1.0] * len(run.reward_fns))
-    dataset = read_dataset(args)
-    check_dataset(args, dataset, run.reward_fns)
-    eval_dataset = None  # --eval-steps / --max-steps 0: the eval prompts, read and checked like the training ones
-    if args.eval_steps or args.max_steps == 0:
-        eval_dataset = {c: v[: args.eval_max_samples] for c, v in read_dataset(args, evaluation=True).items()}
-        check_dataset(args, eval_dataset, run.reward_fns, evaluation=True)
-    run.device = device = torch.device(
-        f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if torch.cuda.is_available() else "cpu"
-    )
+    dataset = read_dataset(args, run.reward_fns)
+    evaluating = args.eval_steps or args.max_steps == 0  # the eval prompts, read and checked like the training ones
+    eval_dataset = read_dataset(args, run.reward_fns, evaluation=True) if evaluating else None
+    local_rank = os.environ.get("LOCAL_RANK", "0")
+    run.device = device = torch.device(f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    if world_size > 1:
-        # rank 0 alone may spend minutes writing a checkpoint while the others wait in the next collective
+    if world_size > 1:  # (rank 0 alone may spend minutes writing a checkpoint while the others wait in a collective)
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timedelta(hours=1))
     # the run directory, locked for the life of rank 0's process, and the checkpoint to resume: rank 0 decides
     claimed = claim_run_dir(args) if run.is_main else (None,) * 4
@@ -624,17 +616,15 @@ def set_up(args, rules, problems=(), reference_model=False, steps_per_generation
     run.lock = claimed[3]
     run.preemption = on_stop_signal()  # SIGTERM or Ctrl-C (SIGINT): a checkpoint at the end of the step, then exit
 
-    # seeding: the same on every rank until sampling, so that all ranks hold the same weights
-    random.seed(args.seed)
-    np.random.seed(args.seed)
-    torch.manual_seed(args.seed)
+    # seeding (random, numpy, torch): the same on every rank until sampling, so that all ranks hold the same weights
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, get_scheduler, set_seed
+
+    set_seed(args.seed)
     # no weight cache: each weight is cast once per forward anyway, and the cache would outlive gradient checkpointing
     run.autocast = dict(device_type=device.type, dtype=torch.bfloat16, enabled=args.bf16 and device.type == "cuda")
     run.autocast["cache_enabled"] = False
 
     # tokenizer and prompts before the weights (a prompt too long stops the run now), then the model and the reference
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, get_scheduler
-
     model_path = checkpoint_dir or args.model_name_or_path
     run.tokenizer = tokenizer = AutoTokenizer.from_pretrained(model_path)
     run.tokenizer_files = tokenizer_files(model_path, tokenizer)
@@ -684,10 +674,8 @@ def set_up(args, rules, problems=(), reference_model=False, steps_per_generation
     run.weights_version = run.global_step  # the optimizer step whose weights the generator holds
 
     # generator: Hugging Face generate, or vLLM (colocated engine or a `vllm serve` server)
-    run.engine = None
-    if args.use_vllm:
-        longest = max(len(p) for p in run.train_set.prompt_ids + (run.eval_set.prompt_ids if run.eval_set else []))
-        run.engine = vllm_utils.start_with_weights(args, model, model_path, longest)
+    longest = max(map(len, run.train_set.prompt_ids + (run.eval_set.prompt_ids if run.eval_set else [])))
+    run.engine = vllm_utils.start_with_weights(args, model, model_path, longest) if args.use_vllm else None
 
     # logs: wandb (a resumed run continues its wandb run), metrics.jsonl (rank 0), the progress bar
     run.wandb = None  # with --track, rank 0's wandb module
@@ -717,9 +705,8 @@ def generate(run, prompt_ids, num_generations=None, temperature=None):
 
 
 def start_round(run):
-    """Draw the next prompts_per_step prompts (the same on every rank), keep this rank's share and start generating
-    them: in the background with --async-generation, else now. Returns (rows, the optimizer step of the weights that
-    generate them, a Future of ((completion ids, vLLM log-probs), seconds))."""
+    """Draw the next prompts_per_step prompts (same on every rank) and start generating this rank's share (background:
+    --async-generation). Returns the rows, the weights' optimizer step and a Future of (generate's output, seconds)."""
     args = run.args
     rows = [next(run.prompts) for _ in range(args.prompts_per_step)]
     rows = rows[run.rank * run.prompts_per_rank : (run.rank + 1) * run.prompts_per_rank]
@@ -740,30 +727,29 @@ def clock(device):
 
 
 def score(run, prompt_set, rows, completion_ids, num_generations):
-    """The reward functions' scores (len(rows) * num_generations, num_funcs) of the completions of each prompt row of
-    `prompt_set` (prompt-major): each function gets the decoded completions (chat messages when the dataset's prompts
-    are, else strings, as in TRL) and, by name, the rows' dataset columns, the prompts, the completion ids,
-    --max-completion-length and --reward-kwargs (rewards.score)."""
+    """The reward functions' scores (len(rows) * num_generations, num_funcs) of the completions of prompt_set's `rows`
+    (prompt-major): each gets the completions (chat messages when the dataset's prompts are, else strings, as in TRL)
+    and by name the rows' columns, the prompts, the completion ids, --max-completion-length and --reward-kwargs."""
     texts = run.tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
     completions = [[{"role": "assistant", "content": t}] for t in texts] if prompt_set.prompts_are_messages else texts
     repeated = lambda values: [values[i] for i in rows for _ in range(num_generations)]
     columns = {c: repeated(v) for c, v in prompt_set.columns.items()}
     prompts = repeated({i: run.tokenizer.decode(prompt_set.prompt_ids[i]) for i in rows})
     passed = dict(prompts=prompts, completion_ids=completion_ids, max_completion_length=run.args.max_completion_length)
-    columns.update(**passed, **run.args.reward_kwargs)  # check_dataset: no --reward-kwargs key repeats one
+    columns.update(**passed, **run.args.reward_kwargs)  # read_dataset: no --reward-kwargs key repeats one
     return rewards.score(run.reward_fns, completions, columns)
 
 
 def old_and_ref_logprobs(run, prompt_ids, completion_ids, need_old):
     """The policy's log-probs before any update (if need_old) and the reference model's (if there is one), (N, C) on
     the CPU or None, in token-budget micro-batches without gradient."""
-    if not need_old and run.ref_model is None:
-        return None, None
     args, model, ref_model, world_size = run.args, run.model, run.ref_model, run.world_size
+    nets = [model if need_old else None, ref_model]  # (None: not asked for)
+    if all(net is None for net in nets):
+        return None, None
     prompt_lengths, completion_lengths = [len(p) for p in prompt_ids], [len(c) for c in completion_ids]
     shape = (len(completion_ids), max(max(completion_lengths), 1))
-    old_logprobs = torch.zeros(shape) if need_old else None
-    ref_logprobs = torch.zeros(shape) if ref_model is not None else None
+    logprobs = [None if net is None else torch.zeros(shape) for net in nets]
     model.eval()
     with (
         torch.no_grad(),
@@ -773,10 +759,10 @@ def old_and_ref_logprobs(run, prompt_ids, completion_ids, need_old):
     ):
         for mb in token_budget_batches(range(shape[0]), prompt_lengths, completion_lengths, args.micro_batch_tokens):
             batch = collate([prompt_ids[i] for i in mb], [completion_ids[i] for i in mb], run.device, run.pad_id)
-            for net, logprobs in ((model, old_logprobs), (ref_model, ref_logprobs)):
-                if logprobs is not None:  # (None: not asked for)
-                    logprobs[mb, : batch[3].shape[1]] = per_token_logprobs(net, *batch, args.temperature).cpu()
-    return old_logprobs, ref_logprobs
+            for net, out in zip(nets, logprobs):
+                if net is not None:
+                    out[mb, : batch[3].shape[1]] = per_token_logprobs(net, *batch, args.temperature).cpu()
+    return logprobs
 
 
 def sampling_metrics(run, is_stats):
@@ -785,44 +771,38 @@ def sampling_metrics(run, is_stats):
     if run.device.type == "cuda":
         metrics["memory/peak_gib"] = torch.cuda.max_memory_allocated(run.device) / 2**30
     if is_stats:
-        logp_difference, ratio = torch.cat(is_stats["logp_difference"]), torch.cat(is_stats["ratio"])
-        metrics["sampling/sampling_logp_difference/mean"] = logp_difference.mean().item()
-        metrics["sampling/sampling_logp_difference/max"] = logp_difference.max().item()
-        metrics["sampling/importance_sampling_ratio/min"] = ratio.min().item()
-        metrics["sampling/importance_sampling_ratio/mean"] = ratio.mean().item()
-        metrics["sampling/importance_sampling_ratio/max"] = ratio.max().item()
+        difference, ratio = torch.cat(is_stats["logp_difference"]), torch.cat(is_stats["ratio"])
+        ratio_name = "sampling/importance_sampling_ratio"
+        metrics |= {f"sampling/sampling_logp_difference/{f}": getattr(difference, f)().item() for f in ("mean", "max")}
+        metrics |= {f"{ratio_name}/{f}": getattr(ratio, f)().item() for f in ("min", "mean", "max")}
     return metrics
 
 
 def evaluate(run):
-    """Greedy (temperature 0) and, with --eval-num-generations k > 1, k sampled completions of every eval prompt,
-    from the run's generator (which must hold the current weights: the loop calls this right after the weight push),
-    scored by the reward functions. Each rank generates its share of the prompts, in calls of one training round's
-    size; the scores are gathered, so every rank returns the eval/... metrics of all prompts."""
+    """The eval/... metrics of all eval prompts, on every rank: the rewards of a greedy completion and, with
+    --eval-num-generations k > 1, of k sampled ones, from the generator (holding the current weights: called right
+    after the weight push). Each rank generates its share in calls of one round's size; the scores are gathered."""
     t0 = time.perf_counter()
     args, device, world_size = run.args, run.device, run.world_size
     rows, real = rank_share(len(run.eval_set.prompt_ids), run.rank, world_size)
     k = args.eval_num_generations
     round_size = run.prompts_per_rank * args.num_generations  # completions per generate call
 
-    def complete(num_generations, temperature):  # this rank's rows, num_generations completions each, prompt-major
-        size, ids = max(1, round_size // num_generations), []
+    def complete(n, temperature):  # this rank's rows, n completions each: scores (real, n, num_funcs) and ids
+        size, ids = max(1, round_size // n), []
         for start in range(0, len(rows), size):
             batch = [run.eval_set.prompt_ids[i] for i in rows[start : start + size]]
-            ids += generate(run, batch, num_generations, temperature)[0]
-        return ids
+            ids += generate(run, batch, n, temperature)[0]
+        return score(run, run.eval_set, rows, ids, n).view(len(rows), n, -1)[:real], ids
 
     # HF sampling draws from the global RNG: fork it, so that training samples what it would without evaluation
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         torch.manual_seed(args.seed + run.rank)
-        greedy_ids = complete(1, 0.0)
-        sampled_ids = complete(k, args.temperature) if k > 1 else None
-    greedy = score(run, run.eval_set, rows, greedy_ids, 1)[:real]  # (real, num_funcs)
-    sampled = score(run, run.eval_set, rows, sampled_ids, k).view(len(rows), k, -1)[:real] if k > 1 else None
+        greedy, greedy_ids = complete(1, 0.0)
+        sampled = complete(k, args.temperature)[0] if k > 1 else None
     lengths = torch.tensor([len(c) for c in greedy_ids[:real]], dtype=torch.float)
-    parts = gather_objects((greedy, sampled, lengths), world_size)  # every rank's, in rank order: the prompts in order
-    greedy, lengths = torch.cat([p[0] for p in parts]), torch.cat([p[2] for p in parts])
-    sampled = torch.cat([p[1] for p in parts]) if k > 1 else None
+    parts = gather_objects((greedy[:, 0], sampled, lengths), world_size)  # every rank's in rank order: prompts in order
+    greedy, sampled, lengths = (None if part[0] is None else torch.cat(part) for part in zip(*parts))
     metrics = eval_metrics(greedy, sampled, run.reward_weights, [fn.__name__ for fn in run.reward_fns])
     metrics.update({"eval/num_prompts": len(greedy), "eval/completions/mean_length": lengths.mean().item()})
     return {**metrics, "timing/eval": time.perf_counter() - t0}
@@ -860,23 +840,14 @@ def load_prompts(args, dataset, tokenizer, max_context, evaluation=False):
     raw = dataset[args.prompt_column]
     prompts_are_messages = isinstance(raw[0], list)
     use_template = prompts_are_messages or (args.use_chat_template and tokenizer.chat_template is not None)
-    prompt_ids, prompts = [], []
-    for prompt in raw:
-        if use_template:
-            messages = prompt if prompts_are_messages else [{"role": "user", "content": prompt}]
-            if args.system_prompt:
-                messages = [{"role": "system", "content": args.system_prompt}] + messages
-            ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-            ids = ids["input_ids"] if hasattr(ids, "keys") else ids  # a dict or a BatchEncoding
-            prompts.append(messages)
-        else:
-            text = f"{args.system_prompt}\n\n{prompt}" if args.system_prompt else prompt
-            ids = tokenizer(text)["input_ids"]
-            prompts.append(text)
-        prompt_ids.append(list(ids))
-    columns = {c: values for c, values in dataset.items() if c != args.prompt_column}
-    if args.answer_column and args.answer_column != "answer":
-        columns["answer"] = columns.pop(args.answer_column)
+    if use_template:
+        system = [{"role": "system", "content": args.system_prompt}] if args.system_prompt else []
+        prompts = [system + (p if prompts_are_messages else [{"role": "user", "content": p}]) for p in raw]
+        chat = dict(add_generation_prompt=True, return_dict=True)
+        prompt_ids = [list(tokenizer.apply_chat_template(messages, **chat)["input_ids"]) for messages in prompts]
+    else:
+        prompts = [f"{args.system_prompt}\n\n{p}" if args.system_prompt else p for p in raw]
+        prompt_ids = [list(tokenizer(text)["input_ids"]) for text in prompts]
     source = f"--eval-dataset {eval_source(args)[0]}" if evaluation else f"--dataset-name {args.dataset_name}"
     keep = list(range(len(prompt_ids)))
     if args.max_prompt_length is not None:
@@ -896,7 +867,8 @@ def load_prompts(args, dataset, tokenizer, max_context, evaluation=False):
             f"lower --max-completion-length."
         )
     pick = lambda values: [values[i] for i in keep]
-    return PromptSet(pick(prompt_ids), pick(prompts), {c: pick(v) for c, v in columns.items()}, prompts_are_messages)
+    columns = {c: pick(values) for c, values in dataset.items() if c != args.prompt_column}
+    return PromptSet(pick(prompt_ids), pick(prompts), columns, prompts_are_messages)
 
 
 def prompt_stream(num_prompts, seed, start=0):
@@ -915,86 +887,62 @@ def eval_source(args):
     return name, config, args.eval_dataset_split
 
 
-def read_dataset(args, evaluation=False):
-    """The training dataset (with `evaluation`, the eval dataset of eval_source) as {column: list of values}, read
-    with `datasets` before any model loads: a hub dataset, or a local .json / .jsonl / .csv / .parquet file. Its errors
-    become one line naming the file and, in a .jsonl file, the first line that is not a JSON object with the first
-    line's keys (`datasets` reads the file as one table: a missing value is null, not a missing key)."""
+def read_dataset(args, reward_fns, evaluation=False):
+    """The training dataset (with `evaluation`, eval_source's first --eval-max-samples rows) as {column: values}, the
+    answer column as `answer`: read with `datasets` (a hub dataset, or a local .json / .jsonl / .csv / .parquet file)
+    and checked (the flags' columns, prompts all strings or all chat messages, the reward functions' arguments) before
+    any model loads. A failure to read is one line naming the file and, in a .jsonl file, the first line that is not a
+    JSON object with the first line's keys (`datasets` reads one table: a missing value is null, not a missing key)."""
     from datasets import load_dataset
 
-    source = eval_source(args) if evaluation else (args.dataset_name, args.dataset_config, args.dataset_split)
-    flag, (name, config, split) = "--eval-dataset" if evaluation else "--dataset-name", source
+    training = args.dataset_name, args.dataset_config, args.dataset_split
+    name, config, split = eval_source(args) if evaluation else training
+    source = f"{'--eval-dataset' if evaluation else '--dataset-name'} {name}"
     try:
-        if name.endswith((".json", ".jsonl", ".csv", ".parquet")):
+        if os.path.isfile(name) and not open(name, "rb").read().strip():
+            dataset = {}  # (`datasets` fails on an empty file)
+        elif name.endswith((".json", ".jsonl", ".csv", ".parquet")):
             builder = {".csv": "csv", ".parquet": "parquet"}.get(os.path.splitext(name)[1], "json")
             dataset = load_dataset(builder, data_files=name, split="train").to_dict()
         else:  # a local directory gets no --dataset-config (its default, gsm8k's "main", is not a builder config)
             dataset = load_dataset(name, None if os.path.isdir(name) else config, split=split).to_dict()
     except Exception as error:  # noqa: BLE001 - any failure to read the data is the flag's problem
-        where, message, keys = (f", split {split}" if not is_local(name) else ""), repr(error), None
-        if os.path.isfile(name) and not open(name, "rb").read().strip():
-            where, message = "", "the file is empty: it holds no records"
+        where, message, keys = ("" if is_local(name) else f", split {split}"), repr(error), None
         if os.path.isdir(name):
             message = "a directory of .json / .jsonl / .csv / .parquet files (or a dataset script) expected: " + message
-        for number, line in enumerate(open(name, encoding="utf-8") if name.endswith(".jsonl") else [], 1):
-            if not line.strip():
-                continue
+        lines = enumerate(open(name, encoding="utf-8") if name.endswith(".jsonl") else [], 1)
+        for number, line, text in ((n, line, line.strip()[:120]) for n, line in lines if line.strip()):
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as bad:
-                where, message = (
-                    f", line {number}",
-                    f"not valid JSON ({bad.msg}, column {bad.colno}): {line.strip()[:120]}",
-                )
+                where, message = f", line {number}", f"not valid JSON ({bad.msg}, column {bad.colno}): {text}"
                 break
             keys = keys or (sorted(record) if isinstance(record, dict) else None)
             if not isinstance(record, dict) or sorted(record) != keys:
-                where, message = (
-                    f", line {number}",
-                    f"a JSON object with the keys {keys} expected, got {line.strip()[:120]}",
-                )
+                where, message = f", line {number}", f"a JSON object with the keys {keys} expected, got {text}"
                 break
-        raise SystemExit(f"error: {flag} {name}{where}: {message}") from None
+        raise SystemExit(f"error: {source}{where}: {message}") from None
     if not dataset or not next(iter(dataset.values())):
-        raise SystemExit(f"error: {flag} {name} holds no records")
-    return dataset
-
-
-def check_dataset(args, dataset, reward_fns, evaluation=False):
-    """The columns that the flags name exist in the dataset (training, or with `evaluation` the eval one), and each
-    reward function finds every argument it requires among the dataset's columns and what the trainer passes."""
-    flag, name = ("--eval-dataset", eval_source(args)[0]) if evaluation else ("--dataset-name", args.dataset_name)
-    columns = list(dataset)
+        raise SystemExit(f"error: {source} holds no records")
+    dataset = {c: v[: args.eval_max_samples] for c, v in dataset.items()} if evaluation else dataset
     for option, column in (("--prompt-column", args.prompt_column), ("--answer-column", args.answer_column)):
-        if (column or option == "--prompt-column") and column not in columns:
+        if (column or option == "--prompt-column") and column not in dataset:
+            none = ', or --answer-column "" if it has none' if "answer" in option else ""
             raise SystemExit(
-                f"error: dataset {name} has no column '{column}' (its columns: {columns}). "
-                f"Pass {option} with one of those"
-                + (', or --answer-column "" if it has none.' if "answer" in option else ".")
+                f"error: {source} has no column '{column}' (its columns: {list(dataset)}): pass {option} with one of "
+                f"those{none}"
             )
-    prompts, kind = dataset[args.prompt_column], list if isinstance(dataset[args.prompt_column][0], list) else str
-    for row in [i for i, prompt in enumerate(prompts) if not isinstance(prompt, kind)][:1]:
+    prompts = dataset[args.prompt_column]
+    kind = list if isinstance(prompts[0], list) else str
+    if (row := next((i for i, prompt in enumerate(prompts) if not isinstance(prompt, kind)), None)) is not None:
         raise SystemExit(
-            f"error: {flag} {name}, row {row}: --prompt-column '{args.prompt_column}' holds {prompts[row]!r}, not a "
+            f"error: {source}, row {row}: --prompt-column '{args.prompt_column}' holds {prompts[row]!r}, not a "
             f"prompt: every row holds a string, or every row a list of chat messages"
         )
-    # what reward functions receive (load_prompts: the answer column as `answer`)
-    given = set(columns) - {args.prompt_column}
-    if args.answer_column and args.answer_column != "answer":
-        given = given - {args.answer_column} | {"answer"}
-    given |= {"completions", "prompts", "completion_ids", "max_completion_length"}
-    if clash := sorted(given & set(args.reward_kwargs)):
-        raise SystemExit(
-            f"error: --reward-kwargs {clash[0]} would replace the reward functions' argument of that name (a column of "
-            f"{flag} {name}, or one the trainer passes: {sorted(given)}): use another keyword"
-        )
-    given |= set(args.reward_kwargs)
-    if missing := rewards.missing_argument(reward_fns, given):
-        fn, needed = missing[0].__name__, missing[1]
-        what, fix = f"a column '{needed}', which {flag} {name} does not have", "pass other --reward-funcs or data"
-        if needed == "answer":
-            what, fix = f"the reference answer, and --answer-column '{args.answer_column}' gives none", "pass one"
-        raise SystemExit(f"error: reward function '{fn}' (--reward-funcs) needs {what} (its columns: {columns}): {fix}")
+    rewards.check_arguments(reward_fns, list(dataset), source, args)
+    if args.answer_column:  # reward functions get the answer column as `answer`
+        dataset["answer"] = dataset.pop(args.answer_column)
+    return dataset
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -1002,9 +950,8 @@ def check_dataset(args, dataset, reward_fns, evaluation=False):
 
 
 def collate(prompt_ids, completion_ids, device, pad_id):
-    """Left-pad prompts and right-pad completions into one (B, P + C) batch.
-
-    Returns input_ids, attention_mask, position_ids (B, P + C), completion_mask (B, C) and P."""
+    """Left-pad prompts and right-pad completions into one batch: input_ids, attention_mask, position_ids (B, P + C),
+    completion_mask (B, C) and P."""
     P = max(len(p) for p in prompt_ids)
     C = max(max(len(c) for c in completion_ids), 1)
     input_ids = torch.full((len(prompt_ids), P + C), pad_id, dtype=torch.long)
@@ -1033,12 +980,11 @@ def final_logits(logits, config):
 
 
 class TokenLogprobs(torch.autograd.Function):
-    """log pi(target) and the entropy (None unless asked) of each final hidden state, (n,) each, computed `chunk` tokens
-    at a time so that no (n, vocabulary) tensor exists: the forward saves the hidden states and the log-sum-exp; the
-    backward recomputes each chunk's logits once and writes their gradient in one pass, d log pi(t) / dz = onehot(t) -
-    softmax(z), where z are the logits after the model's own transform and the temperature. The LM head's weight is cast
-    once per pass, and its gradient is summed over the chunks in one buffer, or in its .grad with into_grad (with fp32
-    weights under autocast: 0.8 GiB less at a bench step's peak than one per chunk, benchmarks/results/README.md)."""
+    """log pi(target) and the entropy (None unless asked) of each final hidden state, (n,) each, `chunk` tokens at a
+    time so that no (n, vocabulary) tensor exists. The forward saves the hidden states and the log-sum-exp; the backward
+    recomputes each chunk's logits once: d log pi(t) / dz = onehot(t) - softmax(z), z the logits after the model's
+    transform and the temperature. The LM head's weight is cast once per pass; its gradient is summed in one buffer, or
+    in .grad with into_grad (fp32 weights, autocast: 0.8 GiB less than one per chunk, benchmarks/results/README.md)."""
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, config, temperature, with_entropy, chunk, into_grad):
@@ -1117,20 +1063,14 @@ def add_matmul(out, a, b):
 def per_token_logprobs(
     model, ids, attn, pos, cmask, P, temperature=1.0, chunk_tokens=1024, with_entropy=False, into_grad=False
 ):
-    """log pi(token) of each completion token at the sampling temperature, (B, C), 0 on padding, from a batch of
-    collate's (input ids, attention mask, position ids, completion mask, prompt length P).
-
-    The fp32 logits of a 150k vocabulary would be the memory peak, so they never exist for the whole batch: the LM
-    head runs on chunks of `chunk_tokens` completion tokens (TokenLogprobs), and the backward pass recomputes one chunk
-    at a time too. into_grad: the caller runs loss.backward(), so the LM head's gradient may go straight into .grad."""
-    # the model's own forward (not its backbone alone), so that FSDP2 gathers every parameter; it computes the logits
-    # of one position only, and its last hidden state is the final, normed one
+    """log pi(token) of each completion token at the sampling temperature, (B, C), 0 on padding, from a collate batch.
+    The fp32 logits of a 150k vocabulary would be the memory peak: the LM head runs on `chunk_tokens` tokens at a time
+    (TokenLogprobs). into_grad: the caller runs loss.backward(), so the LM head's gradient may go straight to .grad."""
+    # the whole model's forward, so that FSDP2 gathers every parameter: logits of one position, the final normed states
     inputs = dict(input_ids=ids, attention_mask=attn, position_ids=pos)
     hidden = model(**inputs, use_cache=False, logits_to_keep=1, output_hidden_states=True).hidden_states[-1]
-    hidden = hidden[:, P - 1 : -1]  # (B, C, H): position t predicts completion token t
-    targets = ids[:, P:]
-    mask = cmask.bool()
-    hidden, targets = hidden[mask], targets[mask]  # (n_tokens, H), (n_tokens,)
+    mask = cmask.bool()  # position t predicts completion token t: (n_tokens, H) and (n_tokens,)
+    hidden, targets = hidden[:, P - 1 : -1][mask], ids[:, P:][mask]
     lm_head = model.get_output_embeddings()
     args = lm_head.weight, lm_head.bias, targets, model.config, temperature, with_entropy, chunk_tokens, into_grad
     logprobs, entropy = TokenLogprobs.apply(hidden, *args)
@@ -1168,18 +1108,16 @@ def clip_gradients(model, max_norm):
 
 
 def token_budget_batches(rows, prompt_lengths, completion_lengths, budget):
-    """Split `rows` into micro-batches whose padded size (rows x (max prompt + max completion)) fits `budget`.
-    Rows are sorted by length so that similar lengths share a micro-batch (less padding)."""
-    order = sorted(rows, key=lambda i: prompt_lengths[i] + completion_lengths[i])
-    batches, current, max_p, max_c = [], [], 0, 0
-    for i in order:
-        p, c = max(max_p, prompt_lengths[i]), max(max_c, completion_lengths[i])
-        if current and (len(current) + 1) * (p + c) > budget:
-            batches.append(current)
-            current, p, c = [], prompt_lengths[i], completion_lengths[i]
-        current.append(i)
-        max_p, max_c = p, c
-    return batches + [current] if current else batches
+    """Split `rows` into micro-batches whose padded size (rows x (max prompt + max completion)) fits `budget` (a longer
+    row goes alone). Rows are sorted by length so that similar lengths share a micro-batch (less padding)."""
+    batches, p, c = [], 0, 0
+    for i in sorted(rows, key=lambda i: prompt_lengths[i] + completion_lengths[i]):
+        p, c = max(p, prompt_lengths[i]), max(c, completion_lengths[i])
+        if not batches or (len(batches[-1]) + 1) * (p + c) > budget:  # a new micro-batch, starting with row i
+            batches.append([])
+            p, c = prompt_lengths[i], completion_lengths[i]
+        batches[-1].append(i)
+    return batches
 
 
 def add_lora(args, model, dtype, checkpoint_dir=None):

@@ -170,6 +170,26 @@ def missing_argument(reward_fns, given):
     return None
 
 
+def check_arguments(reward_fns, columns, source, args):
+    """Exit unless each reward function finds every argument it requires among the `columns` of dataset `source` (all
+    but --prompt-column, --answer-column's as `answer`), what the trainer passes and --reward-kwargs, which replace
+    none of those."""
+    answer_column, reward_kwargs = args.answer_column, args.reward_kwargs
+    given = set(columns) - {args.prompt_column, answer_column} | ({"answer"} if answer_column else set())
+    given |= {"completions", "prompts", "completion_ids", "max_completion_length"}
+    if clash := sorted(given & set(reward_kwargs)):
+        raise SystemExit(
+            f"error: --reward-kwargs {clash[0]} would replace the reward functions' argument of that name (a column of "
+            f"{source}, or one the trainer passes: {sorted(given)}): use another keyword"
+        )
+    if missing := missing_argument(reward_fns, given | set(reward_kwargs)):
+        fn, needed = missing[0].__name__, missing[1]
+        what, fix = f"a column '{needed}', which {source} does not have", "pass other --reward-funcs or data"
+        if needed == "answer":
+            what, fix = f"the reference answer, and --answer-column '{answer_column}' gives none", "pass one"
+        raise SystemExit(f"error: reward function '{fn}' (--reward-funcs) needs {what} (its columns: {columns}): {fix}")
+
+
 def score(reward_fns, completions, columns):
     """Call each reward function with the completions and, by name, the keyword `columns`; returns the scores
     (num_completions, num_funcs) with NaN where a function gave None."""
