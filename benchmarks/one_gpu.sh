@@ -17,6 +17,8 @@
 #   colocate: the learning runs of $COLOCATE_RUNS, colocated (vLLM at 0.07 each; by default the three scripts with
 #          --use-peft, grpo.py at two learning rates), in a session of their own: the call returns at once, the runs
 #          go on (benchmarks/engine_turns.py starts their engines one at a time); OUT_DIR/colocate.out says when done.
+#   ab:    colocate bench-0.5b, $OLD_DIR's grpo.py (an older commit's scripts: git show C:grpo.py > bench_old/grpo.py,
+#          the same for vllm_utils.py and rewards.py; bench_old/ is ignored: carry it) then ours (PAIR=1), or the reverse.
 #   faults: tests/gpu/test_faults_ipc.py (trainers killed inside a push, the server killed inside one).
 set -u
 PHASE=$1; OUT=$2; mkdir -p "$OUT"
@@ -104,6 +106,13 @@ if [ "$PHASE" = bench ]; then
     trl trl_colocate_2 200
   fi
   python3 benchmarks/ratios.py "$OUT" --commit "${COMMIT:-unknown}"
+fi
+if [ "$PHASE" = ab ]; then  # colocate bench-0.5b, the scripts of $OLD_DIR (e.g. bench_old/, carried) against these
+  P=${PAIR:-1}
+  old() { echo "== old_$1: $OLD_DIR/grpo.py" > "$OUT/old_$1.log"; (cd "$OLD_DIR" && eval timeout 230 python3 grpo.py \
+    --output-dir "$OUT/old_$1" $BENCH --vllm-mode colocate >> "$OUT/old_$1.log" 2>&1); echo "== old_$1 exit $?"; }
+  if [ "$P" = 1 ]; then old 1; ours new_1 230 grpo.py $BENCH --vllm-mode colocate
+  else ours new_2 230 grpo.py $BENCH --vllm-mode colocate; old 2; fi
 fi
 if [ "$PHASE" = colocate ]; then
   setsid bash "$0" colocate_runs "$OUT" > "$OUT/colocate.out" 2>&1 < /dev/null &
