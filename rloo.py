@@ -784,18 +784,21 @@ def evaluate(run):
     k = args.eval_num_generations
     round_size = run.prompts_per_rank * args.num_generations  # completions per generate call
 
-    def complete(n, temperature):  # this rank's rows, n completions each: scores (real, n, num_funcs) and ids
+    def complete(n, temperature):  # this rank's rows, n completions each, prompt-major
         size, ids = max(1, round_size // n), []
         for start in range(0, len(rows), size):
             batch = [run.eval_set.prompt_ids[i] for i in rows[start : start + size]]
             ids += generate(run, batch, n, temperature)[0]
-        return score(run, run.eval_set, rows, ids, n).view(len(rows), n, -1)[:real], ids
+        return ids
 
-    # HF sampling draws from the global RNG: fork it, so that training samples what it would without evaluation
+    # HF sampling draws from the global RNG: fork it, so that training samples what it would without evaluation (the
+    # scoring comes after: a reward function that draws from it changes neither the samples nor training's)
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         torch.manual_seed(args.seed + run.rank)
-        greedy, greedy_ids = complete(1, 0.0)
-        sampled = complete(k, args.temperature)[0] if k > 1 else None
+        greedy_ids = complete(1, 0.0)
+        sampled_ids = complete(k, args.temperature) if k > 1 else None
+    scores = lambda ids, n: score(run, run.eval_set, rows, ids, n).view(len(rows), n, -1)[:real]  # (real, n, funcs)
+    greedy, sampled = scores(greedy_ids, 1), (scores(sampled_ids, k) if k > 1 else None)
     lengths = torch.tensor([len(c) for c in greedy_ids[:real]], dtype=torch.float)
     parts = gather_objects((greedy[:, 0], sampled, lengths), world_size)  # every rank's in rank order: prompts in order
     greedy, sampled, lengths = (None if part[0] is None else torch.cat(part) for part in zip(*parts))
@@ -895,7 +898,7 @@ def read_dataset(args, reward_fns, evaluation=False):
     name, config, split = eval_source(args) if evaluation else training
     source = f"{'--eval-dataset' if evaluation else '--dataset-name'} {name}"
     try:
-        if os.path.isfile(name) and not open(name, "rb").read().strip():
+        if os.path.isfile(name) and not open(name, "rb").read(1 << 16).strip():  # (not all of a large file)
             dataset = {}  # (`datasets` fails on an empty file)
         elif name.endswith((".json", ".jsonl", ".csv", ".parquet")):
             builder = {".csv": "csv", ".parquet": "parquet"}.get(os.path.splitext(name)[1], "json")

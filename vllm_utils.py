@@ -238,12 +238,12 @@ def check_server(base_url, model):
         raise RuntimeError(f"{at} has no --weight-transfer-config. {restart}")
     if (backend := config["weight_transfer_config"].get("backend", "nccl")) not in ("nccl", "ipc"):
         raise RuntimeError(f"{at} transfers weights by {backend}, not nccl or ipc. {restart}")
-    model_config = config.get("model_config", {})
+    model_config, restart = config.get("model_config", {}), _restart(model, backend, base_url)  # now in its backend
     if (mode := model_config.get("logprobs_mode")) != "processed_logprobs":  # raw ones leave out the temperature
         raise RuntimeError(f"{at} returns {mode}, which biases every ratio. {restart}")
     version = get("/version").json()["version"]
     vllm_version(version, who=at)  # any mix with the trainer's: messages follow the server
-    if probe_server(base_url, model):  # a trainer died between /pause and /resume
+    if probe_server(base_url, model, backend=backend):  # a trainer died between /pause and /resume
         _post(base_url, "/resume", 30)
     asleep = get("/is_sleeping")
     if asleep.status_code == 200 and asleep.json().get("is_sleeping"):  # an update of its freed weights segfaults it
@@ -615,7 +615,7 @@ def start(args, model_path, max_prompt_length):
         return engine
     # what to serve is the base model: a resume's checkpoint-N may be deleted (--save-total-limit), and the server gets
     # this run's weights at once anyway (start_with_weights)
-    engine["model"] = model_path = args.model_name_or_path
+    engine["model"] = model_path = getattr(args, "model_name_or_path", model_path)
     engine["base_url"] = base_url = f"http://{args.vllm_server_host}:{args.vllm_server_port}"
     wait_for_server(base_url, args.vllm_server_timeout, model_path)
     engine["server"] = server = check_server(base_url, model_path)

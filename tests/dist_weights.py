@@ -81,7 +81,7 @@ def fake_post(base_url, path, timeout, **kwargs):
     return {}
 
 
-vllm_utils._post, vllm_utils.probe_server = fake_post, lambda *a: False
+vllm_utils._post, vllm_utils.probe_server = fake_post, lambda *a, **k: False
 vllm_utils.ipc_handle = lambda buffer: exported.append(buffer) or {"GPU-0": len(exported) - 1}
 vllm_utils.sync_weights(
     {**engine, "server": {"version": "0.26.0", "backend": "ipc"}, "vllm_weight_sync_buffer_mb": 1}, model
