@@ -791,14 +791,14 @@ def evaluate(run):
             ids += generate(run, batch, n, temperature)[0]
         return ids
 
-    # HF sampling draws from the global RNG: fork it, so that training samples what it would without evaluation (the
-    # scoring comes after: a reward function that draws from it changes neither the samples nor training's)
+    # HF sampling draws from the global RNG: fork it, so that training samples what it would without evaluation; the
+    # scoring comes after both generations, in the fork: a reward that draws from it changes neither
+    scores = lambda ids, n: score(run, run.eval_set, rows, ids, n).view(len(rows), n, -1)[:real]  # (real, n, funcs)
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         torch.manual_seed(args.seed + run.rank)
         greedy_ids = complete(1, 0.0)
         sampled_ids = complete(k, args.temperature) if k > 1 else None
-    scores = lambda ids, n: score(run, run.eval_set, rows, ids, n).view(len(rows), n, -1)[:real]  # (real, n, funcs)
-    greedy, sampled = scores(greedy_ids, 1), (scores(sampled_ids, k) if k > 1 else None)
+        greedy, sampled = scores(greedy_ids, 1), (scores(sampled_ids, k) if k > 1 else None)
     lengths = torch.tensor([len(c) for c in greedy_ids[:real]], dtype=torch.float)
     parts = gather_objects((greedy[:, 0], sampled, lengths), world_size)  # every rank's in rank order: prompts in order
     greedy, sampled, lengths = (None if part[0] is None else torch.cat(part) for part in zip(*parts))

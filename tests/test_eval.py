@@ -318,3 +318,38 @@ def test_evaluation_leaves_training_as_it_was(tmp_path, eval_data):
     for a, b in zip(plain, evaluated):
         assert (a["reward"], a["loss"], a["grad_norm"]) == (b["reward"], b["loss"], b["grad_norm"])
     assert any(m["grad_norm"] > 0 for m in plain)  # it trained
+
+
+def test_a_reward_that_draws_from_torch_s_rng_changes_neither_training_nor_the_eval_samples(
+    tmp_path, eval_data, monkeypatch
+):
+    """Evaluation scores its completions inside its forked RNG, after both generations: a reward function that draws
+    from torch's global RNG (a random tie-break, a sampled judge) changes neither what training samples (the same run
+    without evaluation) nor evaluation's sampled completions (step 0's eval, before any update, as with a reward that
+    draws nothing). The scripts run in this process, so that the function added to rewards.py is theirs."""
+    import rewards
+
+    def text_length(completions, **kwargs):  # a reward that tells samples apart: their length in characters
+        return [len(text) / 100 for text in completions]
+
+    def noisy_length(completions, **kwargs):  # the same, plus a draw from torch's RNG
+        torch.rand(1)
+        return text_length(completions)
+
+    for fn in (text_length, noisy_length):
+        fn.__module__ = "rewards"  # as if a fork had added them to rewards.py
+        monkeypatch.setattr(rewards, fn.__name__, fn, raising=False)
+    evaluating = ["--eval-dataset", eval_data, "--eval-steps", 1, "--eval-num-generations", 4]
+    runs = {}
+    for name, reward, extra in (("plain", "text_length", evaluating), ("noisy", "noisy_length", evaluating)):
+        flags = [*SMALL, "--dataset-name", ASSETS / "stories_prompts.jsonl", "--max-steps", 2, "--reward-funcs", reward]
+        run_in_process("grpo.py", monkeypatch, *flags, *extra, "--output-dir", tmp_path / name)
+        runs[name] = read_metrics(tmp_path / name)
+    flags = [*SMALL, "--dataset-name", ASSETS / "stories_prompts.jsonl", "--max-steps", 2, "--reward-funcs"]
+    run_in_process("grpo.py", monkeypatch, *flags, "noisy_length", "--output-dir", tmp_path / "noisy_no_eval")
+    without = read_metrics(tmp_path / "noisy_no_eval")
+    assert [m["step"] for m in runs["noisy"]] == [0, 1, 2]
+    for a, b in zip(without, runs["noisy"][1:]):
+        assert (a["reward"], a["loss"], a["grad_norm"]) == (b["reward"], b["loss"], b["grad_norm"])
+    keys = ["eval/reward", "eval/mean@4", "eval/pass@4", "eval/completions/mean_length"]
+    assert [runs["plain"][0][k] for k in keys] == [runs["noisy"][0][k] for k in keys]
