@@ -628,6 +628,12 @@ def set_up(args, rules, problems=(), reference_model=False, steps_per_generation
     model_path = checkpoint_dir or args.model_name_or_path
     run.tokenizer = tokenizer = AutoTokenizer.from_pretrained(model_path)
     run.tokenizer_files = tokenizer_files(model_path, tokenizer)
+    sentence = "The quick brown fox jumps over the lazy dog, and then it ran away."
+    if len(tokenizer(sentence)["input_ids"]) < 5:  # a tokenizer that lost its vocabulary knows only special tokens
+        raise SystemExit(
+            f"error: the tokenizer files in {model_path} are incomplete (no tokenizer.json?): it turns "
+            f"a 15-word sentence into {len(tokenizer(sentence)['input_ids'])} tokens"
+        )
     model_path = args.model_name_or_path if args.use_peft else model_path  # a LoRA checkpoint holds only the adapter
     max_context = getattr(AutoConfig.from_pretrained(model_path), "max_position_embeddings", None) or 10**9
     run.train_set = load_prompts(args, dataset, tokenizer, max_context)
@@ -654,7 +660,6 @@ def set_up(args, rules, problems=(), reference_model=False, steps_per_generation
         for each in models:
             shard_model(each, mixed_precision=args.bf16 and device.type == "cuda")
     # a forward that transforms its logits in a way the trainer does not model fails now, not after training on them
-    sentence = "The quick brown fox jumps over the lazy dog, and then it ran away."
     check_logprobs(model, tokenizer(sentence)["input_ids"], device, world_size)
     run.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     eos_ids = model.generation_config.eos_token_id

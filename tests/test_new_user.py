@@ -278,6 +278,22 @@ def test_a_tokenizer_json_that_its_class_does_not_list_is_kept_and_the_run_resum
         assert loaded(text)["input_ids"] == original(text)["input_ids"], directory
 
 
+def test_a_tokenizer_without_its_vocabulary_is_refused_before_the_weights_load(tmp_path):
+    """A tokenizer folder without tokenizer.json (what checkpoints of such a class were before) loads under transformers
+    as the special tokens alone: the run stops with the folder named, not with the log-prob check's "forward transforms
+    the logits" after the weights loaded."""
+    model = tmp_path / "model"
+    shutil.copytree(STORIES, model)
+    (model / "tokenizer.model").unlink()
+    (model / "tokenizer.json").unlink()
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    (model / "tokenizer_config.json").write_text(json.dumps({**config, "tokenizer_class": "GPT2Tokenizer"}))
+    args = [model if arg == STORIES else arg for arg in BASE] + ["--output-dir", tmp_path / "run", "--max-steps", 1]
+    failed = run_script("grpo.py", *args)
+    assert failed.returncode == 1 and f"the tokenizer files in {model} are incomplete" in failed.stderr, failed.stderr
+    assert "Loading weights" not in failed.stderr and not (tmp_path / "run").exists()
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # 7. a fork (a copy of grpo.py under another name, with a reward of its own) is named after its file
 
