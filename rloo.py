@@ -624,11 +624,11 @@ def set_up(args, rules, problems=(), reference_model=False, steps_per_generation
     model_path = checkpoint_dir or args.model_name_or_path
     run.tokenizer = tokenizer = AutoTokenizer.from_pretrained(model_path)
     run.tokenizer_files = tokenizer_files(model_path, tokenizer)
-    sentence = "The quick brown fox jumps over the lazy dog, and then it ran away."
-    if len(tokenizer(sentence)["input_ids"]) < 5:  # a tokenizer that lost its vocabulary knows only special tokens
+    sentence = tokenizer("The quick brown fox jumps over the lazy dog, and then it ran away.")["input_ids"]
+    if len(sentence) < 5:  # a tokenizer that lost its vocabulary knows only special tokens
         raise SystemExit(
             f"error: the tokenizer files in {model_path} are incomplete (no tokenizer.json?): it turns "
-            f"a 15-word sentence into {len(tokenizer(sentence)['input_ids'])} tokens"
+            f"a 15-word sentence into {len(sentence)} tokens"
         )
     model_path = args.model_name_or_path if args.use_peft else model_path  # a LoRA checkpoint holds only the adapter
     max_context = getattr(AutoConfig.from_pretrained(model_path), "max_position_embeddings", None) or 10**9
@@ -656,7 +656,7 @@ def set_up(args, rules, problems=(), reference_model=False, steps_per_generation
         for each in models:
             shard_model(each, mixed_precision=args.bf16 and device.type == "cuda")
     # a forward that transforms its logits in a way the trainer does not model fails now, not after training on them
-    check_logprobs(model, tokenizer(sentence)["input_ids"], device, world_size)
+    check_logprobs(model, sentence, device, world_size)
     run.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     eos_ids = model.generation_config.eos_token_id
     run.eos_ids = sorted((set(eos_ids if isinstance(eos_ids, list) else [eos_ids]) | {tokenizer.eos_token_id}) - {None})

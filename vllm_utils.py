@@ -31,9 +31,9 @@ PACKED_NUM_BUFFERS = 2  # packed-broadcast chunks in flight on each side; both s
 # server-mode Args fields (docs/vllm.md, "Server flags") and their defaults, for a fork whose Args predate them
 SERVER_OPTIONS = dict(vllm_group_port=None, vllm_generation_chunk_size=8, vllm_generation_timeout=1800.0)
 SERVER_OPTIONS.update(vllm_weight_sync_timeout=300.0, vllm_weight_sync_buffer_mb=1024)
-# the restart line of an error: the command for the server's port (base_url) and weight transfer (its backend)
-_restart = lambda model, backend="nccl", base_url=":8000": (  # noqa: E731
-    f"Restart it as:\n  {serve_command(model, port=base_url.rsplit(':', 1)[1], backend=backend)}"
+# the restart line of an error: the command for the server at base_url (its port; 8000 if unknown) and its backend
+_restart = lambda model, backend="nccl", base_url=None: (  # noqa: E731
+    f"Restart it as:\n  {serve_command(model, port=base_url.rsplit(':', 1)[1] if base_url else 8000, backend=backend)}"
 )
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "0.0.0.0", "::1", socket.gethostname())
 _strip = lambda name: (  # noqa: E731 - wrappers' infixes: activation checkpointing's, FSDP's, peft's
@@ -271,7 +271,7 @@ def check_same_model(server, model, model_path):
     first = next((key for key in [*sent, *shapes] if sent.get(key) != shapes.get(key)), None)
     if first is not None:
         got = f"{first} is {sent.get(first, 'not sent')} in the trainer, {shapes.get(first, 'absent')} on the server"
-        restart = _restart(model_path, server.get("backend", "nccl"), server.get("url", ":8000"))
+        restart = _restart(model_path, server.get("backend", "nccl"), server.get("url"))
         raise RuntimeError(f"the server serves {name}, not {model_path} ({got}); nothing sent. {restart}")
 
 
