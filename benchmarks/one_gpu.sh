@@ -20,6 +20,11 @@
 #   ab:    colocate bench-0.5b, $OLD_DIR's grpo.py (an older commit's scripts: git show C:grpo.py > bench_old/grpo.py,
 #          the same for vllm_utils.py and rewards.py; bench_old/ is ignored: carry it) then ours (PAIR=1), or the reverse.
 #   faults: tests/gpu/test_faults_ipc.py (trainers killed inside a push, the server killed inside one).
+#   rounds: the bench-0.5b round on the server (port 8001, started unless it runs) against the in-process engine of
+#          colocate mode, alternating round by round, each alone at work (benchmarks/server_gen.py, ALTERNATE=1).
+#   lora7b: LoRA (r 16, alpha 32, every linear layer) on the random-init Qwen2.5-7B shape (/tmp/bench-qwen7b:
+#          make_bench_model.py TOK /tmp/bench-qwen7b 7b), colocate with sleep mode, the bench workload: PAIR=1 ours
+#          then TRL 1.16 (LORA_R=16 SLEEP=1), PAIR=2 the reverse. No other vLLM may hold memory (stop the servers).
 set -u
 PHASE=$1; OUT=$2; mkdir -p "$OUT"
 [ -f /tmp/tasks/addition.jsonl ] || python3 benchmarks/make_tasks.py /tmp/tasks > /dev/null  # once: runs of other calls read it
@@ -113,6 +118,20 @@ if [ "$PHASE" = ab ]; then  # colocate bench-0.5b, the scripts of $OLD_DIR (e.g.
     --output-dir "$OUT/old_$1" $BENCH --vllm-mode colocate >> "$OUT/old_$1.log" 2>&1); echo "== old_$1 exit $?"; }
   if [ "$P" = 1 ]; then old 1; ours new_1 230 grpo.py $BENCH --vllm-mode colocate
   else ours new_2 230 grpo.py $BENCH --vllm-mode colocate; old 2; fi
+fi
+if [ "$PHASE" = rounds ]; then
+  serve_bench; wait_server $PORT
+  ALTERNATE=1 VARIANTS=completions-8,inprocess timeout 400 python3 benchmarks/server_gen.py $PORT "$OUT/rounds.json" \
+    "${ROUNDS:-7}" > "$OUT/rounds.log" 2>&1
+  echo "== rounds exit $?"; tail -3 "$OUT/rounds.log"
+fi
+if [ "$PHASE" = lora7b ]; then
+  export MAX_STEPS=${MAX_STEPS:-8}  # both sides; the medians are of steps 3 to the last
+  L="${BENCH//$MODEL//tmp/bench-qwen7b} --max-steps $MAX_STEPS --vllm-mode colocate --vllm-enable-sleep-mode --use-peft --lora-r 16 --lora-alpha 32"
+  P=${PAIR:-1}
+  if [ "$P" = 1 ]; then ours ours_lora7b_1 290 grpo.py $L; BENCH_MODEL=/tmp/bench-qwen7b LORA_R=16 SLEEP=1 trl trl_lora7b_1 290
+  else BENCH_MODEL=/tmp/bench-qwen7b LORA_R=16 SLEEP=1 trl trl_lora7b_2 290; ours ours_lora7b_2 290 grpo.py $L; fi
+  python3 benchmarks/ratios.py "$OUT" --commit "${COMMIT:-unknown}"
 fi
 if [ "$PHASE" = colocate ]; then
   setsid bash "$0" colocate_runs "$OUT" > "$OUT/colocate.out" 2>&1 < /dev/null &

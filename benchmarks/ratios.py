@@ -16,6 +16,8 @@ MODES = {
     # one GPU (benchmarks/one_gpu.sh): the server on the trainer's GPU, against TRL's only one-GPU mode
     "server_1gpu": ("ours_server1gpu", "trl_colocate", "colocate"),
     "async_1gpu": ("ours_async1gpu", "trl_colocate", "colocate"),
+    # LoRA on the 7B shape, colocate with sleep mode (one_gpu.sh lora7b)
+    "lora7b": ("ours_lora7b", "trl_lora7b", "colocate"),
 }
 
 

@@ -6,8 +6,11 @@ Usage (GPU host, after `source .gpu/setup.sh`, a `vllm serve /tmp/bench-qwen05b`
 Variants: "completions-<k>": the scripts' own requests (vllm_utils.server_generate: POST /v1/completions, k prompts
 per request; the server detokenizes every token and decodes each sampled token again for its log-prob entry); "tokens": POST /inference/v1/generate, one prompt per
 request, detokenize=False (token ids and log-probs only: what we train on); "tokens-nologprobs": the same without
-log-probs, the engine's floor. Each variant runs ROUNDS rounds after one warm-up round, on prompts no round repeats;
-$VARIANTS (comma-separated names) runs a subset. samples_returned counts what came back of the 256 asked for: vLLM
+log-probs, the engine's floor; "inprocess": the colocated engine of the training scripts (vllm_utils.colocate_engine
+at 0.3 of the GPU, colocate_generate), in this process beside the idle server. Each variant runs ROUNDS rounds after
+one warm-up round, on prompts no round repeats; $VARIANTS (comma-separated names) runs a subset. ALTERNATE=1 runs the
+chosen variants round by round instead, the first one first in odd rounds and last in even ones (e.g.
+VARIANTS=completions-8,inprocess: the server's round against the in-process one, alternating, each alone at work). samples_returned counts what came back of the 256 asked for: vLLM
 0.26's /inference/v1/generate mostly returned 244-254 of them (n=8 per request), so the scripts keep /v1/completions.
 """
 
@@ -62,20 +65,35 @@ def main(port, out, rounds=4):
     variants = {f"completions-{k}": ours(k) for k in (8, 4, 2, 32, 1)}
     variants["tokens"] = partial(tokens, url, model)
     variants["tokens-nologprobs"] = partial(tokens, url, model, logprobs=False)
-    keep = os.environ.get("VARIANTS", ",".join(variants)).split(",")
-    variants = {name: v for name, v in variants.items() if name in keep}
-    results, offset = {}, 0
-    for name, call in variants.items():
-        times, returned = [], []
-        for r in range(rounds + 1):  # round 0 warms up
+    keep = os.environ.get("VARIANTS", ",".join([*variants, "inprocess"])).split(",")
+    if "inprocess" in keep:  # as grpo.py's colocate mode builds it (no sleep mode), for the bench-0.5b round
+        llm = vllm_utils.colocate_engine("/tmp/bench-qwen05b", max_model_len=2048, max_num_seqs=256)
+        variants["inprocess"] = lambda prompts: list(zip(*vllm_utils.colocate_generate(llm, prompts, 8, FIELDS)))
+    variants = {name: variants[name] for name in keep}
+    times, returned, n_tokens = ({name: [] for name in variants} for _ in range(3))
+    offset = 0
+    # ALTERNATE: round r of every variant before round r + 1 of any, the order reversed every other round
+    order = [[name] * (rounds + 1) for name in variants]
+    if os.environ.get("ALTERNATE") == "1":
+        order = [names if r % 2 else names[::-1] for r, names in enumerate([list(variants)] * (rounds + 1))]
+    for names in order:
+        for name in names:
+            r = len(returned[name])  # round 0 warms up
             text = [" ".join(WORDS[(7 * i + j) % 19] for j in range(60)) + f" {i}" for i in range(offset, offset + 32)]
             offset += 32
-            seconds, n_tokens, n_samples = one_round(call, [tok(t)["input_ids"] for t in text])
-            times.append(seconds) if r else None
-            returned.append(n_samples)
-        results[name] = {"s_per_round": [round(t, 3) for t in times], "median_s": round(statistics.median(times), 3)}
-        results[name].update(tokens_per_s=round(n_tokens / results[name]["median_s"]), samples_returned=returned)
+            seconds, tokens_, n_samples = one_round(variants[name], [tok(t)["input_ids"] for t in text])
+            times[name].append(seconds) if r else None
+            returned[name].append(n_samples)
+            n_tokens[name].append(tokens_)
+            print(name, r, round(seconds, 3), flush=True)
+    results = {}
+    for name in variants:
+        median = round(statistics.median(times[name]), 3)
+        results[name] = {"s_per_round": [round(t, 3) for t in times[name]], "median_s": median}
+        results[name].update(tokens_per_s=round(n_tokens[name][-1] / median), samples_returned=returned[name])
+        results[name]["tokens_per_round"] = n_tokens[name]  # a changed server's samples may stop before the limit
         print(name, json.dumps(results[name]), flush=True)
+    results["alternate"] = os.environ.get("ALTERNATE") == "1"
     json.dump(results, open(out, "w"), indent=1)
 
 
