@@ -43,6 +43,10 @@ serve_ipc() {  # serve_ipc MODEL PORT [ARGS]: an IPC `vllm serve` on this GPU, i
     --port "$port" --weight-transfer-config '{"backend": "ipc"}' --logprobs-mode processed_logprobs --max-logprobs -1 \
     "$@" > "$OUT/server_$port.log" 2>&1 &
 }
+tiny_models() {  # once per host: phases that run at the same time must not write them at the same time
+  [ -f /tmp/tiny-models/made ] && return
+  python3 tests/gpu/make_tiny_models.py /tmp/tiny-models > "$OUT/make_tiny.log" 2>&1 && touch /tmp/tiny-models/made
+}
 wait_server() { python3 -c "import vllm_utils; vllm_utils.wait_for_server('http://127.0.0.1:$1', ${2:-600}, 'server')"; }
 ours() {  # ours NAME TIMEOUT SCRIPT ARGS...
   local name=$1 limit=$2 script=$3; shift 3
@@ -88,7 +92,7 @@ if [ "$PHASE" = check ]; then
     (sleep 5; OMP_NUM_THREADS=2 ours "$name" "${LEARN_LIMIT:-420}" "$s.py" $ADD $n) &
     trainers="${trainers:-} $!"
   done
-  python3 tests/gpu/make_tiny_models.py /tmp/tiny-models > "$OUT/make_tiny.log" 2>&1
+  tiny_models
   GPU_RESULTS_DIR=$OUT VLLM_TEST_BENCH_URL=http://127.0.0.1:8001 timeout 500 python3 -m pytest -x -q -rs \
     tests/gpu/test_server_ipc.py 2>&1 | tee "$OUT/pytest_ipc.log"
   wait $trainers  # not the servers: they never end by themselves
@@ -158,6 +162,6 @@ if [ "$PHASE" = colocate_runs ]; then
   echo "colocate runs done"
 fi
 if [ "$PHASE" = faults ]; then
-  python3 tests/gpu/make_tiny_models.py /tmp/tiny-models > "$OUT/make_tiny.log" 2>&1
+  tiny_models
   GPU_RESULTS_DIR=$OUT timeout "${FAULT_LIMIT:-560}" python3 -m pytest -q -rs tests/gpu/test_faults_ipc.py 2>&1 | tee "$OUT/pytest_faults_ipc.log"
 fi
