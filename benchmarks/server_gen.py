@@ -4,14 +4,15 @@ token's log-prob) for each way of asking it, measured on one GPU: the server's g
 Usage (GPU host, after `source .gpu/setup.sh`, a `vllm serve /tmp/bench-qwen05b` as benchmarks/vs_trl.sh starts it):
     python benchmarks/server_gen.py PORT OUT.json [ROUNDS]
 Variants: "completions-<k>": the scripts' own requests (vllm_utils.server_generate: POST /v1/completions, k prompts
-per request; the server detokenizes every token and decodes each sampled token again for its log-prob entry); "tokens": POST /inference/v1/generate, one prompt per
-request, detokenize=False (token ids and log-probs only: what we train on); "tokens-nologprobs": the same without
-log-probs, the engine's floor; "inprocess": the colocated engine of the training scripts (vllm_utils.colocate_engine
-at 0.3 of the GPU, colocate_generate), in this process beside the idle server. Each variant runs ROUNDS rounds after
-one warm-up round, on prompts no round repeats; $VARIANTS (comma-separated names) runs a subset. ALTERNATE=1 runs the
-chosen variants round by round instead, the first one first in odd rounds and last in even ones (e.g.
-VARIANTS=completions-8,inprocess: the server's round against the in-process one, alternating, each alone at work). samples_returned counts what came back of the 256 asked for: vLLM
-0.26's /inference/v1/generate mostly returned 244-254 of them (n=8 per request), so the scripts keep /v1/completions.
+per request; the server detokenizes every token and decodes each sampled token again for its log-prob entry);
+"tokens": POST /inference/v1/generate, one prompt per request, detokenize=False (token ids and log-probs only: what we
+train on); "tokens-nologprobs": the same without log-probs, the engine's floor; "inprocess": the colocated engine of
+the training scripts (vllm_utils.colocate_engine at 0.3 of the GPU, colocate_generate), in this process beside the
+idle server. Each variant runs ROUNDS rounds after one warm-up round, on prompts no round repeats; $VARIANTS
+(comma-separated names) runs a subset. ALTERNATE=1 runs the chosen variants round by round instead, the first one
+first in odd rounds and last in even ones (e.g. VARIANTS=completions-8,inprocess: the server's round against the
+in-process one, each alone at work). samples_returned counts what came back of the 256 asked for: vLLM 0.26's
+/inference/v1/generate mostly returned 244-254 of them (n=8 per request), so the scripts keep /v1/completions.
 """
 
 import concurrent.futures
@@ -75,7 +76,7 @@ def main(port, out, rounds=4):
     # ALTERNATE: round r of every variant before round r + 1 of any, the order reversed every other round
     order = [[name] * (rounds + 1) for name in variants]
     if os.environ.get("ALTERNATE") == "1":
-        order = [names if r % 2 else names[::-1] for r, names in enumerate([list(variants)] * (rounds + 1))]
+        order = [list(variants)[:: 1 if r % 2 else -1] for r in range(rounds + 1)]
     for names in order:
         for name in names:
             r = len(returned[name])  # round 0 warms up
