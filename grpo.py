@@ -247,8 +247,10 @@ class Args:
     """gradient clipping norm (0 or less = no clipping; the norm is still logged)"""
     max_steps: int = 200
     """total optimizer steps (0: only evaluate the model, see --eval-steps, and exit)"""
-    micro_batch_tokens: int = 16384
-    """token budget (rows x padded length) of one forward/backward micro-batch; gradients accumulate over them"""
+    micro_batch_tokens: int | None = None
+    """token budget (rows x padded length) of one forward/backward micro-batch; gradients accumulate over them
+    (default 16384, or 8192 with --use-peft: LoRA is for large models, and a 7B shape's activations take ~7 MB a token
+    without gradient checkpointing)"""
 
     # Logging and checkpoints
     logging_steps: int = 1
@@ -726,7 +728,9 @@ def set_up(args, rules, problems=(), reference_model=False, steps_per_generation
             module.p = 0.0
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    run.model = model = (add_lora(args, model, dtype, checkpoint_dir) if args.use_peft else model).to(device)
+    if args.use_peft:
+        model = add_lora(args, model, dtype, checkpoint_dir, autocast=run.autocast["enabled"])
+    run.model = model = model.to(device)
     run.ref_model = WithoutAdapters(model) if reference_model and args.use_peft else None  # the base: no copy
     if reference_model and not args.use_peft:  # the initial model, also when resuming, in the policy's dtype: KL 0
         run.ref_model = AutoModelForCausalLM.from_pretrained(args.model_name_or_path, dtype=dtype)
@@ -1207,13 +1211,19 @@ def token_budget_batches(rows, prompt_lengths, completion_lengths, budget):
     return batches
 
 
-def add_lora(args, model, dtype, checkpoint_dir=None):
-    """--use-peft: peft's LoRA adapters in `dtype` on --lora-target-modules (None: all-linear), all else frozen."""
+def add_lora(args, model, dtype, checkpoint_dir=None, autocast=False):
+    """--use-peft: peft's LoRA adapters in `dtype` on --lora-target-modules (None: all-linear), all else frozen.
+    Under bf16 autocast, peft's cast of each adapter's input to the adapter dtype is switched off: autocast casts it
+    straight back to bf16 (the same values), but the copy is a new tensor that autograd saves beside the base layer's
+    input, 2.3 MB a token on a 7B shape (the first training forward ran out of memory, benchmarks/results/README.md)."""
     import peft
 
     targets = args.lora_target_modules or "all-linear"
     lora = dict(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout, target_modules=targets)
     model = peft.get_peft_model(model, peft.LoraConfig(**lora), autocast_adapter_dtype=dtype == torch.float32)
+    for layer in model.modules() if autocast else ():
+        if isinstance(layer, peft.tuners.tuners_utils.BaseTunerLayer):
+            layer.cast_input_dtype_enabled = False
     if checkpoint_dir:
         peft.set_peft_model_state_dict(model, peft.utils.load_peft_weights(checkpoint_dir))
     return model
@@ -1725,6 +1735,8 @@ def check_args(args, world_size, rules=(), problems=(), steps_per_round=1, steps
     vLLM's), flag combinations (and the algorithm's own `problems`) and that local paths exist (a missing local model
     would otherwise surface later, as a hub error). Exits with one line per problem, each naming its flag."""
     problems = list(problems)
+    if args.micro_batch_tokens is None:  # the default, sized for the models each mode is for
+        args.micro_batch_tokens = 8192 if args.use_peft else 16384
     for names, valid, must in COMMON_RULES + list(rules):  # a rule's fields: one, or several separated by spaces
         for name in names.split():
             value = getattr(args, name)

@@ -24,7 +24,9 @@
 #          colocate mode, alternating round by round, each alone at work (benchmarks/server_gen.py, ALTERNATE=1).
 #   lora7b: LoRA (r 16, alpha 32, every linear layer) on the random-init Qwen2.5-7B shape (/tmp/bench-qwen7b:
 #          make_bench_model.py TOK /tmp/bench-qwen7b 7b), colocate with sleep mode, the bench workload: PAIR=1 ours
-#          then TRL 1.16 (LORA_R=16 SLEEP=1), PAIR=2 the reverse. No other vLLM may hold memory (stop the servers).
+#          then TRL 1.16 (LORA_R=16 SLEEP=1), PAIR=2 the reverse; SIDES=trl_memory: ours at TRL's memory settings.
+#          No other vLLM may hold memory (stop the servers).
+#   lora15: bench-1.5b (/tmp/bench-qwen15b), ours full fine-tuning then LoRA, colocate with sleep mode.
 set -u
 PHASE=$1; OUT=$2; mkdir -p "$OUT"
 [ -f /tmp/tasks/addition.jsonl ] || python3 benchmarks/make_tasks.py /tmp/tasks > /dev/null  # once: runs of other calls read it
@@ -129,13 +131,24 @@ if [ "$PHASE" = rounds ]; then
     "${ROUNDS:-7}" > "$OUT/rounds.log" 2>&1
   echo "== rounds exit $?"; tail -3 "$OUT/rounds.log"
 fi
-if [ "$PHASE" = lora7b ]; then
+if [ "$PHASE" = lora7b ]; then  # SIDES (default by PAIR: "ours trl" or "trl ours") picks the runs of this call
   export MAX_STEPS=${MAX_STEPS:-8}  # both sides; the medians are of steps 3 to the last
   L="${BENCH//$MODEL//tmp/bench-qwen7b} --max-steps $MAX_STEPS --vllm-mode colocate --vllm-enable-sleep-mode --use-peft --lora-r 16 --lora-alpha 32"
-  P=${PAIR:-1}
-  if [ "$P" = 1 ]; then ours ours_lora7b_1 290 grpo.py $L; BENCH_MODEL=/tmp/bench-qwen7b LORA_R=16 SLEEP=1 trl trl_lora7b_1 290
-  else BENCH_MODEL=/tmp/bench-qwen7b LORA_R=16 SLEEP=1 trl trl_lora7b_2 290; ours ours_lora7b_2 290 grpo.py $L; fi
+  P=${PAIR:-1}; [ "$P" = 1 ] && ORDER="ours trl" || ORDER="trl ours"
+  for side in ${SIDES:-$ORDER}; do
+    case $side in
+      ours) ours ours_lora7b_$P 290 grpo.py $L ;;
+      trl) BENCH_MODEL=/tmp/bench-qwen7b LORA_R=16 SLEEP=1 trl trl_lora7b_$P 290 ;;
+      # TRL's memory settings: its gradient checkpointing and its 32-row micro-batch (32 x (75 + 256) tokens)
+      trl_memory) ours ours_lora7b_trl_memory 290 grpo.py $L --gradient-checkpointing --micro-batch-tokens 10592 ;;
+    esac
+  done
   python3 benchmarks/ratios.py "$OUT" --commit "${COMMIT:-unknown}"
+fi
+if [ "$PHASE" = lora15 ]; then  # bench-1.5b (make_bench_model.py TOK /tmp/bench-qwen15b 1.5b), full vs LoRA, colocate + sleep
+  L="${BENCH//$MODEL//tmp/bench-qwen15b} --vllm-mode colocate --vllm-enable-sleep-mode"
+  ours ours_full15 240 grpo.py $L
+  ours ours_lora15 240 grpo.py $L --use-peft --lora-r 16 --lora-alpha 32
 fi
 if [ "$PHASE" = colocate ]; then
   setsid bash "$0" colocate_runs "$OUT" > "$OUT/colocate.out" 2>&1 < /dev/null &

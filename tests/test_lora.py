@@ -138,6 +138,43 @@ def test_the_reference_is_the_base_with_the_adapters_off():
     assert trained and all(".lora_" in name for name in trained)
 
 
+def test_under_autocast_the_adapters_save_no_copy_of_their_input():
+    """Under bf16 autocast (CUDA's default), peft's cast of a LoRA layer's input to the fp32 adapters' dtype is
+    switched off: autocast casts it back to the same bf16 values, but each copy is a new tensor that autograd saves, so
+    q, k and v would save their shared input three times and gate/up twice (the 7B shape's first training forward ran
+    out of memory). Logits and gradients are bit-identical either way (bf16 -> fp32 -> bf16 is lossless)."""
+    config = dict(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)
+    ids = torch.randint(0, 64, (2, 24), generator=torch.Generator().manual_seed(0))
+
+    def forward_backward(autocast):
+        torch.manual_seed(0)
+        base = Qwen2ForCausalLM(Qwen2Config(**config, num_key_value_heads=2)).to(torch.bfloat16)
+        model = grpo.add_lora(LORA, base, torch.float32, autocast=autocast)
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if "lora_B" in name:
+                    param.normal_(std=0.2)
+        weights = {param.untyped_storage().data_ptr() for param in model.parameters()}
+        saved = {}  # storage -> bytes: a tensor saved by several operations counts once
+
+        def pack(tensor):
+            saved[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+            return tensor
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            with torch.autocast("cpu", torch.bfloat16, cache_enabled=False):
+                logits = model(input_ids=ids).logits
+        logits.float().square().mean().backward()
+        grads = [param.grad for param in model.parameters() if param.requires_grad]
+        return logits, grads, sum(n for ptr, n in saved.items() if ptr not in weights)
+
+    logits, grads, saved = forward_backward(autocast=True)
+    peft_logits, peft_grads, peft_saved = forward_backward(autocast=False)  # peft's own casting
+    assert torch.equal(logits, peft_logits) and all(map(torch.equal, grads, peft_grads))
+    hidden_copies = 3 * ids.numel() * config["hidden_size"] * 2  # per layer: 2 of q/k/v's, 1 of gate/up's, bf16
+    assert peft_saved - saved >= config["num_hidden_layers"] * hidden_copies, (peft_saved, saved)
+
+
 def test_hf_generate_ignores_the_generation_config_of_the_model_under_the_adapters():
     """As tests/test_common.py's test for a plain model: the checkpoint's generation_config.json (here suppressing
     every token but one) does not reach generate through the peft wrapper either."""
@@ -308,3 +345,13 @@ def test_lora_under_torchrun_checkpoints_and_resumes(tmp_path):
     assert again.keys() == final.keys() and metrics[0]["kl/k3_token_mean"] == 0.0
     for name in final:
         torch.testing.assert_close(again[name], final[name], atol=1e-6, rtol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("script", [grpo, rloo, online_dpo])
+def test_the_micro_batch_default_is_halved_for_lora(script):
+    """--micro-batch-tokens left unset: 16384 tokens, 8192 with --use-peft (a 7B shape ran out of memory at 16384 on
+    one H200); a value given is kept."""
+    for flags, expected in (({}, 16384), (dict(use_peft=True), 8192), (dict(use_peft=True, micro_batch_tokens=99), 99)):
+        args = script.Args(**flags)
+        script.check_args(args, world_size=1)
+        assert args.micro_batch_tokens == expected
