@@ -663,8 +663,10 @@ def set_up(args, rules, problems=(), reference_model=False, steps_per_generation
     if world_size > 1:  # FSDP2: every rank keeps 1/world_size of the weights, gradients and AdamW states
         for each in models:
             shard_model(each, mixed_precision=args.bf16 and device.type == "cuda")
-    # a forward that transforms its logits in a way the trainer does not model fails now, not after training on them
-    check_logprobs(model, sentence, device, world_size)
+    # a forward that transforms its logits in a way the trainer does not model fails now, not after training on them.
+    # LoRA under autocast only: its adapters (fp32) take their bf16 inputs as autocast casts them (add_lora)
+    with torch.autocast(**{**run.autocast, "enabled": run.autocast["enabled"] and args.use_peft}):
+        check_logprobs(model, sentence, device, world_size)
     run.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     eos_ids = model.generation_config.eos_token_id
     run.eos_ids = sorted((set(eos_ids if isinstance(eos_ids, list) else [eos_ids]) | {tokenizer.eos_token_id}) - {None})
