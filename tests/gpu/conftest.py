@@ -42,3 +42,11 @@ def tiny_servers():
         servers.start(MODELS[os.environ["VLLM_TEST_PRESTART"]])
     yield servers
     servers.stop()
+
+
+def pytest_runtest_logreport(report):
+    """Each failure's report into $GPU_RESULTS_DIR/failures.txt as soon as it happens: a lease's time limit that cuts
+    the session also cuts pytest's summary, which is where the failures would otherwise be printed (lost once)."""
+    if report.failed and os.environ.get("GPU_RESULTS_DIR"):
+        with open(os.path.join(os.environ["GPU_RESULTS_DIR"], "failures.txt"), "a") as f:
+            f.write(f"== {report.nodeid} ({report.when}, {report.duration:.1f} s)\n{report.longreprtext}\n\n")

@@ -20,6 +20,7 @@ call, after imports and the model load), total_s (from process start) and the lo
 """
 
 import argparse
+import math
 import os
 import signal
 import sys
@@ -116,8 +117,13 @@ def main():
         if ipc:  # the layout first: the server must run on this GPU
             vllm_utils.check_transport(args.url, server, args.model)
             global MIDDLE_CHUNK
-            # at least the second: 0 (a model under two chunks) never matched, and the trainer lived (first GPU run)
-            MIDDLE_CHUNK = max(1, sum(2 * t.numel() for t in model.parameters()) // buffer_bytes // 2)
+            # the middle of the chunks the push will send, counted as server_sync_weights_ipc packs them: tensors above
+            # a chunk go alone (tiny-dsv2: 79 chunks, two of them the 51 MB embeddings, where its bytes / 256 KiB / 2
+            # = 259 was never reached and the trainer lived, two GPU runs); at least the second (0 never matched)
+            total = sum(2 * math.prod(shape) for shape in vllm_utils.weight_metadata(model)["shapes"])
+            chunks = sum(1 for _ in vllm_utils.packed_chunks(vllm_utils.named_weights(model), min(buffer_bytes, total)))
+            MIDDLE_CHUNK = max(1, chunks // 2)
+            result["chunks"] = chunks
         else:
             group = vllm_utils.server_init_weight_sync(args.url, None, version=server["version"], timeout=60)
         result["init_s"] = time.perf_counter() - t0
