@@ -1214,10 +1214,8 @@ def token_budget_batches(rows, prompt_lengths, completion_lengths, budget):
 
 
 def add_lora(args, model, dtype, checkpoint_dir=None, autocast=False):
-    """--use-peft: peft's LoRA adapters in `dtype` on --lora-target-modules (None: all-linear), all else frozen.
-    Under bf16 autocast, peft's cast of each adapter's input to the adapter dtype is switched off: autocast casts it
-    straight back to bf16 (the same values), but the copy is a new tensor that autograd saves beside the base layer's
-    input, 2.3 MB a token on a 7B shape (the first training forward ran out of memory, benchmarks/results/README.md)."""
+    """--use-peft: peft's LoRA adapters in `dtype` on --lora-target-modules (None: all-linear), all else frozen. Under
+    autocast, no cast of their inputs to `dtype`: autocast casts it back, and autograd would save each copy (7B: OOM)."""
     import peft
 
     targets = args.lora_target_modules or "all-linear"

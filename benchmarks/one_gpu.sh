@@ -22,6 +22,8 @@
 #   faults: tests/gpu/test_faults_ipc.py (trainers killed inside a push, the server killed inside one).
 #   rounds: the bench-0.5b round on the server (port 8001, started unless it runs) against the in-process engine of
 #          colocate mode, alternating round by round, each alone at work (benchmarks/server_gen.py, ALTERNATE=1).
+#   rounds_flags: the same against servers of other flags (--skip-tokenizer-init, the in-process scheduler limits)
+#          and against requests without log-probs: where the server's extra time goes.
 #   lora7b: LoRA (r 16, alpha 32, every linear layer) on the random-init Qwen2.5-7B shape (/tmp/bench-qwen7b:
 #          make_bench_model.py TOK /tmp/bench-qwen7b 7b), colocate with sleep mode, the bench workload: PAIR=1 ours
 #          then TRL 1.16 (LORA_R=16 SLEEP=1), PAIR=2 the reverse; SIDES=trl_memory: ours at TRL's memory settings.
@@ -130,6 +132,20 @@ if [ "$PHASE" = rounds ]; then
   ALTERNATE=1 VARIANTS=completions-8,inprocess timeout 400 python3 benchmarks/server_gen.py $PORT "$OUT/rounds.json" \
     "${ROUNDS:-7}" > "$OUT/rounds.log" 2>&1
   echo "== rounds exit $?"; tail -3 "$OUT/rounds.log"
+fi
+if [ "$PHASE" = rounds_flags ]; then  # where the server's round loses to the in-process one: three servers, one each
+  # of serve_bench's flags (a), with --skip-tokenizer-init (b: no detokenizing in the front ends; the requests are
+  # token ids and return_tokens_as_token_ids already), and b with the in-process engine's scheduler limits (c);
+  # alternated with the in-process engine and with a's requests without log-probs
+  KV="--gpu-memory-utilization 0.2 --kv-cache-memory-bytes 8589934592 --max-model-len 2048 --api-server-count 4"
+  serve_ipc "$MODEL" 8001 $KV
+  serve_ipc "$MODEL" 8003 $KV --skip-tokenizer-init
+  serve_ipc "$MODEL" 8005 $KV --skip-tokenizer-init --max-num-batched-tokens 16384 --max-num-seqs 256
+  wait_server 8001; wait_server 8003; wait_server 8005
+  V=completions-8,b:completions-8,c:completions-8,inprocess,completions-8-nologprobs
+  OTHER_PORTS=b=8003,c=8005 ALTERNATE=1 VARIANTS=$V timeout 400 python3 benchmarks/server_gen.py 8001 \
+    "$OUT/rounds_flags.json" "${ROUNDS:-5}" > "$OUT/rounds_flags.log" 2>&1
+  echo "== rounds_flags exit $?"; tail -6 "$OUT/rounds_flags.log"
 fi
 if [ "$PHASE" = lora7b ]; then  # SIDES (default by PAIR: "ours trl" or "trl ours") picks the runs of this call
   export MAX_STEPS=${MAX_STEPS:-8}  # both sides; the medians are of steps 3 to the last

@@ -3,16 +3,18 @@ token's log-prob) for each way of asking it, measured on one GPU: the server's g
 
 Usage (GPU host, after `source .gpu/setup.sh`, a `vllm serve /tmp/bench-qwen05b` as benchmarks/vs_trl.sh starts it):
     python benchmarks/server_gen.py PORT OUT.json [ROUNDS]
-Variants: "completions-<k>": the scripts' own requests (vllm_utils.server_generate: POST /v1/completions, k prompts
-per request; the server detokenizes every token and decodes each sampled token again for its log-prob entry);
-"tokens": POST /inference/v1/generate, one prompt per request, detokenize=False (token ids and log-probs only: what we
-train on); "tokens-nologprobs": the same without log-probs, the engine's floor; "inprocess": the colocated engine of
-the training scripts (vllm_utils.colocate_engine at 0.3 of the GPU, colocate_generate), in this process beside the
-idle server. Each variant runs ROUNDS rounds after one warm-up round, on prompts no round repeats; $VARIANTS
-(comma-separated names) runs a subset. ALTERNATE=1 runs the chosen variants round by round instead, the first one
-first in odd rounds and last in even ones (e.g. VARIANTS=completions-8,inprocess: the server's round against the
-in-process one, each alone at work). samples_returned counts what came back of the 256 asked for: vLLM 0.26's
-/inference/v1/generate mostly returned 244-254 of them (n=8 per request), so the scripts keep /v1/completions.
+Variants: "completions-<k>": the scripts' own requests (vllm_utils.server_generate: POST /v1/completions, k prompts per
+request; the server detokenizes every token and decodes each sampled token again for its log-prob entry);
+"completions-8-nologprobs": the same without log-probs; $OTHER_PORTS ("b=8003,c=8005": other servers, e.g. of other
+flags) adds "b:completions-8" and so on, the scripts' requests to those; "tokens": POST /inference/v1/generate, one
+prompt per request, detokenize=False (token ids and log-probs only: what we train on); "tokens-nologprobs": the same
+without log-probs, the engine's floor; "inprocess": the colocated engine of the training scripts
+(vllm_utils.colocate_engine at 0.3 of the GPU, colocate_generate), in this process beside the idle server. Each variant
+runs ROUNDS rounds after one warm-up round, on prompts no round repeats; $VARIANTS (comma-separated names) runs a
+subset. ALTERNATE=1 runs the chosen variants round by round instead, the first one first in odd rounds and last in even
+ones (e.g. VARIANTS=completions-8,inprocess: the server's round against the in-process one, each alone at work).
+samples_returned counts what came back of the 256 asked for: vLLM 0.26's /inference/v1/generate mostly returned 244-254
+of them (n=8 per request), so the scripts keep /v1/completions.
 """
 
 import concurrent.futures
@@ -48,6 +50,19 @@ def tokens(url, model, prompts, logprobs=True):
         return [sample for samples in pool.map(one, prompts) for sample in samples]
 
 
+def completions_nologprobs(url, model, prompts, k=8):
+    """The scripts' /v1/completions requests (k prompts each) without log-probs: what the log-prob work costs."""
+
+    def complete(chunk):
+        body = {**vllm_utils.completions_request(model, chunk, 8, FIELDS), "logprobs": None}
+        choices = requests.post(f"{url}/v1/completions", json=body, timeout=600).json()["choices"]
+        return [(c["token_ids"], None) for c in sorted(choices, key=lambda c: c["index"])]
+
+    chunks = [prompts[i : i + k] for i in range(0, len(prompts), k)]
+    with concurrent.futures.ThreadPoolExecutor(len(chunks)) as pool:
+        return [sample for samples in pool.map(complete, chunks) for sample in samples]
+
+
 def one_round(call, prompts):
     """(seconds, tokens, samples) of one round: call(prompts) -> (ids, log-probs) pairs."""
     start = time.perf_counter()
@@ -62,8 +77,12 @@ def main(port, out, rounds=4):
     model = requests.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
     tok = AutoTokenizer.from_pretrained("/tmp/bench-qwen05b")
     # the scripts' own requests: vllm_utils.server_generate, k prompts per /v1/completions request
-    ours = lambda k: lambda prompts: list(zip(*vllm_utils.server_generate(url, model, prompts, 8, FIELDS, k)))  # noqa: E731
+    ours = lambda k, u=url: lambda prompts: list(zip(*vllm_utils.server_generate(u, model, prompts, 8, FIELDS, k)))  # noqa: E731
     variants = {f"completions-{k}": ours(k) for k in (8, 4, 2, 32, 1)}
+    variants["completions-8-nologprobs"] = partial(completions_nologprobs, url, model)
+    for label, other in (item.split("=") for item in filter(None, os.environ.get("OTHER_PORTS", "").split(","))):
+        other_url = f"http://127.0.0.1:{other}"  # another server (other flags): LABEL:completions-8 asks it
+        variants[f"{label}:completions-8"] = ours(8, other_url)
     variants["tokens"] = partial(tokens, url, model)
     variants["tokens-nologprobs"] = partial(tokens, url, model, logprobs=False)
     keep = os.environ.get("VARIANTS", ",".join([*variants, "inprocess"])).split(",")
