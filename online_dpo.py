@@ -1136,7 +1136,7 @@ def token_budget_batches(rows, prompt_lengths, completion_lengths, budget):
 
 def add_lora(args, model, dtype, checkpoint_dir=None, autocast=False):
     """--use-peft: peft's LoRA adapters in `dtype` on --lora-target-modules (None: all-linear), all else frozen. Under
-    autocast, no cast of their inputs to `dtype`: autocast casts it back, and autograd would save each copy (7B: OOM)."""
+    autocast, no cast of their inputs to `dtype`: autocast casts them back, and autograd saved each copy (7B OOM)."""
     import peft
 
     targets = args.lora_target_modules or "all-linear"

@@ -137,15 +137,20 @@ if [ "$PHASE" = rounds_flags ]; then  # where the server's round loses to the in
   # of serve_bench's flags (a), with --skip-tokenizer-init (b: no detokenizing in the front ends; the requests are
   # token ids and return_tokens_as_token_ids already), and b with the in-process engine's scheduler limits (c);
   # alternated with the in-process engine and with a's requests without log-probs
+  # (ports of their own: a `serve` phase's server on 8001 has other memory flags). Stopped at the end.
   KV="--gpu-memory-utilization 0.2 --kv-cache-memory-bytes 8589934592 --max-model-len 2048 --api-server-count 4"
-  serve_ipc "$MODEL" 8001 $KV
+  serve_ipc "$MODEL" 8007 $KV
   serve_ipc "$MODEL" 8003 $KV --skip-tokenizer-init
   serve_ipc "$MODEL" 8005 $KV --skip-tokenizer-init --max-num-batched-tokens 16384 --max-num-seqs 256
-  wait_server 8001; wait_server 8003; wait_server 8005
+  wait_server 8007; wait_server 8003; wait_server 8005
   V=completions-8,b:completions-8,c:completions-8,inprocess,completions-8-nologprobs
-  OTHER_PORTS=b=8003,c=8005 ALTERNATE=1 VARIANTS=$V timeout 400 python3 benchmarks/server_gen.py 8001 \
+  OTHER_PORTS=b=8003,c=8005 ALTERNATE=1 VARIANTS=$V timeout 400 python3 benchmarks/server_gen.py 8007 \
     "$OUT/rounds_flags.json" "${ROUNDS:-5}" > "$OUT/rounds_flags.log" 2>&1
   echo "== rounds_flags exit $?"; tail -6 "$OUT/rounds_flags.log"
+  for port in 8007 8003 8005; do  # each server's whole session (its front ends and EngineCore)
+    pid=$(pgrep -f "serve $MODEL --port $port" | head -1)
+    [ -n "$pid" ] && kill -- -"$(ps -o sid= -p "$pid" | tr -d ' ')"
+  done
 fi
 if [ "$PHASE" = lora7b ]; then  # SIDES (default by PAIR: "ours trl" or "trl ours") picks the runs of this call
   export MAX_STEPS=${MAX_STEPS:-8}  # both sides; the medians are of steps 3 to the last
@@ -157,6 +162,7 @@ if [ "$PHASE" = lora7b ]; then  # SIDES (default by PAIR: "ours trl" or "trl our
       trl) BENCH_MODEL=/tmp/bench-qwen7b LORA_R=16 SLEEP=1 trl trl_lora7b_$P 290 ;;
       # TRL's memory settings: its gradient checkpointing and its 32-row micro-batch (32 x (75 + 256) tokens)
       trl_memory) ours ours_lora7b_trl_memory 290 grpo.py $L --gradient-checkpointing --micro-batch-tokens 10592 ;;
+      *) echo "lora7b: unknown side $side (ours, trl or trl_memory)" >&2; exit 2 ;;
     esac
   done
   python3 benchmarks/ratios.py "$OUT" --commit "${COMMIT:-unknown}"

@@ -2,6 +2,7 @@
 Model: $VLLM_TEST_MODEL (default /tmp/smol, SmolLM2-135M-Instruct on the H200 hosts). Numbers measured here are
 written as JSON into $GPU_RESULTS_DIR when it is set."""
 
+import contextlib
 import os
 
 import pytest
@@ -42,6 +43,12 @@ def tiny_servers():
         servers.start(MODELS[os.environ["VLLM_TEST_PRESTART"]])
     yield servers
     servers.stop()
+
+
+def pytest_sessionstart(session):
+    if os.environ.get("GPU_RESULTS_DIR"):  # this session's failures only
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(os.path.join(os.environ["GPU_RESULTS_DIR"], "failures.txt"))
 
 
 def pytest_runtest_logreport(report):

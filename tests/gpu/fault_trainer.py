@@ -122,6 +122,9 @@ def main():
             # = 259 was never reached and the trainer lived, two GPU runs); at least the second (0 never matched)
             total = sum(2 * math.prod(shape) for shape in vllm_utils.weight_metadata(model)["shapes"])
             chunks = sum(1 for _ in vllm_utils.packed_chunks(vllm_utils.named_weights(model), min(buffer_bytes, total)))
+            assert args.die != "mid-update" or chunks >= 2, (
+                f"{args.model} packs into {chunks} chunk: none to die inside"
+            )
             MIDDLE_CHUNK = max(1, chunks // 2)
             result["chunks"] = chunks
         else:
