@@ -29,6 +29,7 @@
 #          then TRL 1.16 (LORA_R=16 SLEEP=1), PAIR=2 the reverse; SIDES=trl_memory: ours at TRL's memory settings.
 #          No other vLLM may hold memory (stop the servers).
 #   lora15: bench-1.5b (/tmp/bench-qwen15b), ours full fine-tuning then LoRA, colocate with sleep mode.
+#   lora_compile: bench-1.5b with --use-peft, eager then with its decoder layers compiled (PAIR=2: the reverse).
 set -u
 PHASE=$1; OUT=$2; mkdir -p "$OUT"
 [ -f /tmp/tasks/addition.jsonl ] || python3 benchmarks/make_tasks.py /tmp/tasks > /dev/null  # once: runs of other calls read it
@@ -171,6 +172,14 @@ if [ "$PHASE" = lora15 ]; then  # bench-1.5b (make_bench_model.py TOK /tmp/bench
   L="${BENCH//$MODEL//tmp/bench-qwen15b} --vllm-mode colocate --vllm-enable-sleep-mode"
   ours ours_full15 240 grpo.py $L
   ours ours_lora15 240 grpo.py $L --use-peft --lora-r 16 --lora-alpha 32
+fi
+if [ "$PHASE" = lora_compile ]; then  # bench-1.5b --use-peft, eager against compiled (benchmarks/lora_compile.py)
+  [ -f /tmp/bench-qwen15b/config.json ] || python3 .gpu/make_bench_model.py /tmp/qwen-tok /tmp/bench-qwen15b 1.5b
+  L="${BENCH//$MODEL//tmp/bench-qwen15b} --vllm-mode colocate --vllm-enable-sleep-mode --use-peft --lora-r 16 --lora-alpha 32"
+  P=${PAIR:-1}; [ "$P" = 1 ] && ORDER="eager compiled" || ORDER="compiled eager"
+  for side in $ORDER; do
+    [ "$side" = eager ] && ours lora15_eager_$P 240 grpo.py $L || ours lora15_compiled_$P 240 benchmarks/lora_compile.py grpo.py $L
+  done
 fi
 if [ "$PHASE" = colocate ]; then
   setsid bash "$0" colocate_runs "$OUT" > "$OUT/colocate.out" 2>&1 < /dev/null &
