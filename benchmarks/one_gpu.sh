@@ -29,6 +29,7 @@
 #          then TRL 1.16 (LORA_R=16 SLEEP=1), PAIR=2 the reverse; SIDES=trl_memory: ours at TRL's memory settings.
 #          No other vLLM may hold memory (stop the servers).
 #   lora15: bench-1.5b (/tmp/bench-qwen15b), ours full fine-tuning then LoRA, colocate with sleep mode.
+#   saved_bytes: what a LoRA training forward of the 7B width saves per token on this GPU (benchmarks/saved_bytes.py).
 #   lora_compile: bench-1.5b with --use-peft, eager then with its decoder layers compiled (PAIR=2: the reverse).
 set -u
 PHASE=$1; OUT=$2; mkdir -p "$OUT"
@@ -172,6 +173,9 @@ if [ "$PHASE" = lora15 ]; then  # bench-1.5b (make_bench_model.py TOK /tmp/bench
   L="${BENCH//$MODEL//tmp/bench-qwen15b} --vllm-mode colocate --vllm-enable-sleep-mode"
   ours ours_full15 240 grpo.py $L
   ours ours_lora15 240 grpo.py $L --use-peft --lora-r 16 --lora-alpha 32
+fi
+if [ "$PHASE" = saved_bytes ]; then  # the 7B width's saved activations per token on this GPU (~30 s; CPU: 6.02 MB)
+  timeout 300 python3 benchmarks/saved_bytes.py cuda sdpa eager 2>&1 | tee "$OUT/saved_bytes.txt"
 fi
 if [ "$PHASE" = lora_compile ]; then  # bench-1.5b --use-peft, eager against compiled (benchmarks/lora_compile.py)
   [ -f /tmp/bench-qwen15b/config.json ] || python3 .gpu/make_bench_model.py /tmp/qwen-tok /tmp/bench-qwen15b 1.5b
