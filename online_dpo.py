@@ -216,8 +216,8 @@ class Args:
     """total steps (generation rounds; a round with no pair takes no optimizer step but counts; 0: only evaluate)"""
     micro_batch_tokens: int | None = None
     """token budget (rows x padded length) of one forward/backward micro-batch; gradients accumulate over them
-    (default 16384, or 8192 with --use-peft: LoRA is for large models, and a 7B shape's activations take ~7 MB a token
-    without gradient checkpointing)"""
+    (default 16384, or 8192 with --use-peft: LoRA is for large models, and a 7B shape's training pass held ~11 MB a
+    token on an H200 without gradient checkpointing, docs/lora.md)"""
 
     # Logging and checkpoints
     logging_steps: int = 1
