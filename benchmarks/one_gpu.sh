@@ -125,7 +125,8 @@ fi
 if [ "$PHASE" = ab ]; then  # colocate bench-0.5b, the scripts of $OLD_DIR (e.g. bench_old/, carried) against these
   P=${PAIR:-1}
   old() { echo "== old_$1: $OLD_DIR/grpo.py" > "$OUT/old_$1.log"; (cd "$OLD_DIR" && eval timeout 230 python3 grpo.py \
-    --output-dir "$OUT/old_$1" $BENCH --vllm-mode colocate >> "$OUT/old_$1.log" 2>&1); echo "== old_$1 exit $?"; }
+    --output-dir "$OUT/old_$1" $BENCH --vllm-mode colocate >> "$OUT/old_$1.log" 2>&1); echo "== old_$1 exit $?"
+    find "$OUT/old_$1" -mindepth 1 ! -name metrics.jsonl -delete; }  # at most 8 files come back
   if [ "$P" = 1 ]; then old 1; ours new_1 230 grpo.py $BENCH --vllm-mode colocate
   else ours new_2 230 grpo.py $BENCH --vllm-mode colocate; old 2; fi
 fi
