@@ -2,7 +2,7 @@
 # Server mode on ONE GPU (a `vllm serve --weight-transfer-config '{"backend": "ipc"}'` beside the trainer on its own
 # GPU, weights pushed as CUDA IPC handles), on a 1 x H200 host prepared by ../shared/gpu/README.md (source
 # .gpu/setup.sh first; TRL 1.16 on the path). Each phase fits one 10-minute device call.
-# Usage: bash benchmarks/one_gpu.sh serve|check|colocate|bench|faults OUT_DIR; then python benchmarks/ratios.py OUT_DIR
+# Usage: bash benchmarks/one_gpu.sh PHASE OUT_DIR (the phases below); then python benchmarks/ratios.py OUT_DIR
 #   serve: starts the compiled bench-0.5b IPC server (port 8001) in its own session: it outlives the call, and boots
 #          while later calls bring the rest of the payload. A fixed KV cache: the GPU fills up beside it.
 #   check: starts the bench-0.5b server unless it runs, the learning runs of $RUNS (the addition task with
@@ -19,7 +19,10 @@
 #          go on (benchmarks/engine_turns.py starts their engines one at a time); OUT_DIR/colocate.out says when done.
 #   ab:    colocate bench-0.5b, $OLD_DIR's grpo.py (an older commit's scripts: git show C:grpo.py > bench_old/grpo.py,
 #          the same for vllm_utils.py and rewards.py; bench_old/ is ignored: carry it) then ours (PAIR=1), or the reverse.
-#   faults: tests/gpu/test_faults_ipc.py (trainers killed inside a push, the server killed inside one).
+#   faults: tests/gpu/test_faults_ipc.py (trainers killed inside a push, the server killed inside one); FAULT_K=test_4
+#          runs one test; everything comes back as OUT_DIR/faults.tgz.
+#   rounds_profile: py-spy of the server's processes during rounds with and without log-probs, then the server's rounds
+#          against a server of leaner flags (d) and the in-process engine; OUT_DIR/profile.tgz.
 #   rounds: the bench-0.5b round on the server (port 8001, started unless it runs) against the in-process engine of
 #          colocate mode, alternating round by round, each alone at work (benchmarks/server_gen.py, ALTERNATE=1).
 #   rounds_flags: the same against servers of other flags (--skip-tokenizer-init, the in-process scheduler limits)
@@ -210,7 +213,36 @@ if [ "$PHASE" = colocate_runs ]; then
   wait
   echo "colocate runs done"
 fi
-if [ "$PHASE" = faults ]; then
+if [ "$PHASE" = faults ]; then  # FAULT_K: a pytest -k expression (e.g. test_4: each test boots servers of its own)
   tiny_models
-  GPU_RESULTS_DIR=$OUT timeout "${FAULT_LIMIT:-560}" python3 -m pytest -q -rs tests/gpu/test_faults_ipc.py 2>&1 | tee "$OUT/pytest_faults_ipc.log"
+  GPU_RESULTS_DIR=$OUT timeout "${FAULT_LIMIT:-560}" python3 -m pytest -q -rs ${FAULT_K:+-k "$FAULT_K"} \
+    tests/gpu/test_faults_ipc.py 2>&1 | tee "$OUT/pytest_faults_ipc.log"
+  tail -5 "$OUT/failures.txt" 2>/dev/null
+  # a device call brings back 8 files: the servers' logs and every report travel as one archive
+  tar -czf /tmp/faults.tgz -C "$OUT" . && find "$OUT" -mindepth 1 -delete && mv /tmp/faults.tgz "$OUT/"
+fi
+if [ "$PHASE" = rounds_profile ]; then  # where a server round's CPU time goes, and one candidate fix (~5 min)
+  # py-spy (.gpu/bin/py-spy: the binary of `pip download py-spy`'s wheel) samples every process of server a (the
+  # scripts' flags) during rounds with and without log-probs; then a's rounds alternate with server d's (a with
+  # --skip-tokenizer-init, the in-process engine's scheduler limits and no stats logging) and the in-process engine's
+  KV="--gpu-memory-utilization 0.2 --kv-cache-memory-bytes 8589934592 --max-model-len 2048 --api-server-count 4"
+  serve_ipc "$MODEL" 8007 $KV
+  serve_ipc "$MODEL" 8003 $KV --skip-tokenizer-init --max-num-batched-tokens 16384 --max-num-seqs 256 --disable-log-stats
+  wait_server 8007; wait_server 8003
+  for v in completions-8 completions-8-nologprobs; do
+    VARIANTS=$v timeout 120 python3 benchmarks/server_gen.py 8007 "$OUT/spy_$v.json" 8 > "$OUT/spy_$v.log" 2>&1 &
+    gen=$!; sleep 8  # past the warm-up round
+    timeout 60 .gpu/bin/py-spy record --subprocesses --threads --nonblocking -r 100 -d 12 -f raw -o "$OUT/spy_$v.txt" \
+      -p "$(pgrep -f "serve $MODEL --port 8007" | head -1)" > "$OUT/spy_$v.err" 2>&1
+    wait $gen
+  done
+  python3 benchmarks/spy_summary.py "$OUT"/spy_*.txt > "$OUT/spy_summary.txt" 2>&1; head -c 6000 "$OUT/spy_summary.txt"
+  OTHER_PORTS=d=8003 ALTERNATE=1 VARIANTS=completions-8,d:completions-8,inprocess timeout 300 python3 \
+    benchmarks/server_gen.py 8007 "$OUT/rounds_d.json" "${ROUNDS:-5}" > "$OUT/rounds_d.log" 2>&1
+  echo "== rounds_d exit $?"; tail -4 "$OUT/rounds_d.log"
+  for port in 8007 8003; do
+    pid=$(pgrep -f "serve $MODEL --port $port" | head -1)
+    [ -n "$pid" ] && kill -- -"$(ps -o sid= -p "$pid" | tr -d ' ')"
+  done
+  tar -czf /tmp/profile.tgz -C "$OUT" . && find "$OUT" -mindepth 1 -delete && mv /tmp/profile.tgz "$OUT/"
 fi
