@@ -72,9 +72,9 @@ trl() {  # trl NAME TIMEOUT (BENCH_MODEL reaches trl_bench.py through the enviro
 
 MODEL=${BENCH_MODEL:-/tmp/bench-qwen05b}; PORT=8001; [ "$MODEL" != /tmp/bench-qwen05b ] && PORT=8002
 BENCH="${BENCH/\/tmp\/bench-qwen05b/$MODEL}"
-serve_bench() {  # compiled, as a user's server would be
+serve_bench() {  # compiled, as a user's server would be; $SERVE_FLAGS: more flags (e.g. what rounds_profile found)
   serve_ipc "$MODEL" $PORT --gpu-memory-utilization 0.35 --kv-cache-memory-bytes 17179869184 \
-    --max-model-len 2048 --api-server-count 4
+    --max-model-len 2048 --api-server-count 4 ${SERVE_FLAGS:-}
 }
 
 [ "$PHASE" = serve ] && serve_bench
