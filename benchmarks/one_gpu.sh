@@ -224,7 +224,8 @@ fi
 if [ "$PHASE" = rounds_profile ]; then  # where a server round's CPU time goes, and one candidate fix (~5 min)
   # py-spy (.gpu/bin/py-spy: the binary of `pip download py-spy`'s wheel) samples every process of server a (the
   # scripts' flags) during rounds with and without log-probs; then a's rounds alternate with server d's (a with
-  # --skip-tokenizer-init, the in-process engine's scheduler limits and no stats logging) and the in-process engine's
+  # --skip-tokenizer-init, the in-process engine's scheduler limits and no stats logging), with half of each round on
+  # a and half on d at once (split: two EngineCores), and with the in-process engine's
   KV="--gpu-memory-utilization 0.2 --kv-cache-memory-bytes 8589934592 --max-model-len 2048 --api-server-count 4"
   serve_ipc "$MODEL" 8007 $KV
   serve_ipc "$MODEL" 8003 $KV --skip-tokenizer-init --max-num-batched-tokens 16384 --max-num-seqs 256 --disable-log-stats
@@ -237,7 +238,7 @@ if [ "$PHASE" = rounds_profile ]; then  # where a server round's CPU time goes, 
     wait $gen
   done
   python3 benchmarks/spy_summary.py "$OUT"/spy_*.txt > "$OUT/spy_summary.txt" 2>&1; head -c 6000 "$OUT/spy_summary.txt"
-  OTHER_PORTS=d=8003 ALTERNATE=1 VARIANTS=completions-8,d:completions-8,inprocess timeout 300 python3 \
+  OTHER_PORTS=d=8003 SPLIT_PORT=8003 ALTERNATE=1 VARIANTS=completions-8,d:completions-8,split,inprocess timeout 300 python3 \
     benchmarks/server_gen.py 8007 "$OUT/rounds_d.json" "${ROUNDS:-5}" > "$OUT/rounds_d.log" 2>&1
   echo "== rounds_d exit $?"; tail -4 "$OUT/rounds_d.log"
   for port in 8007 8003; do
