@@ -14,6 +14,9 @@
 #          --async-generation; PAIR=2 the same in reverse order. Writes OUT_DIR/vs_trl.json (ratios.py, $COMMIT).
 #          BENCH_MODEL=/tmp/bench-qwen15b (../shared/gpu/make_bench_model.py TOK OUT 1.5b) for the 1.5B shape: its
 #          server is started on port 8002 (stop the 0.5b one first: both would not fit beside a trainer).
+#   learn: the learning runs of $RUNS against eager IPC servers of their own (by default rloo.py and online_dpo.py
+#          with --async-generation), in a session of their own: give it a directory that outlives the call
+#          (/root/learn); OUT_DIR/learn.out says when done.
 #   colocate: the learning runs of $COLOCATE_RUNS, colocated (vLLM at 0.07 each; by default the three scripts with
 #          --use-peft, grpo.py at two learning rates), in a session of their own: the call returns at once, the runs
 #          go on (benchmarks/engine_turns.py starts their engines one at a time); OUT_DIR/colocate.out says when done.
@@ -77,6 +80,34 @@ serve_bench() {  # compiled, as a user's server would be; $SERVE_FLAGS: more fla
     --max-model-len 2048 --api-server-count 4 ${SERVE_FLAGS:-}
 }
 
+learn_runs() {  # learn_runs [MEANWHILE]: $RUNS' learning runs, each against an eager IPC server of its own (ports
+  # 8100+); MEANWHILE (a function) runs while they train; then their servers stop, and a summary
+  EAGER_SMALL="--gpu-memory-utilization 0.04 --kv-cache-memory-bytes 2147483648 --max-model-len 1024 --enforce-eager
+               --api-server-count 1"
+  # RUNS: name:script:mode[:extra flags, comma-separated]
+  local i=0 trainers="" r name s mode extra n port pid
+  for r in $RUNS; do
+    IFS=: read -r name s mode extra <<< "$r"
+    [ "$s" = online_dpo ] && n="--prompts-per-step 64 --num-generations 4" || n="--prompts-per-step 16 --num-generations 8"
+    n="$n ${extra//,/ }"  # a later --learning-rate replaces ADD's (tyro: the last one wins)
+    port=$((8100 + i)); i=$((i + 1)); serve_ipc /tmp/smol $port $EAGER_SMALL
+    n="$n --vllm-server-port $port --vllm-server-timeout 300"
+    (sleep 5; OMP_NUM_THREADS=2 ours "$name" "${LEARN_LIMIT:-420}" "$s.py" $ADD $n) &
+    trainers="$trainers $!"
+  done
+  [ -n "${1:-}" ] && "$1"
+  wait $trainers  # not the servers: they never end by themselves
+  for pid in $(pgrep -f "serve /tmp/smol --port 81[0-9][0-9]"); do  # these runs' servers only (faults' is on 8041)
+    kill -- -"$(ps -o sid= -p "$pid" | tr -d ' ')"
+  done
+  python3 benchmarks/summarize.py "$OUT" > "$OUT/learn_summary.txt" 2>&1; cat "$OUT/learn_summary.txt"
+}
+sync_tests() {
+  tiny_models
+  GPU_RESULTS_DIR=$OUT VLLM_TEST_BENCH_URL=http://127.0.0.1:8001 timeout 500 python3 -m pytest -x -q -rs \
+    tests/gpu/test_server_ipc.py 2>&1 | tee "$OUT/pytest_ipc.log"
+}
+
 [ "$PHASE" = serve ] && serve_bench
 if [ "$PHASE" = check ]; then
   # the colocated engines of a `colocate` phase started before this one size their KV cache from the free memory:
@@ -86,27 +117,17 @@ if [ "$PHASE" = check ]; then
     sleep 1
   done
   serve_bench
-  EAGER_SMALL="--gpu-memory-utilization 0.04 --kv-cache-memory-bytes 2147483648 --max-model-len 1024 --enforce-eager
-               --api-server-count 1"
-  # RUNS: name:script:mode[:extra flags, comma-separated]; each run gets an eager IPC server of its own (ports 8100+)
   RUNS=${RUNS:-"grpo_ipc_sync:grpo:server rloo_ipc_sync:rloo:server online_dpo_ipc_sync:online_dpo:server
     grpo_ipc_async:grpo:server:--async-generation grpo_lora_ipc_sync:grpo:server:--use-peft,--learning-rate,2e-4"}
-  i=0
-  for r in $RUNS; do
-    IFS=: read -r name s mode extra <<< "$r"
-    [ "$s" = online_dpo ] && n="--prompts-per-step 64 --num-generations 4" || n="--prompts-per-step 16 --num-generations 8"
-    n="$n ${extra//,/ }"  # a later --learning-rate replaces ADD's (tyro: the last one wins)
-    port=$((8100 + i)); i=$((i + 1)); serve_ipc /tmp/smol $port $EAGER_SMALL
-    n="$n --vllm-server-port $port --vllm-server-timeout 300"
-    (sleep 5; OMP_NUM_THREADS=2 ours "$name" "${LEARN_LIMIT:-420}" "$s.py" $ADD $n) &
-    trainers="${trainers:-} $!"
-  done
-  tiny_models
-  GPU_RESULTS_DIR=$OUT VLLM_TEST_BENCH_URL=http://127.0.0.1:8001 timeout 500 python3 -m pytest -x -q -rs \
-    tests/gpu/test_server_ipc.py 2>&1 | tee "$OUT/pytest_ipc.log"
-  wait $trainers  # not the servers: they never end by themselves
-  for pid in $(pgrep -f "serve /tmp/smol"); do kill -- -"$(ps -o sid= -p "$pid" | tr -d ' ')"; done
-  python3 benchmarks/summarize.py "$OUT" > "$OUT/learn_summary.txt" 2>&1; cat "$OUT/learn_summary.txt"
+  learn_runs sync_tests
+fi
+if [ "$PHASE" = learn ]; then  # $RUNS (as check's) in a session of their own: the call returns, the runs go on
+  setsid bash "$0" learn_runs "$OUT" > "$OUT/learn.out" 2>&1 < /dev/null &
+fi
+if [ "$PHASE" = learn_runs ]; then
+  RUNS=${RUNS:-"rloo_ipc_async:rloo:server:--async-generation online_dpo_ipc_async:online_dpo:server:--async-generation"}
+  learn_runs
+  echo "learning runs done"
 fi
 if [ "$PHASE" = bench ]; then
   serve_bench; wait_server $PORT
