@@ -2,7 +2,8 @@
 18944, 28 heads / 4 KV heads) at 1 and 2 decoder layers, with --use-peft's LoRA (r 16, every linear layer) under bf16
 autocast, through the scripts' own per_token_logprobs on a collate batch of the bench's rows (75 + 256 tokens).
 Prints bytes per token per layer, the 28-layer estimate, and the largest saved tensors by shape and dtype.
-The 7B LoRA run held ~11 MB a token on an H200 (benchmarks/results/README.md); this counts 6.05 on the CPU (sdpa).
+The 7B LoRA run held ~11 MB a token on an H200 (benchmarks/results/README.md); this counts 6.05 on the CPU (sdpa),
+and 6.02 on the H200 at 147e70e: the rest of what the pass holds is not saved activations.
 
     python benchmarks/saved_bytes.py [cuda|cpu] [sdpa|eager ...]"""
 
