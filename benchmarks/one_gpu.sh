@@ -245,12 +245,14 @@ fi
 if [ "$PHASE" = rounds_profile ]; then  # where a server round's CPU time goes, and one candidate fix (~5 min)
   # py-spy (.gpu/bin/py-spy: the binary of `pip download py-spy`'s wheel) samples every process of server a (the
   # scripts' flags) during rounds with and without log-probs; then a's rounds alternate with server d's (a with
-  # --skip-tokenizer-init, the in-process engine's scheduler limits and no stats logging), with half of each round on
-  # a and half on d at once (split: two EngineCores), and with the in-process engine's
+  # --skip-tokenizer-init, the in-process engine's scheduler limits and no stats logging), with each round shared by d
+  # and its twin at once (split: two EngineCores on the one GPU), and with the in-process engine's
   KV="--gpu-memory-utilization 0.2 --kv-cache-memory-bytes 8589934592 --max-model-len 2048 --api-server-count 4"
   serve_ipc "$MODEL" 8007 $KV
-  serve_ipc "$MODEL" 8003 $KV --skip-tokenizer-init --max-num-batched-tokens 16384 --max-num-seqs 256 --disable-log-stats
-  wait_server 8007; wait_server 8003
+  D="--skip-tokenizer-init --max-num-batched-tokens 16384 --max-num-seqs 256 --disable-log-stats"
+  serve_ipc "$MODEL" 8003 $KV $D
+  serve_ipc "$MODEL" 8005 $KV $D  # d's twin: split shares each round between the two
+  wait_server 8007; wait_server 8003; wait_server 8005
   for v in completions-8 completions-8-nologprobs; do
     VARIANTS=$v timeout 120 python3 benchmarks/server_gen.py 8007 "$OUT/spy_$v.json" 8 > "$OUT/spy_$v.log" 2>&1 &
     gen=$!; sleep 8  # past the warm-up round
@@ -259,10 +261,10 @@ if [ "$PHASE" = rounds_profile ]; then  # where a server round's CPU time goes, 
     wait $gen
   done
   python3 benchmarks/spy_summary.py "$OUT"/spy_*.txt > "$OUT/spy_summary.txt" 2>&1; head -c 6000 "$OUT/spy_summary.txt"
-  OTHER_PORTS=d=8003 SPLIT_PORT=8003 ALTERNATE=1 VARIANTS=completions-8,d:completions-8,split,inprocess timeout 300 python3 \
-    benchmarks/server_gen.py 8007 "$OUT/rounds_d.json" "${ROUNDS:-5}" > "$OUT/rounds_d.log" 2>&1
-  echo "== rounds_d exit $?"; tail -4 "$OUT/rounds_d.log"
-  for port in 8007 8003; do
+  OTHER_PORTS=d=8003 SPLIT_PORTS=8003,8005 ALTERNATE=1 VARIANTS=completions-8,d:completions-8,split,inprocess \
+    timeout 300 python3 benchmarks/server_gen.py 8007 "$OUT/rounds_d.json" "${ROUNDS:-5}" > "$OUT/rounds_d.log" 2>&1
+  echo "== rounds_d exit $?"; grep '"median_s"' "$OUT/rounds_d.log"
+  for port in 8007 8003 8005; do
     pid=$(pgrep -f "serve $MODEL --port $port" | head -1)
     [ -n "$pid" ] && kill -- -"$(ps -o sid= -p "$pid" | tr -d ' ')"
   done

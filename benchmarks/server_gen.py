@@ -6,8 +6,8 @@ Usage (GPU host, after `source .gpu/setup.sh`, a `vllm serve /tmp/bench-qwen05b`
 Variants: "completions-<k>": the scripts' own requests (vllm_utils.server_generate: POST /v1/completions, k prompts per
 request; the server detokenizes every token and decodes each sampled token again for its log-prob entry);
 "completions-8-nologprobs": the same without log-probs; $OTHER_PORTS ("b=8003,c=8005": other servers, e.g. of other
-flags) adds "b:completions-8" and so on, the scripts' requests to those; $SPLIT_PORT adds "split": half of the
-prompts to that server at the same time (two EngineCore processes share the round's per-token CPU work); "tokens": POST /inference/v1/generate, one
+flags) adds "b:completions-8" and so on, the scripts' requests to those; $SPLIT_PORTS ("8003,8005") adds "split":
+the round's prompts shared by those servers at once (several EngineCore processes share its per-token CPU work); "tokens": POST /inference/v1/generate, one
 prompt per request, detokenize=False (token ids and log-probs only: what we train on); "tokens-nologprobs": the same
 without log-probs, the engine's floor; "inprocess": the colocated engine of the training scripts
 (vllm_utils.colocate_engine at 0.3 of the GPU, colocate_generate), in this process beside the idle server. Each variant
@@ -84,15 +84,16 @@ def main(port, out, rounds=4):
     for label, other in (item.split("=") for item in filter(None, os.environ.get("OTHER_PORTS", "").split(","))):
         other_url = f"http://127.0.0.1:{other}"  # another server (other flags): LABEL:completions-8 asks it
         variants[f"{label}:completions-8"] = ours(8, other_url)
-    if split := os.environ.get("SPLIT_PORT"):  # half of the round's prompts to another server on the same GPU, at once
+    if split := os.environ.get("SPLIT_PORTS"):  # the round's prompts shared evenly by these servers, all at once
+        urls = [f"http://127.0.0.1:{port}" for port in split.split(",")]
 
-        def both(prompts, other=f"http://127.0.0.1:{split}"):
-            halves = [(url, prompts[: len(prompts) // 2]), (other, prompts[len(prompts) // 2 :])]
-            with concurrent.futures.ThreadPoolExecutor(2) as pool:
-                parts = list(pool.map(lambda half: ours(8, half[0])(half[1]), halves))
-            return parts[0] + parts[1]
+        def shared(prompts):
+            size = -(-len(prompts) // len(urls))
+            parts = [(u, prompts[k * size : (k + 1) * size]) for k, u in enumerate(urls)]
+            with concurrent.futures.ThreadPoolExecutor(len(urls)) as pool:
+                return [s for part in pool.map(lambda p: ours(8, p[0])(p[1]), parts) for s in part]
 
-        variants["split"] = both
+        variants["split"] = shared
     variants["tokens"] = partial(tokens, url, model)
     variants["tokens-nologprobs"] = partial(tokens, url, model, logprobs=False)
     keep = os.environ.get("VARIANTS", ",".join([*variants, "inprocess"])).split(",")
