@@ -253,11 +253,14 @@ if [ "$PHASE" = rounds_profile ]; then  # where a server round's CPU time goes, 
   serve_ipc "$MODEL" 8003 $KV $D
   serve_ipc "$MODEL" 8005 $KV $D  # d's twin: split shares each round between the two
   wait_server 8007; wait_server 8003; wait_server 8005
-  for v in completions-8 completions-8-nologprobs; do
-    VARIANTS=$v timeout 120 python3 benchmarks/server_gen.py 8007 "$OUT/spy_$v.json" 8 > "$OUT/spy_$v.log" 2>&1 &
+  # each thread's active samples, with and without log-probs; then (--gil) only the thread holding the GIL: whether
+  # the EngineCore's output thread (msgpack of the log-prob arrays) takes it from the scheduling loop
+  for spec in completions-8: completions-8-nologprobs: completions-8:--gil; do
+    v=${spec%%:*}; gil=${spec#*:}; name=$v${gil:+-gil}
+    VARIANTS=$v timeout 120 python3 benchmarks/server_gen.py 8007 "$OUT/spy_$name.json" 8 > "$OUT/spy_$name.log" 2>&1 &
     gen=$!; sleep 8  # past the warm-up round
-    timeout 60 .gpu/bin/py-spy record --subprocesses --threads --nonblocking -r 100 -d 12 -f raw -o "$OUT/spy_$v.txt" \
-      -p "$(pgrep -f "serve $MODEL --port 8007" | head -1)" > "$OUT/spy_$v.err" 2>&1
+    timeout 60 .gpu/bin/py-spy record --subprocesses --threads --nonblocking $gil -r 100 -d 12 -f raw \
+      -o "$OUT/spy_$name.txt" -p "$(pgrep -f "serve $MODEL --port 8007" | head -1)" > "$OUT/spy_$name.err" 2>&1
     wait $gen
   done
   python3 benchmarks/spy_summary.py "$OUT"/spy_*.txt > "$OUT/spy_summary.txt" 2>&1; head -c 6000 "$OUT/spy_summary.txt"
