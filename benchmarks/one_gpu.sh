@@ -247,6 +247,8 @@ if [ "$PHASE" = rounds_profile ]; then  # where a server round's CPU time goes, 
   # scripts' flags) during rounds with and without log-probs; then a's rounds alternate with server d's (a with
   # --skip-tokenizer-init, the in-process engine's scheduler limits and no stats logging), with each round shared by d
   # and its twin at once (split: two EngineCores on the one GPU), and with the in-process engine's
+  [ -x .gpu/bin/py-spy ] || echo "rounds_profile: no .gpu/bin/py-spy, so no profiles (on a machine with PyPI: pip download \
+--no-deps py-spy, unzip the wheel, copy its py_spy-*.data/scripts/py-spy to .gpu/bin/ and carry it)"
   KV="--gpu-memory-utilization 0.2 --kv-cache-memory-bytes 8589934592 --max-model-len 2048 --api-server-count 4"
   serve_ipc "$MODEL" 8007 $KV
   D="--skip-tokenizer-init --max-num-batched-tokens 16384 --max-num-seqs 256 --disable-log-stats"
