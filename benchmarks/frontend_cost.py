@@ -7,7 +7,8 @@ Usage: python benchmarks/frontend_cost.py [STEPS_TIMED]
    request), which msgpack encodes one by one in the EngineCore and decodes in the front end. The in-process engine of
    colocate mode (vllm_utils.colocate_engine, no multiprocessing) skips both.
 2. After the last step, each /v1/completions request (8 prompts x n=8 x 256 tokens, vllm_utils.completions_request)
-   builds its log-prob lists (OpenAIServingCompletion._create_completion_logprobs), then its JSON; the trainer parses it.
+   builds its log-prob lists (OpenAIServingCompletion._create_completion_logprobs), then its JSON; the trainer parses
+   it.
 Prints each cost per step and per round.
 """
 

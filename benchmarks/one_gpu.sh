@@ -59,6 +59,14 @@ tiny_models() {  # once per host: phases that run at the same time must not writ
   [ -f /tmp/tiny-models/made ] && return
   python3 tests/gpu/make_tiny_models.py /tmp/tiny-models > "$OUT/make_tiny.log" 2>&1 && touch /tmp/tiny-models/made
 }
+stop_servers() {  # stop_servers REGEX: each `vllm serve` whose command line matches, with its session (front ends,
+  # EngineCore); a pattern, not "every server": another phase's servers may be running
+  local pid sid
+  for pid in $(pgrep -f "$1"); do
+    sid=$(ps -o sid= -p "$pid" | tr -d ' ')
+    [ -n "$sid" ] && kill -- -"$sid"
+  done
+}
 wait_server() { python3 -c "import vllm_utils; vllm_utils.wait_for_server('http://127.0.0.1:$1', ${2:-600}, 'server')"; }
 ours() {  # ours NAME TIMEOUT SCRIPT ARGS...
   local name=$1 limit=$2 script=$3; shift 3
@@ -97,9 +105,7 @@ learn_runs() {  # learn_runs [MEANWHILE]: $RUNS' learning runs, each against an 
   done
   [ -n "${1:-}" ] && "$1"
   wait $trainers  # not the servers: they never end by themselves
-  for pid in $(pgrep -f "serve /tmp/smol --port 81[0-9][0-9]"); do  # these runs' servers only (faults' is on 8041)
-    kill -- -"$(ps -o sid= -p "$pid" | tr -d ' ')"
-  done
+  stop_servers "serve /tmp/smol --port 81[0-9][0-9]"  # these runs' servers only (the fault tests' is on 8041)
   python3 benchmarks/summarize.py "$OUT" > "$OUT/learn_summary.txt" 2>&1; cat "$OUT/learn_summary.txt"
 }
 sync_tests() {
@@ -174,10 +180,7 @@ if [ "$PHASE" = rounds_flags ]; then  # where the server's round loses to the in
   OTHER_PORTS=b=8003,c=8005 ALTERNATE=1 VARIANTS=$V timeout 400 python3 benchmarks/server_gen.py 8007 \
     "$OUT/rounds_flags.json" "${ROUNDS:-5}" > "$OUT/rounds_flags.log" 2>&1
   echo "== rounds_flags exit $?"; tail -6 "$OUT/rounds_flags.log"
-  for port in 8007 8003 8005; do  # each server's whole session (its front ends and EngineCore)
-    pid=$(pgrep -f "serve $MODEL --port $port" | head -1)
-    [ -n "$pid" ] && kill -- -"$(ps -o sid= -p "$pid" | tr -d ' ')"
-  done
+  stop_servers "serve $MODEL --port (8007|8003|8005)"
 fi
 if [ "$PHASE" = lora7b ]; then  # SIDES (default by PAIR: "ours trl" or "trl ours") picks the runs of this call
   export MAX_STEPS=${MAX_STEPS:-8}  # both sides; the medians are of steps 3 to the last
@@ -269,9 +272,6 @@ if [ "$PHASE" = rounds_profile ]; then  # where a server round's CPU time goes, 
   OTHER_PORTS=d=8003 SPLIT_PORTS=8003,8005 ALTERNATE=1 VARIANTS=completions-8,d:completions-8,split,inprocess \
     timeout 300 python3 benchmarks/server_gen.py 8007 "$OUT/rounds_d.json" "${ROUNDS:-5}" > "$OUT/rounds_d.log" 2>&1
   echo "== rounds_d exit $?"; grep '"median_s"' "$OUT/rounds_d.log"
-  for port in 8007 8003 8005; do
-    pid=$(pgrep -f "serve $MODEL --port $port" | head -1)
-    [ -n "$pid" ] && kill -- -"$(ps -o sid= -p "$pid" | tr -d ' ')"
-  done
+  stop_servers "serve $MODEL --port (8007|8003|8005)"
   tar -czf /tmp/profile.tgz -C "$OUT" . && find "$OUT" -mindepth 1 -delete && mv /tmp/profile.tgz "$OUT/"
 fi
