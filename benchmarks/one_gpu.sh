@@ -25,7 +25,8 @@
 #   faults: tests/gpu/test_faults_ipc.py (trainers killed inside a push, the server killed inside one); FAULT_K=test_4
 #          runs one test; everything comes back as OUT_DIR/faults.tgz.
 #   rounds_profile: py-spy of the server's processes during rounds with and without log-probs, then the server's rounds
-#          against a server of leaner flags (d) and the in-process engine; OUT_DIR/profile.tgz.
+#          against a server of leaner flags (d) and the in-process engine; OUT_DIR/profile.tgz. Its servers boot
+#          while earlier calls run if the phase profile_servers started them (SERVER_LOGS=/root/srv in both calls).
 #   rounds: the bench-0.5b round on the server (port 8001, started unless it runs) against the in-process engine of
 #          colocate mode, alternating round by round, each alone at work (benchmarks/server_gen.py, ALTERNATE=1).
 #   rounds_flags: the same against servers of other flags (--skip-tokenizer-init, the in-process scheduler limits)
@@ -51,9 +52,10 @@ ADD="--model-name-or-path /tmp/smol --dataset-name /tmp/tasks/addition.jsonl --p
 serve_ipc() {  # serve_ipc MODEL PORT [ARGS]: an IPC `vllm serve` on this GPU, in its own session (outlives the call)
   local model=$1 port=$2; shift 2
   pgrep -f "serve $model --port $port" > /dev/null && return
+  mkdir -p "${SERVER_LOGS:-$OUT}"
   VLLM_SERVER_DEV_MODE=1 VLLM_ALLOW_INSECURE_SERIALIZATION=1 setsid python3 -m vllm.entrypoints.cli.main serve "$model" \
     --port "$port" --weight-transfer-config '{"backend": "ipc"}' --logprobs-mode processed_logprobs --max-logprobs -1 \
-    "$@" > "$OUT/server_$port.log" 2>&1 &
+    "$@" > "${SERVER_LOGS:-$OUT}/server_$port.log" 2>&1 &  # SERVER_LOGS: a folder that outlives the call
 }
 tiny_models() {  # once per host: phases that run at the same time must not write them at the same time
   [ -f /tmp/tiny-models/made ] && return
@@ -114,7 +116,17 @@ sync_tests() {
     tests/gpu/test_server_ipc.py 2>&1 | tee "$OUT/pytest_ipc.log"
 }
 
+profile_servers() {  # rounds_profile's servers: a (the scripts' flags), d (leaner flags) and d's twin; the phase
+  # profile_servers starts them a call early (with SERVER_LOGS set: their logs outlive that call)
+  local KV="--gpu-memory-utilization 0.2 --kv-cache-memory-bytes 8589934592 --max-model-len 2048 --api-server-count 4"
+  local D="--skip-tokenizer-init --max-num-batched-tokens 16384 --max-num-seqs 256 --disable-log-stats"
+  serve_ipc "$MODEL" 8007 $KV
+  serve_ipc "$MODEL" 8003 $KV $D
+  serve_ipc "$MODEL" 8005 $KV $D  # d's twin: split shares each round between the two
+}
+
 [ "$PHASE" = serve ] && serve_bench
+[ "$PHASE" = profile_servers ] && profile_servers
 if [ "$PHASE" = check ]; then
   # the colocated engines of a `colocate` phase started before this one size their KV cache from the free memory:
   # let them all start first ($TURNS_DIR: that phase's OUT_DIR/turns; 4 engines unless $TURNS_COUNT)
@@ -252,12 +264,7 @@ if [ "$PHASE" = rounds_profile ]; then  # where a server round's CPU time goes, 
   # and its twin at once (split: two EngineCores on the one GPU), and with the in-process engine's
   [ -x .gpu/bin/py-spy ] || echo "rounds_profile: no .gpu/bin/py-spy, so no profiles (on a machine with PyPI: pip download \
 --no-deps py-spy, unzip the wheel, copy its py_spy-*.data/scripts/py-spy to .gpu/bin/ and carry it)"
-  KV="--gpu-memory-utilization 0.2 --kv-cache-memory-bytes 8589934592 --max-model-len 2048 --api-server-count 4"
-  serve_ipc "$MODEL" 8007 $KV
-  D="--skip-tokenizer-init --max-num-batched-tokens 16384 --max-num-seqs 256 --disable-log-stats"
-  serve_ipc "$MODEL" 8003 $KV $D
-  serve_ipc "$MODEL" 8005 $KV $D  # d's twin: split shares each round between the two
-  wait_server 8007; wait_server 8003; wait_server 8005
+  profile_servers; wait_server 8007; wait_server 8003; wait_server 8005
   # each thread's active samples, with and without log-probs; then (--gil) only the thread holding the GIL: whether
   # the EngineCore's output thread (msgpack of the log-prob arrays) takes it from the scheduling loop
   for spec in completions-8: completions-8-nologprobs: completions-8:--gil; do
@@ -273,5 +280,6 @@ if [ "$PHASE" = rounds_profile ]; then  # where a server round's CPU time goes, 
     timeout 300 python3 benchmarks/server_gen.py 8007 "$OUT/rounds_d.json" "${ROUNDS:-5}" > "$OUT/rounds_d.log" 2>&1
   echo "== rounds_d exit $?"; grep '"median_s"' "$OUT/rounds_d.log"
   stop_servers "serve $MODEL --port (8007|8003|8005)"
+  [ -n "${SERVER_LOGS:-}" ] && cp "$SERVER_LOGS"/server_800[357].log "$OUT"/ 2>/dev/null
   tar -czf /tmp/profile.tgz -C "$OUT" . && find "$OUT" -mindepth 1 -delete && mv /tmp/profile.tgz "$OUT/"
 fi
