@@ -158,8 +158,9 @@ class Args:
     """colocate: free vLLM's memory (sleep level 2) while training"""
     vllm_server_host: str = "127.0.0.1"
     """server: host of `vllm serve`"""
-    vllm_server_port: int = 8000
-    """server: port of `vllm serve`"""
+    vllm_server_port: list[int] = field(default_factory=lambda: [8000])
+    """server: port of `vllm serve`; several (`--vllm-server-port 8000 8001`): servers of one model on this GPU
+    (CUDA IPC), each round shared by them, faster with log-probs than one (docs/vllm.md, "Several servers")"""
     vllm_server_timeout: float = 240.0
     """server: seconds to wait for the server to answer /health"""
     vllm_group_port: int | None = None

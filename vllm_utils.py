@@ -9,6 +9,7 @@ vLLM is imported only where needed."""
 import base64
 import concurrent.futures
 import contextlib
+import functools
 import importlib.util
 import math
 import os
@@ -170,11 +171,12 @@ def tensor_parallel_group(tensor_parallel_size):
 # Server: a stock `vllm serve` over HTTP, weights by NCCL or CUDA IPC
 
 
-def serve_command(model, host="0.0.0.0", port=8000, gpus=None, backend="nccl"):
+def serve_command(model, host="0.0.0.0", port=8000, gpus=None, backend="nccl", servers=1):
     """The command that starts a server this codebase can train against, with 4 HTTP front ends: one alone turns the
     sampled tokens' log-probs into responses slower than the engine samples them (docs/vllm.md, "HTTP front ends").
     backend "nccl": on GPUs the trainer does not use (`gpus`, default 1); "ipc": on the trainer's GPU (the default),
-    with a memory share that leaves the trainer room, pickled CUDA IPC handles allowed (vLLM 0.26's also needs ray)."""
+    with a memory share that leaves the trainer room (0.35, split between `servers` servers of one run), pickled CUDA
+    IPC handles allowed (vLLM 0.26's also needs ray)."""
     if gpus is None and backend == "ipc":  # the trainer's GPU, as its CUDA_VISIBLE_DEVICES names it
         index = torch.cuda.current_device() if torch.cuda.is_available() else 0
         visible = [gpu for gpu in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if gpu.strip()]
@@ -183,26 +185,31 @@ def serve_command(model, host="0.0.0.0", port=8000, gpus=None, backend="nccl"):
     flags = f"--weight-transfer-config {transfer} --logprobs-mode processed_logprobs --max-logprobs -1"
     env = f"CUDA_VISIBLE_DEVICES={1 if gpus is None else gpus} VLLM_SERVER_DEV_MODE=1"
     if backend == "ipc":
-        env, flags = f"{env} VLLM_ALLOW_INSECURE_SERIALIZATION=1", f"{flags} --gpu-memory-utilization 0.35"
+        env, flags = (
+            f"{env} VLLM_ALLOW_INSECURE_SERIALIZATION=1",
+            f"{flags} --gpu-memory-utilization {0.35 / servers:.2g}",
+        )
     return f"{env} vllm serve {model} --host {host} --port {port} {flags} --api-server-count 4"
 
 
-def _both_commands(base_url, model, ipc_first="Restart it"):
+def _both_commands(base_url, model, ipc_first="Restart it", servers=1):
     """The two layouts that work, each as the full command: the server on this GPU (IPC) or on others (NCCL)."""
     port, ray = base_url.rsplit(":", 1)[1], "a vLLM 0.26 server also needs ray, which requirements.txt installs"
-    ipc = f"{ipc_first} on this GPU (weights by CUDA IPC; {ray}):\n  {serve_command(model, port=port, backend='ipc')}"
+    command = serve_command(model, port=port, backend="ipc", servers=servers)
+    ipc = f"{ipc_first} on this GPU (weights by CUDA IPC; {ray}):\n  {command}"
     return f"{ipc}\nor on other GPUs (weights by NCCL):\n  {serve_command(model, port=port)}"
 
 
-def wait_for_server(base_url, timeout, model):
-    """Poll GET /health until it answers 200; after `timeout` seconds raise with the command that starts it."""
+def wait_for_server(base_url, timeout, model, servers=1):
+    """Poll GET /health until it answers 200; after `timeout` seconds raise with the command that starts it (one of
+    `servers` sharing the GPU)."""
     deadline = time.monotonic() + timeout
     while True:
         with contextlib.suppress(requests.RequestException):
             if requests.get(f"{base_url}/health", timeout=5).status_code == 200:
                 return
         if time.monotonic() > deadline:
-            start_one = _both_commands(base_url, model, "Start one before the trainer,")
+            start_one = _both_commands(base_url, model, "Start one before the trainer,", servers)
             raise ConnectionError(
                 f"no vLLM server answered at {base_url}/health within {timeout:.0f} s (--vllm-server-timeout). "
                 f"{start_one}\nor point --vllm-server-host / --vllm-server-port at it."
@@ -482,22 +489,29 @@ def packed_chunks(weights, capacity):
 def server_sync_weights_ipc(base_url, model, version=None, buffer_bytes=1 << 30, timeout=300.0, name="MODEL"):
     """CUDA IPC to a server on this GPU, inside paused_update: named_weights in packed chunks of at most `buffer_bytes`,
     one /update_weights with its handle each (torchrun's other ranks iterate the weights too). 0.27+ learns `packed`
-    from /init_weight_transfer_engine, sent at every sync (one request; a restarted server has forgotten it)."""
+    from /init_weight_transfer_engine, sent at every sync (one request; a restarted server has forgotten it).
+    `base_url`: one URL, or a list of servers of one run: each chunk goes to each in turn, inside every server's
+    paused_update (nested: a failure restores and resumes them all), so the weights are packed once."""
+    urls = [base_url] if isinstance(base_url, str) else list(base_url)
     total = sum(2 * math.prod(shape) for shape in weight_metadata(model)["shapes"])  # bf16 bytes
-    if init_info := weight_sync_messages(version, {}, {}, backend="ipc")[0]:
-        _post(base_url, "/init_weight_transfer_engine", timeout, json={"init_info": init_info})
+    for url in urls:
+        if init_info := weight_sync_messages(version, {}, {}, backend="ipc")[0]:
+            _post(url, "/init_weight_transfer_engine", timeout, json={"init_info": init_info})
 
     def send():
         for data, chunk in packed_chunks(named_weights(model), min(buffer_bytes, total)):
-            handle = base64.b64encode(pickle.dumps(ipc_handle(data))).decode()  # pickled: HTTP carries JSON
-            update_info = weight_sync_messages(version, {}, {**chunk, "ipc_handles_pickled": handle}, backend="ipc")[1]
-            try:
-                _post(base_url, "/update_weights", timeout, json={"update_info": update_info})
-            except RuntimeError as error:
-                raise RuntimeError(_ipc_problem(base_url, str(error), name)) from error
+            for url in urls:  # a fresh export for each server: each rebuilds and releases its own
+                handle = base64.b64encode(pickle.dumps(ipc_handle(data))).decode()  # pickled: HTTP carries JSON
+                info = weight_sync_messages(version, {}, {**chunk, "ipc_handles_pickled": handle}, backend="ipc")[1]
+                try:
+                    _post(url, "/update_weights", timeout, json={"update_info": info})
+                except RuntimeError as error:
+                    raise RuntimeError(_ipc_problem(url, str(error), name)) from error
 
+    for url in reversed(urls):  # the first server's paused_update holds the second's, which holds send()
+        send = functools.partial(paused_update, url, send, name, "ipc", timeout)
     try:
-        paused_update(base_url, send, name, "ipc", timeout)
+        send()
     finally:  # after /finish_weight_update, where a 0.28+ server releases its mapping of the last chunk
         if torch.cuda.is_initialized():
             torch.cuda.ipc_collect()  # the exported buffers the server has released go back to the allocator
@@ -534,11 +548,16 @@ def parse_completions(response, num_prompts, n):
 
 def server_generate(base_url, model_id, prompt_ids, n, fields, chunk_size=8, timeout=1800.0):
     """Sample n completions per prompt on the server: (completion ids, log-probs), prompt-major, from concurrent
-    requests of `chunk_size` prompts (vLLM batches them; no response holds a round), each within `timeout` s."""
+    requests of `chunk_size` prompts (vLLM batches them; no response holds a round), each within `timeout` s.
+    `base_url`: one server's URL, or a list of several servers of the same weights, which take the chunks in turn: one
+    EngineCore process's CPU bounds a round with log-probs, and several share it (docs/vllm.md, "Several servers")."""
+    urls = [base_url] if isinstance(base_url, str) else list(base_url)
+    first = int(os.environ.get("RANK", "0"))  # torchrun ranks start at different servers
 
-    def complete(chunk):
+    def complete(i, chunk):
         body, deadline = completions_request(model_id, chunk, n, fields), time.monotonic() + timeout
-        post = lambda: requests.post(f"{base_url}/v1/completions", json=body, timeout=timeout)  # noqa: E731
+        url = urls[(first + i) % len(urls)]
+        post = lambda: requests.post(f"{url}/v1/completions", json=body, timeout=timeout)  # noqa: E731
         while (response := post()).status_code == 503 and time.monotonic() < deadline:  # 0.33: 503 while paused
             time.sleep(1)
         if response.status_code != 200:
@@ -547,7 +566,7 @@ def server_generate(base_url, model_id, prompt_ids, n, fields, chunk_size=8, tim
 
     chunks = [prompt_ids[i : i + chunk_size] for i in range(0, len(prompt_ids), chunk_size)]
     with concurrent.futures.ThreadPoolExecutor(max(1, len(chunks))) as pool:
-        parts = list(pool.map(complete, chunks))
+        parts = list(pool.map(complete, range(len(chunks)), chunks))
     return [ids for part in parts for ids in part[0]], [lps for part in parts for lps in part[1]]
 
 
@@ -562,6 +581,9 @@ def setup_problems():
     return [] if importlib.util.find_spec("vllm") else ["--use-vllm needs vllm: pip install -r requirements.txt"]
 
 
+_ports = lambda value: list(value) if isinstance(value, (list, tuple)) else [value]  # noqa: E731 - one or several
+
+
 def check_args(args):
     """The vLLM flags' problems, one line each naming its flag and fix ([] if none), and their warnings; asked with the
     scripts' own checks, before any model loads (the importance-sampling flags where a script has them)."""
@@ -571,7 +593,11 @@ def check_args(args):
         ("vllm_gpu_memory_utilization", lambda v: 0 < v <= 1, "in (0, 1]"),
         ("vllm_tensor_parallel_size", lambda v: v >= 1, "at least 1"),
         ("vllm_max_model_len", lambda v: v >= 1, "at least 1"),
-        ("vllm_server_port", lambda v: 0 < v < 65536, "a TCP port (1-65535)"),
+        (
+            "vllm_server_port",
+            lambda v: all(0 < p < 65536 for p in _ports(v)) and len(set(_ports(v))) == len(_ports(v)),
+            "TCP ports (1-65535), each once",
+        ),
         ("vllm_server_timeout", lambda v: v > 0, "> 0 seconds"),
         ("vllm_group_port", lambda v: 0 < v < 65536, "a TCP port (1-65535)"),
         ("vllm_importance_sampling_clip_min", lambda v: v >= 0, ">= 0"),
@@ -616,15 +642,31 @@ def start(args, model_path, max_prompt_length):
     # what to serve is the base model: a resume's checkpoint-N may be deleted (--save-total-limit), and the server gets
     # this run's weights at once anyway (start_with_weights)
     engine["model"] = model_path = getattr(args, "model_name_or_path", model_path)
-    engine["base_url"] = base_url = f"http://{args.vllm_server_host}:{args.vllm_server_port}"
-    wait_for_server(base_url, args.vllm_server_timeout, model_path)
-    engine["server"] = server = check_server(base_url, model_path)
-    if (limit := server["max_model_len"]) and max_len > limit:
-        longest = f"the longest prompt ({max_prompt_length} tokens) + --max-completion-length"
-        raise ValueError(f"{longest} {args.max_completion_length} exceeds the server's --max-model-len {limit}")
+    ports = _ports(args.vllm_server_port)  # several: servers of one model on this GPU, sharing each round
+    engine["base_urls"] = urls = [f"http://{args.vllm_server_host}:{port}" for port in ports]
+    for url in urls:
+        wait_for_server(url, args.vllm_server_timeout, model_path, servers=len(urls))
+    engine["servers"] = servers = [check_server(url, model_path) for url in urls]
+    if len({(s["version"], s["model_id"]) for s in servers}) > 1:  # one message format, one model name for all
+        found = ", ".join(f"{s['url']}: {s['model_id']} on vLLM {s['version']}" for s in servers)
+        raise RuntimeError(f"the servers of --vllm-server-port must run one vLLM and serve one model; found {found}")
+    if len(servers) > 1 and (nccl := [s["url"] for s in servers if s["backend"] != "ipc"]):
+        raise RuntimeError(
+            f"several --vllm-server-port need servers on this GPU with CUDA IPC weight transfer, and {nccl[0]} uses "
+            "NCCL: on other GPUs serve one server with --data-parallel-size instead. One command per port:\n  "
+            + "\n  ".join(serve_command(model_path, port=port, backend="ipc", servers=len(ports)) for port in ports)
+        )
+    engine["base_url"], engine["server"] = urls[0], servers[0]
+    for server in servers:
+        if (limit := server["max_model_len"]) and max_len > limit:
+            longest = f"the longest prompt ({max_prompt_length} tokens) + --max-completion-length"
+            raise ValueError(
+                f"{longest} {args.max_completion_length} exceeds {server['url']}'s --max-model-len {limit}"
+            )
     engine.update({key: getattr(args, key, default) for key, default in SERVER_OPTIONS.items()})
     if os.environ.get("RANK", "0") == "0":  # with torchrun every rank generates over HTTP, rank 0 alone syncs
-        check_transport(base_url, server, model_path)
+        for url, server in zip(urls, servers):
+            check_transport(url, server, model_path)
         # the server's workers connect here: loopback for a local server, else this host's IP (VLLM_HOST_IP picks one)
         from vllm.utils.network_utils import get_ip
 
@@ -646,7 +688,8 @@ def generate(engine, prompt_ids, n=None, temperature=None):
     n, fields = n or engine["n"], {**engine["fields"], **({} if temperature is None else {"temperature": temperature})}
     if engine["mode"] == "server":
         chunking = engine["vllm_generation_chunk_size"], engine["vllm_generation_timeout"]
-        return server_generate(engine["base_url"], engine["server"]["model_id"], prompt_ids, n, fields, *chunking)
+        urls = engine.get("base_urls", [engine["base_url"]])
+        return server_generate(urls, engine["server"]["model_id"], prompt_ids, n, fields, *chunking)
     llm, group = engine["llm"], engine["tp_group"]
     if engine.get("weights_asleep"):
         raise RuntimeError("the colocated engine's weights are asleep (level 2 discards them): call sync_weights first")
@@ -678,13 +721,16 @@ def sync_weights(engine, model):
     Colocate with sleep mode drops the gradients (the next step recomputes them) so that vLLM can map its memory."""
     if engine["mode"] == "server":
         if not engine.get("model_checked"):  # on every rank, so that all stop together
-            check_same_model(engine["server"], model, engine["model"])
+            for server in engine.get("servers", [engine["server"]]):
+                check_same_model(server, model, engine["model"])
             engine["model_checked"] = True
         if os.environ.get("RANK", "0") == "0":
             sync = {"version": engine["server"]["version"], "timeout": engine["vllm_weight_sync_timeout"]}
             sync["buffer_bytes"] = engine["vllm_weight_sync_buffer_mb"] << 20
             if engine["server"]["backend"] == "ipc":  # no group: each chunk's handle goes over HTTP
-                server_sync_weights_ipc(engine["base_url"], model, name=engine["model"], **sync)
+                server_sync_weights_ipc(
+                    engine.get("base_urls", engine["base_url"]), model, name=engine["model"], **sync
+                )
             else:  # popped: a failed update leaves the group unusable, and a retry forms a new one
                 if (group := engine.pop("group", None)) is None:
                     where = engine["vllm_group_port"], engine["master_address"]

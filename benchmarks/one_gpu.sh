@@ -12,6 +12,7 @@
 #          server is up).
 #   bench: bench-0.5b side by side, PAIR=1: TRL colocate, ours colocate, ours one-GPU server, ours one-GPU server
 #          --async-generation; PAIR=2 the same in reverse order. Writes OUT_DIR/vs_trl.json (ratios.py, $COMMIT).
+#          SERVERS=2: ours against two servers on the GPU (ports 8001 and 8011), each round shared between them.
 #          BENCH_MODEL=/tmp/bench-qwen15b (../shared/gpu/make_bench_model.py TOK OUT 1.5b) for the 1.5B shape: its
 #          server is started on port 8002 (stop the 0.5b one first: both would not fit beside a trainer).
 #   learn: the learning runs of $RUNS against eager IPC servers of their own (by default rloo.py and online_dpo.py
@@ -85,9 +86,14 @@ trl() {  # trl NAME TIMEOUT (BENCH_MODEL reaches trl_bench.py through the enviro
 
 MODEL=${BENCH_MODEL:-/tmp/bench-qwen05b}; PORT=8001; [ "$MODEL" != /tmp/bench-qwen05b ] && PORT=8002
 BENCH="${BENCH/\/tmp\/bench-qwen05b/$MODEL}"
+# SERVERS=2: two bench servers (ports PORT and PORT + 10) that the trainer shares each round between
+PORTS=$(seq -s ' ' $PORT 10 $((PORT + 10 * (${SERVERS:-1} - 1))))
 serve_bench() {  # compiled, as a user's server would be; $SERVE_FLAGS: more flags (e.g. what rounds_profile found)
-  serve_ipc "$MODEL" $PORT --gpu-memory-utilization 0.35 --kv-cache-memory-bytes 17179869184 \
-    --max-model-len 2048 --api-server-count 4 ${SERVE_FLAGS:-}
+  local p
+  for p in $PORTS; do
+    serve_ipc "$MODEL" "$p" --gpu-memory-utilization 0.35 --kv-cache-memory-bytes 17179869184 \
+      --max-model-len 2048 --api-server-count 4 ${SERVE_FLAGS:-}
+  done
 }
 
 learn_runs() {  # learn_runs [MEANWHILE]: $RUNS' learning runs, each against an eager IPC server of its own (ports
@@ -148,8 +154,8 @@ if [ "$PHASE" = learn_runs ]; then
   echo "learning runs done"
 fi
 if [ "$PHASE" = bench ]; then
-  serve_bench; wait_server $PORT
-  S="--vllm-mode server --vllm-server-port $PORT"
+  serve_bench; for p in $PORTS; do wait_server "$p"; done
+  S="--vllm-mode server --vllm-server-port $PORTS"
   P=${PAIR:-1}
   if [ "$P" = 1 ]; then
     trl trl_colocate_1 200

@@ -376,7 +376,7 @@ def test_every_rank_generates_through_the_server_and_only_rank_0_joins_the_weigh
     """Under torchrun, ranks other than 0 skip the NCCL group but must still know where to send their prompts. The group
     is formed at the first sync_weights (after the model check), on a free port unless --vllm-group-port is given."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(vllm_utils, "wait_for_server", lambda *a: None)
+    monkeypatch.setattr(vllm_utils, "wait_for_server", lambda *a, **k: None)
     server = {"model_id": "served-model", "max_model_len": 2048, "version": "0.26.0", "model_config": {}}
     server["backend"] = "nccl"
     monkeypatch.setattr(vllm_utils, "check_server", lambda *a: server)
@@ -416,7 +416,7 @@ def test_every_rank_generates_through_the_server_and_only_rank_0_joins_the_weigh
         vllm_utils.sync_weights(engine, model)
         vllm_utils.sync_weights(engine, model)
         assert ("group" in engine) == (rank == 0)
-    assert sent == [("http://10.0.0.7:8001", 3, 1800.0)] * 2  # chunk size from Args, the timeout's default
+    assert sent == [(["http://10.0.0.7:8001"], 3, 1800.0)] * 2  # chunk size from Args, the timeout's default
     assert len(joined) == 1 and joined[0][0] == ("http://10.0.0.7:8001", None, "10.0.0.1")  # once, rank 0, free port
     assert joined[0][1] == {"version": "0.26.0", "timeout": 300.0, "buffer_bytes": 1 << 30}
     assert len(synced) == 2 and synced[0][0] == ("http://10.0.0.7:8001", "group", model)
@@ -1179,11 +1179,14 @@ def test_check_args_names_each_vllm_flag_and_fits_every_script(monkeypatch, caps
     import online_dpo
 
     monkeypatch.setattr(vllm_utils, "setup_problems", lambda: ["--use-vllm needs a CUDA GPU"])
-    bad = dict(vllm_gpu_memory_utilization=1.5, vllm_server_port=0, async_generation=True)
+    bad = dict(vllm_gpu_memory_utilization=1.5, vllm_server_port=[8000, 0], async_generation=True)
     problems = vllm_utils.check_args(grpo.Args(use_vllm=True, vllm_importance_sampling_clip_min=4.0, **bad))
     assert problems[0] == "--use-vllm needs a CUDA GPU"
-    for text in ("--vllm-gpu-memory-utilization must be in (0, 1]", "--vllm-server-port must be a TCP port"):
+    for text in ("--vllm-gpu-memory-utilization must be in (0, 1]", "--vllm-server-port must be TCP ports"):
         assert any(p.startswith(text) for p in problems), (text, problems)
+    for ports, ok in (([8000, 8000], False), ([8000, 8001], True), (8001, True), (70000, False)):  # an older Args: int
+        said = vllm_utils.check_args(SimpleNamespace(**{**vars(grpo.Args()), "vllm_server_port": ports}))
+        assert (said == []) == ok, (ports, said)
     assert any(p.startswith("--vllm-importance-sampling-clip-max must be >") for p in problems)
     assert any("--async-generation needs --use-vllm --vllm-mode server" in p for p in problems)
     # online_dpo.py has no importance-sampling flags: its checks skip them
@@ -1245,3 +1248,121 @@ def test_ipc_exports_are_collected_after_the_server_finished_the_update(serve, m
         with contextlib.suppress(RuntimeError):
             vllm_utils.server_sync_weights_ipc(server.url, _tiny_llama(), "0.33.0", 1 << 20, timeout=5, name="m")
         assert len(collected) == 1 and "/finish_weight_update" in collected[0], collected
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Several servers of one run on the trainer's GPU (--vllm-server-port 8000 8001): one EngineCore's CPU bounds a round
+# with log-probs, two share it (benchmarks/results/README.md, commit 358bc54: 1.87 s a round against 3.10 s for one)
+
+
+def test_a_round_is_shared_by_several_servers_and_comes_back_in_prompt_order(serve, monkeypatch):
+    """32 prompts in chunks of 8 go to two servers in turn (16 prompts each, all requests at once); the rows come back
+    prompt-major, whichever server answered them; a torchrun rank starts at its own server."""
+    servers = [serve({"/v1/completions": _echo_completions({}, delays=[0.3, 0.0])}) for _ in range(2)]
+    prompts = [[100 + i, 1] for i in range(32)]
+    ids, lps = vllm_utils.server_generate([s.url for s in servers], "m", prompts, 2, {}, chunk_size=8, timeout=10)
+    assert ids == [[100 + i] for i in range(32) for _ in range(2)] and lps == [[-0.5]] * 64
+    firsts = [[body["prompt"][0][0] for _, _, body in s.calls] for s in servers]
+    assert sorted(firsts[0]) == [100, 116] and sorted(firsts[1]) == [108, 124]  # chunks 0, 2 and 1, 3
+    monkeypatch.setenv("RANK", "1")
+    vllm_utils.server_generate([s.url for s in servers], "m", prompts[:8], 2, {}, chunk_size=8, timeout=10)
+    assert len(servers[1].calls) == 3 and len(servers[0].calls) == 2
+
+
+def _timeline_routes(timeline, tag, **overrides):
+    """_sync_routes whose every answer is also written to the shared `timeline` as (tag, path)."""
+
+    def logged(path, answer):
+        return lambda body: timeline.append((tag, path)) or (answer(body) if callable(answer) else answer)
+
+    return {path: logged(path, answer) for path, answer in _sync_routes(**overrides).items()}
+
+
+def test_an_ipc_push_to_several_servers_packs_each_chunk_once_and_pauses_them_all(serve, monkeypatch):
+    """Each chunk is packed once and sent to both servers (a fresh export each) while both are paused inside a
+    started update; the second server's update is inside the first's, and every weight reaches both intact."""
+    ipc, timeline = FakeIPC(monkeypatch), []
+    servers = [serve(_timeline_routes(timeline, k, **{"/update_weights": ipc.update_weights})) for k in (0, 1)]
+    model = _tiny_llama()
+    vllm_utils.server_sync_weights_ipc([s.url for s in servers], model, "0.26.0", 4096, timeout=5, name="m")
+    chunks = len(ipc.updates) // 2
+    each = ["/is_paused", "/pause", "/start_weight_update"]
+    end = ["/finish_weight_update", "/reset_prefix_cache", "/resume"]
+    assert [p for _, p in timeline][:6] == each * 2 and [(t, p) for t, p in timeline][-6:] == [
+        *((1, p) for p in end),
+        *((0, p) for p in end),
+    ]
+    updates = [t for t, p in timeline if p == "/update_weights"]
+    assert chunks > 1 and updates == [0, 1] * chunks  # chunk by chunk, to each server in turn
+    assert len(ipc.chunks) == 2 * chunks  # one export per server and chunk
+    names = [tuple(update["names"]) for update in ipc.updates]
+    assert names[0::2] == names[1::2]  # the same chunk to both
+    sent = dict(vllm_utils.named_weights(model))
+    assert ipc.received.keys() == sent.keys() and all(torch.equal(ipc.received[k], v) for k, v in sent.items())
+
+
+def test_a_failed_push_to_the_second_server_leaves_both_restored_and_resumed(serve, monkeypatch):
+    FakeIPC(monkeypatch)
+    timeline = []
+    first = serve(_timeline_routes(timeline, 0))
+    second = serve(_timeline_routes(timeline, 1, **{"/update_weights": _vllm_error("boom")}))
+    with pytest.raises(RuntimeError, match="boom"):
+        vllm_utils.server_sync_weights_ipc([first.url, second.url], _tiny_llama(), "0.26.0", 1 << 20, 5, name="m")
+    for server in (first, second):
+        paths = server.paths()
+        assert paths[-1] == "/resume" and paths.count("/pause") == 1 and "/finish_weight_update" in paths
+
+
+def _several(monkeypatch, servers):
+    """start() against stand-ins for the servers' facts: `servers`, one dict of overrides per port."""
+    monkeypatch.setattr(vllm_utils, "wait_for_server", lambda *a, **k: None)
+    facts = {f"http://127.0.0.1:{8000 + i}": s for i, s in enumerate(servers)}
+    base = {"model_id": "served", "max_model_len": 2048, "version": "0.26.0", "model_config": {}, "backend": "ipc"}
+    monkeypatch.setattr(vllm_utils, "check_server", lambda url, model: {**base, "url": url, **facts[url]})
+    checked = []
+    monkeypatch.setattr(vllm_utils, "check_transport", lambda url, server, model: checked.append(url))
+    monkeypatch.setattr("vllm.utils.network_utils.get_ip", lambda: "10.0.0.1")
+    args = SimpleNamespace(model_name_or_path="my/m", vllm_mode="server", vllm_server_host="127.0.0.1")
+    args.__dict__.update(vllm_server_port=[8000 + i for i in range(len(servers))], vllm_server_timeout=1)
+    args.__dict__.update(num_generations=2, max_completion_length=8, temperature=1.0, top_p=1.0, top_k=0, min_p=0.0)
+    args.repetition_penalty = 1.0
+    return (lambda: vllm_utils.start(args, "my/m", max_prompt_length=10)), checked
+
+
+def test_several_ports_start_one_engine_over_all_the_servers_each_checked(monkeypatch):
+    start, checked = _several(monkeypatch, [{}, {}])
+    engine = start()
+    assert engine["base_urls"] == ["http://127.0.0.1:8000", "http://127.0.0.1:8001"] and checked == engine["base_urls"]
+    sent, pushed = [], []
+    monkeypatch.setattr(vllm_utils, "server_generate", lambda urls, *a: sent.append(urls) or ([[1]], [[-0.1]]))
+    monkeypatch.setattr(vllm_utils, "server_sync_weights_ipc", lambda urls, *a, **k: pushed.append(urls))
+    monkeypatch.setattr(vllm_utils, "check_same_model", lambda server, *a: pushed.append(server["url"]))
+    vllm_utils.generate(engine, [[5]])
+    vllm_utils.sync_weights(engine, _tiny_llama())
+    assert sent == [engine["base_urls"]] and pushed == [*engine["base_urls"], engine["base_urls"]]  # each compared
+
+
+@pytest.mark.parametrize(
+    "second, said",
+    [
+        ({"backend": "nccl"}, "need servers on this GPU with CUDA IPC weight transfer"),
+        ({"version": "0.27.1"}, "must run one vLLM and serve one model"),
+        ({"model_id": "other"}, "must run one vLLM and serve one model"),
+        ({"max_model_len": 12}, "exceeds http://127.0.0.1:8001's --max-model-len 12"),
+    ],
+)
+def test_several_servers_that_cannot_share_a_run_are_refused_at_start_up(monkeypatch, second, said):
+    start, _ = _several(monkeypatch, [{}, second])
+    with pytest.raises((RuntimeError, ValueError), match=said) as error:
+        start()
+    if "CUDA IPC" in said:  # the commands that work: one per port, each with half the memory share
+        assert str(error.value).count("--gpu-memory-utilization 0.17") == 2 and "--port 8001 " in str(error.value)
+
+
+def test_the_commands_for_several_servers_split_the_memory_share(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2")
+    assert "--gpu-memory-utilization 0.35 " in vllm_utils.serve_command("m", backend="ipc")
+    assert "--gpu-memory-utilization 0.17 " in vllm_utils.serve_command("m", backend="ipc", servers=2)
+    with pytest.raises(ConnectionError, match="--gpu-memory-utilization 0.17 ") as error:
+        vllm_utils.wait_for_server(f"http://127.0.0.1:{vllm_utils.free_port()}", 0.01, "m", servers=2)
+    assert "CUDA_VISIBLE_DEVICES=2 " in str(error.value)

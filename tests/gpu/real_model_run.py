@@ -112,12 +112,15 @@ def main():
     prompt_ids = prompts(tokenizer)
     t0 = time.perf_counter()
     if mode == "server":
-        url = sys.argv[3]
-        server = vllm_utils.check_server(url, model_path)
-        vllm_utils.check_same_model(server, model, model_path)
+        urls = sys.argv[3].split(",")  # several (IPC): the prompts go to each in turn, the push to all
+        url, servers = urls[0], [vllm_utils.check_server(u, model_path) for u in urls]
+        server = servers[0]
+        for each in servers:
+            vllm_utils.check_same_model(each, model, model_path)
         result["backend"] = server["backend"]
         if server["backend"] == "ipc":  # a server on this GPU: no group to form
-            vllm_utils.check_transport(url, server, model_path)
+            for u, each in zip(urls, servers):
+                vllm_utils.check_transport(u, each, model_path)
             result["server_gpus_seen"] = sorted(vllm_utils.server_gpus(int(url.rsplit(":", 1)[1])) or [])
         group = (
             vllm_utils.server_init_weight_sync(url, None, version=server["version"])
@@ -127,6 +130,9 @@ def main():
         result["init_s"] = time.perf_counter() - t0
         engine = {"mode": "server", "base_url": url, "server": server, "fields": FIELDS, "n": 4, "model": model_path}
         engine.update(vllm_utils.SERVER_OPTIONS, group=group, master_address="127.0.0.1", model_checked=True)
+        if len(urls) > 1:  # one prompt per request: every server samples some of each comparison
+            engine.update(base_urls=urls, servers=servers, vllm_generation_chunk_size=1)
+            result["servers"] = urls
     else:
         tp = 2 if mode == "tp2" else 1
         sleep = mode in ("colocate_sleep", "tp2")
@@ -168,6 +174,7 @@ def main():
     after = result.get("after_sync")
     result["ok"] = bool(after and after["mean"] < BOUND and result["control"]["mean"] > BOUND)
     mode = "server_ipc" if result.get("backend") == "ipc" else mode
+    mode += f"_{len(result['servers'])}_servers" if result.get("servers") else ""
     emit(f"real_{mode}_{os.path.basename(model_path)}{suffix}" + (f"_rank{rank}" if mode == "tp2" else ""), result)
     if mode == "tp2":
         torch.distributed.barrier()

@@ -6,6 +6,9 @@ pushes them, and compares again: after the push they must be within the bound th
 
     python tests/gpu/make_tiny_models.py /tmp/tiny-models   # once
     pytest tests/gpu/test_server_ipc.py -q                  # 1 GPU; VLLM_TEST_BENCH_URL: a running bench-0.5b IPC server
+
+The last test does the same with two servers of one model on the GPU (--vllm-server-port 8000 8001): each samples
+some of every comparison, and one push reaches both.
 """
 
 import os
@@ -42,3 +45,19 @@ def test_ipc_server_push_matches_the_trainer(model_key, ipc_servers):
     result, _ = run([sys.executable, SCRIPT, "server", model, url], env={"CUDA_VISIBLE_DEVICES": "0"})
     assert result["backend"] == "ipc", result
     check(result)
+
+
+def test_two_ipc_servers_share_the_rounds_and_both_take_the_push(ipc_servers):
+    """Two servers of the tiny DeepSeek-V2-shaped model on the trainer's GPU: samples from both, before and after one
+    push to both, compared with the trainer's log-probs (the bound and the control as above)."""
+    needs("dsv2")
+    twin = Servers(port=ipc_servers.port + 1, backend="ipc")
+    try:
+        urls = [ipc_servers.get(MODELS["dsv2"]), twin.get(MODELS["dsv2"])]
+        result, _ = run(
+            [sys.executable, SCRIPT, "server", MODELS["dsv2"], ",".join(urls)], env={"CUDA_VISIBLE_DEVICES": "0"}
+        )
+        assert result["servers"] == urls, result
+        check(result)
+    finally:
+        twin.stop()
