@@ -10,14 +10,15 @@
 #          also with --async-generation and with --use-peft: all share the GPU),
 #          and tests/gpu/test_server_ipc.py (the sync check for the two tiny MoE models, then bench-0.5b once its
 #          server is up).
+#   two_servers: tests/gpu/test_server_ipc.py's two-server test (one push to both, both compared with the trainer).
 #   bench: bench-0.5b side by side, PAIR=1: TRL colocate, ours colocate, ours one-GPU server, ours one-GPU server
 #          --async-generation; PAIR=2 the same in reverse order. Writes OUT_DIR/vs_trl.json (ratios.py, $COMMIT).
 #          SERVERS=2: ours against two servers on the GPU (ports 8001 and 8011), each round shared between them.
 #          BENCH_MODEL=/tmp/bench-qwen15b (../shared/gpu/make_bench_model.py TOK OUT 1.5b) for the 1.5B shape: its
 #          server is started on port 8002 (stop the 0.5b one first: both would not fit beside a trainer).
-#   learn: the learning runs of $RUNS against eager IPC servers of their own (by default rloo.py and online_dpo.py
-#          with --async-generation), in a session of their own: give it a directory that outlives the call
-#          (/root/learn); OUT_DIR/learn.out says when done.
+#   learn: the learning runs of $RUNS against eager IPC servers of their own (by default grpo.py against two servers,
+#          with and without --async-generation), in a session of their own: give it a directory that outlives the
+#          call (/root/learn); OUT_DIR/learn.out says when done.
 #   colocate: the learning runs of $COLOCATE_RUNS, colocated (vLLM at 0.07 each; by default the three scripts with
 #          --use-peft, grpo.py at two learning rates), in a session of their own: the call returns at once, the runs
 #          go on (benchmarks/engine_turns.py starts their engines one at a time); OUT_DIR/colocate.out says when done.
@@ -100,14 +101,17 @@ learn_runs() {  # learn_runs [MEANWHILE]: $RUNS' learning runs, each against an 
   # 8100+); MEANWHILE (a function) runs while they train; then their servers stop, and a summary
   EAGER_SMALL="--gpu-memory-utilization 0.04 --kv-cache-memory-bytes 2147483648 --max-model-len 1024 --enforce-eager
                --api-server-count 1"
-  # RUNS: name:script:mode[:extra flags, comma-separated]
-  local i=0 trainers="" r name s mode extra n port pid
+  # RUNS: name:script:mode[:extra flags, comma-separated[:servers (default 1), each an eager IPC server of its own]]
+  local i=0 trainers="" r name s mode extra servers n ports port pid
   for r in $RUNS; do
-    IFS=: read -r name s mode extra <<< "$r"
+    IFS=: read -r name s mode extra servers <<< "$r"
     [ "$s" = online_dpo ] && n="--prompts-per-step 64 --num-generations 4" || n="--prompts-per-step 16 --num-generations 8"
     n="$n ${extra//,/ }"  # a later --learning-rate replaces ADD's (tyro: the last one wins)
-    port=$((8100 + i)); i=$((i + 1)); serve_ipc /tmp/smol $port $EAGER_SMALL
-    n="$n --vllm-server-port $port --vllm-server-timeout 300"
+    ports=""
+    for _ in $(seq "${servers:-1}"); do
+      port=$((8100 + i)); i=$((i + 1)); serve_ipc /tmp/smol $port $EAGER_SMALL; ports="$ports $port"
+    done
+    n="$n --vllm-server-port$ports --vllm-server-timeout 300"
     (sleep 5; OMP_NUM_THREADS=2 ours "$name" "${LEARN_LIMIT:-420}" "$s.py" $ADD $n) &
     trainers="$trainers $!"
   done
@@ -145,11 +149,16 @@ if [ "$PHASE" = check ]; then
     grpo_ipc_async:grpo:server:--async-generation grpo_lora_ipc_sync:grpo:server:--use-peft,--learning-rate,2e-4"}
   learn_runs sync_tests
 fi
+if [ "$PHASE" = two_servers ]; then  # one push to two IPC servers of the tiny DeepSeek-V2 model, both compared
+  tiny_models
+  GPU_RESULTS_DIR=$OUT timeout 400 python3 -m pytest -x -q -rs tests/gpu/test_server_ipc.py -k two_ipc 2>&1 \
+    | tee "$OUT/pytest_two_servers.log"
+fi
 if [ "$PHASE" = learn ]; then  # $RUNS (as check's) in a session of their own: the call returns, the runs go on
   setsid bash "$0" learn_runs "$OUT" > "$OUT/learn.out" 2>&1 < /dev/null &
 fi
 if [ "$PHASE" = learn_runs ]; then
-  RUNS=${RUNS:-"rloo_ipc_async:rloo:server:--async-generation online_dpo_ipc_async:online_dpo:server:--async-generation"}
+  RUNS=${RUNS:-"grpo_2servers_sync:grpo:server::2 grpo_2servers_async:grpo:server:--async-generation:2"}
   learn_runs
   echo "learning runs done"
 fi
