@@ -7,7 +7,8 @@ Variants: "completions-<k>": the scripts' own requests (vllm_utils.server_genera
 request; the server detokenizes every token and decodes each sampled token again for its log-prob entry);
 "completions-8-nologprobs": the same without log-probs; $OTHER_PORTS ("b=8003,c=8005": other servers, e.g. of other
 flags) adds "b:completions-8" and so on, the scripts' requests to those; $SPLIT_PORTS ("8003,8005") adds "split": the
-round's prompts shared by those servers at once (several EngineCore processes share its per-token CPU work); "tokens":
+round's requests sent to those servers in turn by vllm_utils.server_generate (several EngineCore processes share its
+per-token CPU work); "tokens":
 POST /inference/v1/generate, one prompt per request, detokenize=False (token ids and log-probs only: what we train on);
 "tokens-nologprobs": the same without log-probs, the engine's floor; "inprocess": the colocated engine of the training
 scripts (vllm_utils.colocate_engine at 0.3 of the GPU, colocate_generate), in this process beside the idle server. Each
@@ -84,16 +85,9 @@ def main(port, out, rounds=4):
     for label, other in (item.split("=") for item in filter(None, os.environ.get("OTHER_PORTS", "").split(","))):
         other_url = f"http://127.0.0.1:{other}"  # another server (other flags): LABEL:completions-8 asks it
         variants[f"{label}:completions-8"] = ours(8, other_url)
-    if split := os.environ.get("SPLIT_PORTS"):  # the round's prompts shared evenly by these servers, all at once
-        urls = [f"http://127.0.0.1:{port}" for port in split.split(",")]
-
-        def shared(prompts):
-            size = -(-len(prompts) // len(urls))
-            parts = [(u, prompts[k * size : (k + 1) * size]) for k, u in enumerate(urls)]
-            with concurrent.futures.ThreadPoolExecutor(len(urls)) as pool:
-                return [s for part in pool.map(lambda p: ours(8, p[0])(p[1]), parts) for s in part]
-
-        variants["split"] = shared
+    if split := os.environ.get("SPLIT_PORTS"):  # the round shared by these servers, as --vllm-server-port P1 P2 does
+        # (until 358bc54 this variant split the prompts in two halves itself, one thread per server: the same requests)
+        variants["split"] = ours(8, [f"http://127.0.0.1:{port}" for port in split.split(",")])
     variants["tokens"] = partial(tokens, url, model)
     variants["tokens-nologprobs"] = partial(tokens, url, model, logprobs=False)
     keep = os.environ.get("VARIANTS", ",".join([*variants, "inprocess"])).split(",")
