@@ -349,7 +349,7 @@ def _post(base_url, path, timeout, **kwargs):
     # one attempt, never retried: a repeated /update_weights would wait forever for a broadcast that never comes
     response = requests.post(f"{base_url}{path}", timeout=timeout, **kwargs)
     if response.status_code != 200:
-        raise RuntimeError(f"POST {path} failed with {response.status_code}: {response.text[:500]}")
+        raise RuntimeError(f"POST {base_url}{path} failed with {response.status_code}: {response.text[:500]}")
     return response.json() if response.content else {}
 
 
@@ -425,7 +425,8 @@ def paused_update(base_url, send, name="MODEL", backend="nccl", timeout=300.0):
             _post(base_url, "/finish_weight_update", 60, json={})
         except BaseException as error:
             restored = restore_after_failed_update(base_url, name, backend=backend)
-            raise RuntimeError(f"the weight update failed: {error}\nThe server {restored}") from error
+            cause = str(error).removeprefix("the weight update failed: ")  # one prefix when servers nest
+            raise RuntimeError(f"the weight update failed: {cause}\nThe server at {base_url} {restored}") from error
         if not _post(base_url, "/reset_prefix_cache", 60).get("success", True):  # paused: no request holds blocks
             raise RuntimeError("the server's prefix cache could not be reset after a weight update")
     except BaseException:
@@ -595,8 +596,8 @@ def check_args(args):
         ("vllm_max_model_len", lambda v: v >= 1, "at least 1"),
         (
             "vllm_server_port",
-            lambda v: all(0 < p < 65536 for p in _ports(v)) and len(set(_ports(v))) == len(_ports(v)),
-            "TCP ports (1-65535), each once",
+            lambda v: _ports(v) and all(0 < p < 65536 for p in _ports(v)) and len(set(_ports(v))) == len(_ports(v)),
+            "TCP ports (1-65535), at least one, each once",
         ),
         ("vllm_server_timeout", lambda v: v > 0, "> 0 seconds"),
         ("vllm_group_port", lambda v: 0 < v < 65536, "a TCP port (1-65535)"),

@@ -639,7 +639,7 @@ def test_a_failed_update_restores_the_server_and_resumes_it(serve, no_nccl, fini
             }
         )
     )
-    with pytest.raises(RuntimeError, match="(?s)Invalid update_info.*The server was restored"):
+    with pytest.raises(RuntimeError, match="(?s)Invalid update_info.*The server at .* was restored"):
         vllm_utils.server_sync_weights(
             server.url, "group", _tiny_llama(), "0.26.0", 1 << 20, timeout=5, name="my/model"
         )
@@ -1037,7 +1037,7 @@ def test_a_failed_ipc_update_restores_the_server_and_names_the_fix(serve, monkey
     }
     for answer, fix in answers.items():
         server = serve(_sync_routes(**{"/update_weights": _vllm_error(answer)}))
-        with pytest.raises(RuntimeError, match="The server was restored") as error:
+        with pytest.raises(RuntimeError, match="The server at .* was restored") as error:
             vllm_utils.server_sync_weights_ipc(server.url, _tiny_llama(), "0.26.0", 1 << 20, timeout=5, name="my/m")
         assert fix in str(error.value) and "VLLM_ALLOW_INSECURE_SERIALIZATION=1 vllm serve my/m" in str(error.value)
         assert "CUDA_VISIBLE_DEVICES=3 " in str(error.value)  # the IPC command puts the server on the trainer's GPU
@@ -1184,7 +1184,7 @@ def test_check_args_names_each_vllm_flag_and_fits_every_script(monkeypatch, caps
     assert problems[0] == "--use-vllm needs a CUDA GPU"
     for text in ("--vllm-gpu-memory-utilization must be in (0, 1]", "--vllm-server-port must be TCP ports"):
         assert any(p.startswith(text) for p in problems), (text, problems)
-    for ports, ok in (([8000, 8000], False), ([8000, 8001], True), (8001, True), (70000, False)):  # an older Args: int
+    for ports, ok in (([8000, 8000], False), ([8000, 8001], True), ([], False), (8001, True), (70000, False)):
         said = vllm_utils.check_args(SimpleNamespace(**{**vars(grpo.Args()), "vllm_server_port": ports}))
         assert (said == []) == ok, (ports, said)
     assert any(p.startswith("--vllm-importance-sampling-clip-max must be >") for p in problems)
@@ -1301,16 +1301,22 @@ def test_an_ipc_push_to_several_servers_packs_each_chunk_once_and_pauses_them_al
     assert ipc.received.keys() == sent.keys() and all(torch.equal(ipc.received[k], v) for k, v in sent.items())
 
 
-def test_a_failed_push_to_the_second_server_leaves_both_restored_and_resumed(serve, monkeypatch):
+@pytest.mark.parametrize("failing", [0, 1])
+@pytest.mark.parametrize("path", ["/start_weight_update", "/update_weights"])
+def test_a_failed_push_to_either_server_leaves_both_restored_and_resumed(serve, monkeypatch, failing, path):
+    """Whichever server fails, both end resumed, each update that started is finished (its layers get their weights
+    back), and the error says the cause once and names each restored server."""
     FakeIPC(monkeypatch)
-    timeline = []
-    first = serve(_timeline_routes(timeline, 0))
-    second = serve(_timeline_routes(timeline, 1, **{"/update_weights": _vllm_error("boom")}))
-    with pytest.raises(RuntimeError, match="boom"):
-        vllm_utils.server_sync_weights_ipc([first.url, second.url], _tiny_llama(), "0.26.0", 1 << 20, 5, name="m")
-    for server in (first, second):
-        paths = server.paths()
-        assert paths[-1] == "/resume" and paths.count("/pause") == 1 and "/finish_weight_update" in paths
+    servers = [serve(_sync_routes(**({path: _vllm_error("boom")} if k == failing else {}))) for k in (0, 1)]
+    with pytest.raises(RuntimeError, match="boom") as error:
+        vllm_utils.server_sync_weights_ipc([s.url for s in servers], _tiny_llama(), "0.26.0", 1 << 20, 5, name="m")
+    said = str(error.value)
+    assert said.count("the weight update failed") <= 1 and said.count("boom") == 1, said
+    for k, server in enumerate(servers):  # all are paused and started before the first chunk goes out
+        paths, started = server.paths(), k < failing or path == "/update_weights"
+        assert paths.count("/pause") == (1 if started or k == failing else 0), (k, paths)
+        assert paths[-1:] == (["/resume"] if paths else []) and ("/finish_weight_update" in paths) == started, paths
+        assert (f"The server at {server.url} was restored" in said) == started, said
 
 
 def _several(monkeypatch, servers):

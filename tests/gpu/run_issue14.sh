@@ -39,7 +39,7 @@ timeout -s INT -k 30 ${ISSUE14_TIMEOUT:-520} $PY -m pytest -v -rA -p no:cachepro
   "${TESTS[@]}" 2>&1 | tee "$OUT/pytest.log" | grep -E "PASSED|FAILED|SKIPPED|ERROR|passed|failed|^E " | cut -c1-400
 echo "pytest rc ${PIPESTATUS[0]} after $(( $(date +%s) - T0 )) s"
 # a server a killed pytest left behind (its process group, started by tiny_models.Servers)
-[ -f "$OUT/server.pid" ] && kill -9 -- -"$(cat "$OUT/server.pid")" 2>/dev/null
+for pid in $(cat "$OUT/server.pid" 2>/dev/null); do kill -9 -- -"$pid" 2>/dev/null; done
 $PY - "$OUT" <<'PY'
 import glob, json, os, sys
 

@@ -118,8 +118,8 @@ class Servers:
             args, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
         )
         self.model, self.started = model, time.perf_counter()
-        with open(os.path.join(self.log_dir, "server.pid"), "w") as f:  # run_issue14.sh kills it if pytest was
-            f.write(str(self.proc.pid))
+        with open(os.path.join(self.log_dir, "server.pid"), "a") as f:  # run_issue14.sh kills each if pytest was
+            f.write(f"{self.proc.pid}\n")
 
     def get(self, model, timeout=300):
         """The URL of a healthy server of `model` and its startup seconds (from start to healthy)."""
