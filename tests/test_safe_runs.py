@@ -93,6 +93,8 @@ BAD_INPUTS = [  # (script, extra arguments (a function of tmp_path), what the me
     ("grpo.py", lambda t: ["--save-total-limit", -1, "--max-steps", 0], ["--save-total-limit", "--max-steps"]),
     ("grpo.py", lambda t: ["--reward-weights", 1, 2], ["--reward-weights has 2 values for 1 --reward-funcs"]),
     ("grpo.py", lambda t: ["--use-vllm"], ["--use-vllm needs a CUDA GPU"]),
+    ("rloo.py", lambda t: ["--vllm-server-port", 8000, 8000], ["--vllm-server-port must be TCP ports", "each once"]),
+    ("online_dpo.py", lambda t: ["--vllm-server-port", 8000, 0], ["--vllm-server-port must be TCP ports"]),
     ("grpo.py", lambda t: ["--reward-funcs", "gsm8k_accuracy"], ["gsm8k_accuracy", "--answer-column"]),
     (
         "grpo.py",
