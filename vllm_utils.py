@@ -491,7 +491,7 @@ def server_sync_weights_ipc(base_url, model, version=None, buffer_bytes=1 << 30,
     """CUDA IPC to a server on this GPU, inside paused_update: named_weights in packed chunks of at most `buffer_bytes`,
     one /update_weights with its handle each (torchrun's other ranks iterate the weights too). 0.27+ learns `packed`
     from /init_weight_transfer_engine, sent at every sync (one request; a restarted server has forgotten it).
-    `base_url`: one URL, or a list of servers of one run: each chunk goes to each in turn, inside every server's
+    `base_url`: one URL, or a list of servers of one run: each chunk goes to all at once, inside every server's
     paused_update (nested: a failure restores and resumes them all), so the weights are packed once."""
     urls = [base_url] if isinstance(base_url, str) else list(base_url)
     total = sum(2 * math.prod(shape) for shape in weight_metadata(model)["shapes"])  # bf16 bytes
@@ -499,15 +499,20 @@ def server_sync_weights_ipc(base_url, model, version=None, buffer_bytes=1 << 30,
         if init_info := weight_sync_messages(version, {}, {}, backend="ipc")[0]:
             _post(url, "/init_weight_transfer_engine", timeout, json={"init_info": init_info})
 
+    def update(url, handle, chunk):
+        info = weight_sync_messages(version, {}, {**chunk, "ipc_handles_pickled": handle}, backend="ipc")[1]
+        try:
+            _post(url, "/update_weights", timeout, json={"update_info": info})
+        except RuntimeError as error:
+            raise RuntimeError(_ipc_problem(url, str(error), name)) from error
+
     def send():
-        for data, chunk in packed_chunks(named_weights(model), min(buffer_bytes, total)):
-            for url in urls:  # a fresh export for each server: each rebuilds and releases its own
-                handle = base64.b64encode(pickle.dumps(ipc_handle(data))).decode()  # pickled: HTTP carries JSON
-                info = weight_sync_messages(version, {}, {**chunk, "ipc_handles_pickled": handle}, backend="ipc")[1]
-                try:
-                    _post(url, "/update_weights", timeout, json={"update_info": info})
-                except RuntimeError as error:
-                    raise RuntimeError(_ipc_problem(url, str(error), name)) from error
+        with concurrent.futures.ThreadPoolExecutor(len(urls)) as pool:
+            for data, chunk in packed_chunks(named_weights(model), min(buffer_bytes, total)):
+                # a fresh export for each server (each rebuilds and releases its own), pickled: HTTP carries JSON
+                handles = [base64.b64encode(pickle.dumps(ipc_handle(data))).decode() for _ in urls]
+                # the servers copy the chunk at once; all answer before packed_chunks refills the buffer
+                list(pool.map(update, urls, handles, [chunk] * len(urls)))
 
     for url in reversed(urls):  # the first server's paused_update holds the second's, which holds send()
         send = functools.partial(paused_update, url, send, name, "ipc", timeout)

@@ -1279,10 +1279,21 @@ def _timeline_routes(timeline, tag, **overrides):
 
 
 def test_an_ipc_push_to_several_servers_packs_each_chunk_once_and_pauses_them_all(serve, monkeypatch):
-    """Each chunk is packed once and sent to both servers (a fresh export each) while both are paused inside a
-    started update; the second server's update is inside the first's, and every weight reaches both intact."""
-    ipc, timeline = FakeIPC(monkeypatch), []
-    servers = [serve(_timeline_routes(timeline, k, **{"/update_weights": ipc.update_weights})) for k in (0, 1)]
+    """Each chunk is packed once and sent to both servers at once (a fresh export each) while both are paused inside
+    a started update; the second server's update is inside the first's, and every weight reaches both intact."""
+    ipc, timeline, busy, lock = FakeIPC(monkeypatch), [], {"now": 0, "max": 0}, threading.Lock()
+
+    def update_weights(body):  # slow enough that a sequential push would never have both servers copying
+        with lock:
+            busy["now"] += 1
+            busy["max"] = max(busy["max"], busy["now"])
+        time.sleep(0.05)
+        answer = ipc.update_weights(body)
+        with lock:
+            busy["now"] -= 1
+        return answer
+
+    servers = [serve(_timeline_routes(timeline, k, **{"/update_weights": update_weights})) for k in (0, 1)]
     model = _tiny_llama()
     vllm_utils.server_sync_weights_ipc([s.url for s in servers], model, "0.26.0", 4096, timeout=5, name="m")
     chunks = len(ipc.updates) // 2
@@ -1293,8 +1304,8 @@ def test_an_ipc_push_to_several_servers_packs_each_chunk_once_and_pauses_them_al
         *((0, p) for p in end),
     ]
     updates = [t for t, p in timeline if p == "/update_weights"]
-    assert chunks > 1 and updates == [0, 1] * chunks  # chunk by chunk, to each server in turn
-    assert len(ipc.chunks) == 2 * chunks  # one export per server and chunk
+    assert chunks > 1 and all(sorted(updates[2 * c : 2 * c + 2]) == [0, 1] for c in range(chunks))  # chunk by chunk
+    assert len(ipc.chunks) == 2 * chunks and busy["max"] == 2  # one export per server and chunk; both at once
     names = [tuple(update["names"]) for update in ipc.updates]
     assert names[0::2] == names[1::2]  # the same chunk to both
     sent = dict(vllm_utils.named_weights(model))
