@@ -36,6 +36,7 @@ SERVER_OPTIONS.update(vllm_weight_sync_timeout=300.0, vllm_weight_sync_buffer_mb
 _restart = lambda model, backend="nccl", base_url=None: (  # noqa: E731
     f"Restart it as:\n  {serve_command(model, port=base_url.rsplit(':', 1)[1] if base_url else 8000, backend=backend)}"
 )
+_listed = lambda value: list(value) if isinstance(value, (list, tuple)) else [value]  # noqa: E731 - one or several
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "0.0.0.0", "::1", socket.gethostname())
 _strip = lambda name: (  # noqa: E731 - wrappers' infixes: activation checkpointing's, FSDP's, peft's
     name.replace("_checkpoint_wrapped_module.", "").replace("_fsdp_wrapped_module.", "").replace(".base_layer.", ".")
@@ -493,7 +494,7 @@ def server_sync_weights_ipc(base_url, model, version=None, buffer_bytes=1 << 30,
     from /init_weight_transfer_engine, sent at every sync (one request; a restarted server has forgotten it).
     `base_url`: one URL, or a list of servers of one run: each chunk goes to all at once, inside every server's
     paused_update (nested: a failure restores and resumes them all), so the weights are packed once."""
-    urls = [base_url] if isinstance(base_url, str) else list(base_url)
+    urls = _listed(base_url)
     total = sum(2 * math.prod(shape) for shape in weight_metadata(model)["shapes"])  # bf16 bytes
     for url in urls:
         if init_info := weight_sync_messages(version, {}, {}, backend="ipc")[0]:
@@ -557,7 +558,7 @@ def server_generate(base_url, model_id, prompt_ids, n, fields, chunk_size=8, tim
     requests of `chunk_size` prompts (vLLM batches them; no response holds a round), each within `timeout` s.
     `base_url`: one server's URL, or a list of several servers of the same weights, which take the chunks in turn: one
     EngineCore process's CPU bounds a round with log-probs, and several share it (docs/vllm.md, "Several servers")."""
-    urls = [base_url] if isinstance(base_url, str) else list(base_url)
+    urls = _listed(base_url)
     first = int(os.environ.get("RANK", "0"))  # torchrun ranks start at different servers
 
     def complete(i, chunk):
@@ -587,9 +588,6 @@ def setup_problems():
     return [] if importlib.util.find_spec("vllm") else ["--use-vllm needs vllm: pip install -r requirements.txt"]
 
 
-_ports = lambda value: list(value) if isinstance(value, (list, tuple)) else [value]  # noqa: E731 - one or several
-
-
 def check_args(args):
     """The vLLM flags' problems, one line each naming its flag and fix ([] if none), and their warnings; asked with the
     scripts' own checks, before any model loads (the importance-sampling flags where a script has them)."""
@@ -601,7 +599,7 @@ def check_args(args):
         ("vllm_max_model_len", lambda v: v >= 1, "at least 1"),
         (
             "vllm_server_port",
-            lambda v: _ports(v) and all(0 < p < 65536 for p in _ports(v)) and len(set(_ports(v))) == len(_ports(v)),
+            lambda v: _listed(v) and all(0 < p < 65536 for p in _listed(v)) and len(set(_listed(v))) == len(_listed(v)),
             "TCP ports (1-65535), at least one, each once",
         ),
         ("vllm_server_timeout", lambda v: v > 0, "> 0 seconds"),
@@ -648,7 +646,7 @@ def start(args, model_path, max_prompt_length):
     # what to serve is the base model: a resume's checkpoint-N may be deleted (--save-total-limit), and the server gets
     # this run's weights at once anyway (start_with_weights)
     engine["model"] = model_path = getattr(args, "model_name_or_path", model_path)
-    ports = _ports(args.vllm_server_port)  # several: servers of one model on this GPU, sharing each round
+    ports = _listed(args.vllm_server_port)  # several: servers of one model on this GPU, sharing each round
     engine["base_urls"] = urls = [f"http://{args.vllm_server_host}:{port}" for port in ports]
     for url in urls:
         wait_for_server(url, args.vllm_server_timeout, model_path, servers=len(urls))

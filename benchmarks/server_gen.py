@@ -8,13 +8,13 @@ request; the server detokenizes every token and decodes each sampled token again
 "completions-8-nologprobs": the same without log-probs; $OTHER_PORTS ("b=8003,c=8005": other servers, e.g. of other
 flags) adds "b:completions-8" and so on, the scripts' requests to those; $SPLIT_PORTS ("8003,8005") adds "split": the
 round's requests sent to those servers in turn by vllm_utils.server_generate (several EngineCore processes share its
-per-token CPU work); "tokens":
-POST /inference/v1/generate, one prompt per request, detokenize=False (token ids and log-probs only: what we train on);
-"tokens-nologprobs": the same without log-probs, the engine's floor; "inprocess": the colocated engine of the training
-scripts (vllm_utils.colocate_engine at 0.3 of the GPU, colocate_generate), in this process beside the idle server. Each
-variant runs ROUNDS rounds after one warm-up round, on prompts no round repeats; $VARIANTS (comma-separated names) runs
-a subset. ALTERNATE=1 runs the chosen variants round by round instead, the first one first in odd rounds and last in
-even ones (e.g. VARIANTS=completions-8,inprocess: the server's round against the in-process one, each alone at work).
+per-token CPU work); "tokens": POST /inference/v1/generate, one prompt per request, detokenize=False (token ids and
+log-probs only: what we train on); "tokens-nologprobs": the same without log-probs, the engine's floor; "inprocess":
+the colocated engine of the training scripts (vllm_utils.colocate_engine at 0.3 of the GPU, colocate_generate), in
+this process beside the idle server. Each variant runs ROUNDS rounds after one warm-up round, on prompts no round
+repeats; $VARIANTS (comma-separated names) runs a subset. ALTERNATE=1 runs the chosen variants round by round
+instead, the first one first in odd rounds and last in even ones (e.g. VARIANTS=completions-8,inprocess: the server's
+round against the in-process one, each alone at work).
 samples_returned counts what came back of the 256 asked for: vLLM 0.26's /inference/v1/generate mostly returned 244-254
 of them (n=8 per request), so the scripts keep /v1/completions.
 """
