@@ -574,6 +574,7 @@ def train(args):
                     stats["clip_ratio/region_mean"].append(token_mean((low + high).clamp(max=1)))
                 t1 = clock(device)
                 grad_norm = clip_gradients(model, args.max_grad_norm)
+                timing.update(weights_pushed(run))  # --async-generation: the last push still reads the weights
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)  # now: the weight sync and generation get the memory
                 learning_rate = run.scheduler.get_last_lr()[0]  # the rate this step used: the one logged
@@ -584,22 +585,14 @@ def train(args):
                 timing["timing/optimizer"] += clock(device) - t1
 
         # 6. push the new weights to vLLM before the next generation round. --async-generation: once the round in
-        # flight is complete (on every rank), so that vLLM never switches weights in the middle of a round
+        # flight is complete, and in the background: the next round waits for the push, the next optimizer step too
         if args.use_vllm:
-            t0 = time.perf_counter()
-            if next_round is not None:
-                next_round[2].result()
-                if world_size > 1:
-                    dist.barrier()
-            t1 = time.perf_counter()
-            timing["timing/generation_wait"] += t1 - t0
-            vllm_utils.sync_weights(run.engine, model)
-            timing["timing/weight_sync"] = time.perf_counter() - t1
+            push_weights(run, next_round, timing)
         run.weights_version = global_step  # `generate` without vLLM samples from the trained model itself
 
-        # 7. evaluate every --eval-steps steps and after the last one. Here the generator holds this step's weights and
-        # no request is in flight (--async-generation: step 6 waited for the next round before the push, and the round
-        # after it starts only at the top of the loop), so evaluation samples the current policy
+        # 7. evaluate every --eval-steps steps and after the last one, once the push is in: the generator holds this
+        # step's weights and no request is in flight (--async-generation: step 6 waited for the next round before the
+        # push, and the round after it starts only at the top of the loop), so evaluation samples the current policy
         evaluated = args.eval_steps > 0 and (global_step % args.eval_steps == 0 or global_step >= args.max_steps)
         eval_results = evaluate(run) if evaluated else {}
 
@@ -677,7 +670,7 @@ def set_up(args, rules, problems=(), reference_model=False, steps_per_generation
     generator, the logs. A round is steps_per_generation x num_iterations optimizer steps (checkpoints between)."""
     # several processes (torchrun): each rank takes an equal share of every step's prompts, whole groups
     world_size, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
-    run = SimpleNamespace(args=args, world_size=world_size, rank=rank, is_main=rank == 0)
+    run = SimpleNamespace(args=args, world_size=world_size, rank=rank, is_main=rank == 0, push=None)
     run.prompts_per_rank = args.prompts_per_step // world_size
     # every mistake in the flags or the data stops the run here, before anything loads or is written
     check_args(args, world_size, rules, problems, steps_per_generation * num_iterations, steps_per_generation)
@@ -803,11 +796,56 @@ def start_round(run):
     rows = rows[run.rank * run.prompts_per_rank : (run.rank + 1) * run.prompts_per_rank]
     run.prompts_consumed += args.prompts_per_step
 
-    def work():
+    def work(push=run.push):  # a round never starts before the weights it is credited to are in (push_weights)
+        if push is not None:
+            push.result()
         t0 = time.perf_counter()
         return generate(run, [run.train_set.prompt_ids[i] for i in rows]), time.perf_counter() - t0
 
     return rows, run.weights_version, future_of(work, background=args.async_generation)
+
+
+def push_weights(run, next_round, timing):
+    """The trained weights to vLLM, once the round in flight is complete (on every rank), so that vLLM never switches
+    weights in the middle of a round. --async-generation with one trainer process: the push runs in the background
+    (on a CUDA stream of its own), beside this step's logging and the next step's scoring and training: on one GPU
+    its ~0.2 s were the step's idle time. The next round waits for it (start_round), and so do the next optimizer
+    step, evaluation and the end of the run (weights_pushed). With several ranks FSDP2's gathers are collectives,
+    which cannot run beside training's: the push stays in the loop."""
+    t0 = time.perf_counter()
+    if next_round is not None:
+        next_round[2].result()
+        if run.world_size > 1:
+            dist.barrier()
+    t1 = time.perf_counter()
+    timing["timing/generation_wait"] += t1 - t0
+    timing.update(weights_pushed(run))  # (a step without an optimizer step did not wait for the last one)
+    if not (run.args.async_generation and run.world_size == 1):
+        vllm_utils.sync_weights(run.engine, run.model)
+        timing["timing/weight_sync"] = time.perf_counter() - t1
+        return
+    stream = None
+    if run.device.type == "cuda":
+        run.push_stream = stream = getattr(run, "push_stream", None) or torch.cuda.Stream(run.device)
+        stream.wait_stream(torch.cuda.current_stream(run.device))  # it reads the weights after the optimizer step
+
+    def push():
+        with torch.cuda.stream(stream) if stream is not None else nullcontext():
+            vllm_utils.sync_weights(run.engine, run.model)
+        return time.perf_counter() - t1
+
+    # not a daemon: an exit (an error in training included) waits for it, so that no server is left inside an update
+    run.push = future_of(push, background=True, daemon=False)
+
+
+def weights_pushed(run):
+    """Wait for push_weights' background push: before the weights change (the optimizer step) or are sampled
+    (evaluation), and at the end. Returns its timings for the step's metrics: timing/weight_sync (the push, which ran
+    beside the step) and timing/weight_sync_wait (what it cost the trainer); {} when none was in flight."""
+    if (push := run.push) is None:
+        return {}
+    run.push, t0 = None, time.perf_counter()
+    return {"timing/weight_sync": push.result(), "timing/weight_sync_wait": time.perf_counter() - t0}
 
 
 def clock(device):
@@ -873,6 +911,7 @@ def evaluate(run):
     """The eval/... metrics of all eval prompts, on every rank: the rewards of a greedy completion and, with
     --eval-num-generations k > 1, of k sampled ones, from the generator (holding the current weights: called right
     after the weight push). Each rank generates its share in calls of one round's size; the scores are gathered."""
+    pushed = weights_pushed(run)  # the current weights
     t0 = time.perf_counter()
     args, device, world_size = run.args, run.device, run.world_size
     rows, real = rank_share(len(run.eval_set.prompt_ids), run.rank, world_size)
@@ -899,7 +938,7 @@ def evaluate(run):
     greedy, sampled, lengths = (None if part[0] is None else torch.cat(part) for part in zip(*parts))
     metrics = eval_metrics(greedy, sampled, run.reward_weights, [fn.__name__ for fn in run.reward_fns])
     metrics.update({"eval/num_prompts": len(greedy), "eval/completions/mean_length": lengths.mean().item()})
-    return {**metrics, "timing/eval": time.perf_counter() - t0}
+    return {**metrics, **pushed, "timing/eval": time.perf_counter() - t0}
 
 
 def log_metrics(run, metrics, show):
@@ -1346,7 +1385,7 @@ def hf_generate(model, prompt_ids, args, eos_ids, pad_id, num_generations=None, 
     return [cut_after_eos(row) for row in out[:, P:].tolist()], None
 
 
-def future_of(fn, background):
+def future_of(fn, background, daemon=True):
     """fn() as a Future: run in a daemon thread (--async-generation: the trainer trains meanwhile; a daemon never
     holds up the exit after an error), or right now. future.result() returns the value or raises fn's error."""
     future = Future()
@@ -1357,7 +1396,7 @@ def future_of(fn, background):
         except BaseException as error:  # noqa: BLE001 - re-raised by future.result() in the training loop
             future.set_exception(error)
 
-    threading.Thread(target=run, daemon=True).start() if background else run()
+    threading.Thread(target=run, daemon=daemon).start() if background else run()
     return future
 
 
@@ -1458,6 +1497,7 @@ def save_checkpoint(run, global_step, prompts_consumed, **counters):
 
 def stop_preempted(run, global_step):
     """After the checkpoint SIGTERM or Ctrl-C asked for: say how to continue, exit with 128 + the signal (143, 130)."""
+    weights_pushed(run)  # no server is left inside an update
     signum = getattr(run.preemption, "signum", signal.SIGTERM)  # (another rank may have got the signal alone)
     if run.is_main:
         tip = f"the same command with --output-dir {run.output_dir} --resume-from-checkpoint latest continues the run"
@@ -1472,6 +1512,7 @@ def stop_preempted(run, global_step):
 def finish(run):
     """The final model + tokenizer, loadable with from_pretrained(output_dir) (--max-steps 0 only evaluated: nothing to
     save); then the logs, the run directory's lock and the process group are released."""
+    weights_pushed(run)  # the last push is in before the servers are left to others
     run.progress.close()
     model_state = full_state(run.model, None)[0] if run.args.max_steps else None
     merged = {n: t.cpu() for n, t in vllm_utils.named_weights(run.model)} if run.args.save_merged_model else None

@@ -9,7 +9,6 @@ vLLM is imported only where needed."""
 import base64
 import concurrent.futures
 import contextlib
-import functools
 import importlib.util
 import math
 import os
@@ -437,6 +436,40 @@ def paused_update(base_url, send, name="MODEL", backend="nccl", timeout=300.0):
     _post(base_url, "/resume", 60)
 
 
+def paused_updates(urls, send, name="MODEL", backend="nccl", timeout=300.0):
+    """paused_update on several servers at once, each in a thread of its own (their pauses, starts, finishes and
+    resumes overlap: /pause alone sleeps 20 ms on 0.26): send() runs once, when every server is paused inside a started
+    update. A failure anywhere restores and resumes them all; it is raised once, with each server's restoration."""
+    if len(urls) == 1:
+        return paused_update(urls[0], send, name, backend, timeout)
+    barrier, errors = threading.Barrier(len(urls), action=send), {}  # the last server to be ready runs send()
+    device = torch.cuda.current_device() if torch.cuda.is_initialized() else None
+    stream = torch.cuda.current_stream() if device is not None else None
+
+    def one(url):
+        try:
+            if device is not None:  # the current device and stream are per thread: send() packs on the caller's
+                torch.cuda.set_device(device)
+            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                paused_update(url, lambda: barrier.wait(timeout), name, backend, timeout)
+        except BaseException as error:  # noqa: BLE001 - raised below, after every server is resumed
+            barrier.abort()  # the others stop waiting: each restores and resumes its server
+            errors[url] = error
+
+    threads = [threading.Thread(target=one, args=(url,), daemon=True) for url in urls]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if errors:  # the cause once (a server that only saw the barrier break adds its restoration line)
+        broken = lambda error: isinstance(error.__cause__, threading.BrokenBarrierError)  # noqa: E731
+        cause = next((e for e in errors.values() if not broken(e)), next(iter(errors.values())))
+        said = [str(cause)] + [
+            str(e).split("\n", 1)[-1] if broken(e) else str(e) for e in errors.values() if e is not cause
+        ]
+        raise RuntimeError("\n".join(said)) from cause
+
+
 def server_sync_weights(base_url, group, model, version=None, buffer_bytes=1 << 30, timeout=300.0, name="MODEL"):
     """NCCL: named_weights' packed broadcast beside /update_weights (other torchrun ranks iterate them too), inside
     paused_update. `group`: server_init_weight_sync's; `version`: the server's vLLM; `name`: the model."""
@@ -493,7 +526,7 @@ def server_sync_weights_ipc(base_url, model, version=None, buffer_bytes=1 << 30,
     one /update_weights with its handle each (torchrun's other ranks iterate the weights too). 0.27+ learns `packed`
     from /init_weight_transfer_engine, sent at every sync (one request; a restarted server has forgotten it).
     `base_url`: one URL, or a list of servers of one run: each chunk goes to all at once, inside every server's
-    paused_update (nested: a failure restores and resumes them all), so the weights are packed once."""
+    paused_update at once (paused_updates: a failure restores and resumes them all), so the weights are packed once."""
     urls = _listed(base_url)
     total = sum(2 * math.prod(shape) for shape in weight_metadata(model)["shapes"])  # bf16 bytes
     for url in urls:
@@ -515,10 +548,8 @@ def server_sync_weights_ipc(base_url, model, version=None, buffer_bytes=1 << 30,
                 # the servers copy the chunk at once; all answer before packed_chunks refills the buffer
                 list(pool.map(update, urls, handles, [chunk] * len(urls)))
 
-    for url in reversed(urls):  # the first server's paused_update holds the second's, which holds send()
-        send = functools.partial(paused_update, url, send, name, "ipc", timeout)
     try:
-        send()
+        paused_updates(urls, send, name, "ipc", timeout)
     finally:  # after /finish_weight_update, where a 0.28+ server releases its mapping of the last chunk
         if torch.cuda.is_initialized():
             torch.cuda.ipc_collect()  # the exported buffers the server has released go back to the allocator

@@ -14,8 +14,10 @@
 #   bench: bench-0.5b side by side, PAIR=1: TRL colocate, ours colocate, ours one-GPU server, ours one-GPU server
 #          --async-generation; PAIR=2 the same in reverse order. Writes OUT_DIR/vs_trl.json (ratios.py, $COMMIT).
 #          SERVERS=2: ours against two servers on the GPU (ports 8001 and 8011), each round shared between them.
+#          SIDES: which of trl, colocate, server and async run (all four by default), in PAIR=1's order.
 #          BENCH_MODEL=/tmp/bench-qwen15b (../shared/gpu/make_bench_model.py TOK OUT 1.5b) for the 1.5B shape: its
 #          server is started on port 8002 (stop the 0.5b one first: both would not fit beside a trainer).
+#   push_probe: where a push to the bench servers goes, call by call (benchmarks/push_probe.py; SERVERS as bench).
 #   learn: the learning runs of $RUNS against eager IPC servers of their own (by default grpo.py against two servers,
 #          with and without --async-generation), in a session of their own: give it a directory that outlives the
 #          call (/root/learn); OUT_DIR/learn.out says when done.
@@ -165,19 +167,22 @@ fi
 if [ "$PHASE" = bench ]; then
   serve_bench; for p in $PORTS; do wait_server "$p"; done
   S="--vllm-mode server --vllm-server-port $PORTS"
-  P=${PAIR:-1}
-  if [ "$P" = 1 ]; then
-    trl trl_colocate_1 200
-    ours ours_colocate_1 260 grpo.py $BENCH --vllm-mode colocate
-    ours ours_server1gpu_1 150 grpo.py $BENCH $S
-    ours ours_async1gpu_1 150 grpo.py $BENCH $S --async-generation
-  else
-    ours ours_async1gpu_2 150 grpo.py $BENCH $S --async-generation
-    ours ours_server1gpu_2 150 grpo.py $BENCH $S
-    ours ours_colocate_2 260 grpo.py $BENCH --vllm-mode colocate
-    trl trl_colocate_2 200
-  fi
+  P=${PAIR:-1}; ORDER=${SIDES:-trl colocate server async}  # PAIR=2 runs them in the reverse order
+  [ "$P" = 1 ] || ORDER=$(echo $ORDER | tr ' ' '\n' | tac | tr '\n' ' ')
+  for side in $ORDER; do
+    case $side in
+      trl) trl trl_colocate_$P 200 ;;
+      colocate) ours ours_colocate_$P 260 grpo.py $BENCH --vllm-mode colocate ;;
+      server) ours ours_server1gpu_$P 150 grpo.py $BENCH $S ;;
+      async) ours ours_async1gpu_$P 150 grpo.py $BENCH $S --async-generation ;;
+      *) echo "bench: unknown side $side (trl, colocate, server or async)" >&2; exit 2 ;;
+    esac
+  done
   python3 benchmarks/ratios.py "$OUT" --commit "${COMMIT:-unknown}"
+fi
+if [ "$PHASE" = push_probe ]; then  # each HTTP call of a push to the bench servers, one and all (push_probe.py)
+  for p in $PORTS; do wait_server "$p"; done
+  timeout 300 python3 benchmarks/push_probe.py "$MODEL" "$OUT/push_probe.json" $PORTS 2>&1 | tail -5
 fi
 if [ "$PHASE" = ab ]; then  # colocate bench-0.5b, the scripts of $OLD_DIR (e.g. bench_old/, carried) against these
   P=${PAIR:-1}

@@ -138,6 +138,52 @@ def test_async_generation_trains_on_rounds_one_step_behind(tmp_path, monkeypatch
 
 
 @pytest.mark.parametrize("script", ["grpo.py", "rloo.py", "online_dpo.py"])
+@pytest.mark.parametrize("async_generation", [False, True])
+def test_an_async_push_runs_beside_the_next_step_while_the_weights_hold_still(
+    tmp_path, monkeypatch, data, script, async_generation
+):
+    """--async-generation: each push after the first runs in the background, beside the next step's scoring, and the
+    optimizer step waits for it (the weights it reads never change under it); the round after it waits for it too
+    (the stand-in counts an update while serving). Without the flag every push is in the loop, beside nothing."""
+    import rewards
+
+    server = StandInServer(monkeypatch, delay=0.05)
+    pushes, scored, stand_in_push, stand_in_score = [], [], server.sync_weights, rewards.score
+
+    def slow_push(engine, model):  # slow enough that the next step's scoring comes inside it when it can
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        t0 = time.monotonic()
+        time.sleep(0.4)
+        stand_in_push(engine, model)
+        held = all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+        pushes.append((t0, time.monotonic(), held, threading.current_thread() is threading.main_thread()))
+
+    monkeypatch.setattr(vllm_utils, "sync_weights", slow_push)
+
+    def score(*args, **kwargs):  # the sleep lets a push thread just started reach its clock first (the GIL)
+        time.sleep(0.02)
+        scored.append(time.monotonic())
+        return stand_in_score(*args, **kwargs)
+
+    monkeypatch.setattr(rewards, "score", score)
+    flag = "--async-generation" if async_generation else "--no-async-generation"
+    common = [*ARGS, "--dataset-name", data, "--output-dir", tmp_path / "run", "--max-steps", 4, flag]
+    run_in_process(script, monkeypatch, *common)
+    metrics = read_metrics(tmp_path / "run")
+    assert [m["step"] for m in metrics] == [1, 2, 3, 4] and server.updates_while_serving == 0
+    assert all(held for _, _, held, _ in pushes) and len(pushes) >= 3, pushes  # the initial push and the steps'
+    beside = [any(t0 < t < t1 for t in scored) for t0, t1, _, _ in pushes]
+    on_main = [main for *_, main in pushes]
+    if async_generation:  # the initial push is at start-up, the last one beside the end of the run only
+        assert on_main[0] and not any(on_main[1:]) and any(beside), (on_main, beside)
+        waited = [m["timing/weight_sync"] for m in metrics[1:] if "timing/weight_sync_wait" in m]
+        assert waited and all(s >= 0.4 for s in waited), metrics  # the push's own time, reported by the step after
+    else:
+        assert all(on_main) and not any(beside), (on_main, beside)
+    assert server.in_flight == 0 and len(server.requests) == 4
+
+
+@pytest.mark.parametrize("script", ["grpo.py", "rloo.py", "online_dpo.py"])
 def test_async_resume_generates_the_round_in_flight_again(tmp_path, monkeypatch, data, script):
     server = StandInServer(monkeypatch, delay=0.0)
     common = [*ARGS, "--dataset-name", data, "--async-generation", "--max-steps", 4, "--output-dir", tmp_path / "run"]

@@ -1280,34 +1280,44 @@ def _timeline_routes(timeline, tag, **overrides):
 
 def test_an_ipc_push_to_several_servers_packs_each_chunk_once_and_pauses_them_all(serve, monkeypatch):
     """Each chunk is packed once and sent to both servers at once (a fresh export each) while both are paused inside
-    a started update; the second server's update is inside the first's, and every weight reaches both intact."""
-    ipc, timeline, busy, lock = FakeIPC(monkeypatch), [], {"now": 0, "max": 0}, threading.Lock()
+    a started update; the servers' pauses (and the rest of their sequences) run at once, not one after the other,
+    and every weight reaches both intact."""
+    ipc, timeline, lock = FakeIPC(monkeypatch), [], threading.Lock()
+    busy = {path: {"now": 0, "max": 0} for path in ("/pause", "/update_weights", "/resume")}
 
-    def update_weights(body):  # slow enough that a sequential push would never have both servers copying
-        with lock:
-            busy["now"] += 1
-            busy["max"] = max(busy["max"], busy["now"])
-        time.sleep(0.05)
-        answer = ipc.update_weights(body)
-        with lock:
-            busy["now"] -= 1
-        return answer
+    def slow(path, answer):  # slow enough that a sequential push would never have both servers in it at once
+        def call(body):
+            with lock:
+                busy[path]["now"] += 1
+                busy[path]["max"] = max(busy[path]["max"], busy[path]["now"])
+            time.sleep(0.05)
+            result = answer(body) if callable(answer) else answer
+            with lock:
+                busy[path]["now"] -= 1
+            return result
 
-    servers = [serve(_timeline_routes(timeline, k, **{"/update_weights": update_weights})) for k in (0, 1)]
+        return call
+
+    slowed = {"/pause": slow("/pause", (200, {})), "/resume": slow("/resume", (200, {}))}
+    slowed["/update_weights"] = slow("/update_weights", ipc.update_weights)
+    servers = [serve(_timeline_routes(timeline, k, **slowed)) for k in (0, 1)]
     model = _tiny_llama()
     vllm_utils.server_sync_weights_ipc([s.url for s in servers], model, "0.26.0", 4096, timeout=5, name="m")
     chunks = len(ipc.updates) // 2
-    each = ["/is_paused", "/pause", "/start_weight_update"]
+    begin = ["/is_paused", "/pause", "/start_weight_update"]
     end = ["/finish_weight_update", "/reset_prefix_cache", "/resume"]
-    assert [p for _, p in timeline][:6] == each * 2 and [(t, p) for t, p in timeline][-6:] == [
-        *((1, p) for p in end),
-        *((0, p) for p in end),
-    ]
-    updates = [t for t, p in timeline if p == "/update_weights"]
-    assert chunks > 1 and all(sorted(updates[2 * c : 2 * c + 2]) == [0, 1] for c in range(chunks))  # chunk by chunk
-    assert len(ipc.chunks) == 2 * chunks and busy["max"] == 2  # one export per server and chunk; both at once
+    for k in (0, 1):  # each server's own sequence
+        assert [p for t, p in timeline if t == k] == [*begin, *["/update_weights"] * chunks, *end], timeline
+    paths = [p for _, p in timeline]
+    updates = [i for i, p in enumerate(paths) if p == "/update_weights"]
+    last_start = max(i for i, p in enumerate(paths) if p == "/start_weight_update")
+    assert last_start < updates[0] and updates[-1] < paths.index("/finish_weight_update")  # all started, all sent
+    sent_to = [t for t, p in timeline if p == "/update_weights"]
+    assert all(sorted(sent_to[2 * c : 2 * c + 2]) == [0, 1] for c in range(chunks))  # chunk by chunk, to both
+    assert chunks > 1 and all(b["max"] == 2 for b in busy.values()), busy  # both paused, copying, resumed at once
+    assert len(ipc.chunks) == 2 * chunks  # one export per server and chunk
     names = [tuple(update["names"]) for update in ipc.updates]
-    assert names[0::2] == names[1::2]  # the same chunk to both
+    assert sorted(names[0::2]) == sorted(names[1::2])  # the same chunks to both
     sent = dict(vllm_utils.named_weights(model))
     assert ipc.received.keys() == sent.keys() and all(torch.equal(ipc.received[k], v) for k, v in sent.items())
 
@@ -1323,11 +1333,13 @@ def test_a_failed_push_to_either_server_leaves_both_restored_and_resumed(serve, 
         vllm_utils.server_sync_weights_ipc([s.url for s in servers], _tiny_llama(), "0.26.0", 1 << 20, 5, name="m")
     said = str(error.value)
     assert said.count("the weight update failed") <= 1 and said.count("boom") == 1, said
-    for k, server in enumerate(servers):  # all are paused and started before the first chunk goes out
-        paths, started = server.paths(), k < failing or path == "/update_weights"
-        assert paths.count("/pause") == (1 if started or k == failing else 0), (k, paths)
-        assert paths[-1:] == (["/resume"] if paths else []) and ("/finish_weight_update" in paths) == started, paths
+    for k, server in enumerate(servers):  # all are paused at once; no chunk goes out before all are started
+        paths, started = server.paths(), k != failing or path == "/update_weights"
+        assert paths.count("/pause") == 1 and paths[-1] == "/resume", (k, paths)
+        assert ("/finish_weight_update" in paths) == started, paths
         assert (f"The server at {server.url} was restored" in said) == started, said
+        if path == "/start_weight_update":
+            assert "/update_weights" not in paths, paths
 
 
 def _several(monkeypatch, servers):
