@@ -1304,7 +1304,8 @@ def hf_generate(model, prompt_ids, args, eos_ids, pad_id, num_generations=None, 
 
 def future_of(fn, background, daemon=True):
     """fn() as a Future: run in a daemon thread (--async-generation: the trainer trains meanwhile; a daemon never
-    holds up the exit after an error), or right now. future.result() returns the value or raises fn's error."""
+    holds up the exit after an error; daemon=False: one the exit must wait for), or right now. future.result() returns
+    the value or raises fn's error."""
     future = Future()
 
     def run():
