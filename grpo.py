@@ -574,7 +574,7 @@ def train(args):
                     stats["clip_ratio/region_mean"].append(token_mean((low + high).clamp(max=1)))
                 t1 = clock(device)
                 grad_norm = clip_gradients(model, args.max_grad_norm)
-                timing.update(weights_pushed(run))  # --async-generation: the last push still reads the weights
+                timing.update(pushed := weights_pushed(run))  # --async-generation: the last push reads the weights
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)  # now: the weight sync and generation get the memory
                 learning_rate = run.scheduler.get_last_lr()[0]  # the rate this step used: the one logged
@@ -582,7 +582,7 @@ def train(args):
                 global_step += 1
                 run.progress.update(1)
                 timing["timing/forward_backward"] += t1 - t0
-                timing["timing/optimizer"] += clock(device) - t1
+                timing["timing/optimizer"] += clock(device) - t1 - pushed.get("timing/weight_sync_wait", 0.0)
 
         # 6. push the new weights to vLLM before the next generation round. --async-generation: once the round in
         # flight is complete, and in the background: the next round waits for the push, the next optimizer step too
@@ -843,7 +843,7 @@ def weights_pushed(run):
     (evaluation), and at the end. Returns its timings for the step's metrics: timing/weight_sync (the push, which ran
     beside the step) and timing/weight_sync_wait (what it cost the trainer); {} when none was in flight."""
     if (push := run.push) is None:
-        return {}
+        return run.__dict__.pop("pushed", {})  # a push evaluation waited for: the next step logs it
     run.push, t0 = None, time.perf_counter()
     return {"timing/weight_sync": push.result(), "timing/weight_sync_wait": time.perf_counter() - t0}
 
@@ -911,7 +911,7 @@ def evaluate(run):
     """The eval/... metrics of all eval prompts, on every rank: the rewards of a greedy completion and, with
     --eval-num-generations k > 1, of k sampled ones, from the generator (holding the current weights: called right
     after the weight push). Each rank generates its share in calls of one round's size; the scores are gathered."""
-    pushed = weights_pushed(run)  # the current weights
+    run.pushed = weights_pushed(run)  # the current weights (its timings go to the next step's metrics)
     t0 = time.perf_counter()
     args, device, world_size = run.args, run.device, run.world_size
     rows, real = rank_share(len(run.eval_set.prompt_ids), run.rank, world_size)
@@ -938,7 +938,7 @@ def evaluate(run):
     greedy, sampled, lengths = (None if part[0] is None else torch.cat(part) for part in zip(*parts))
     metrics = eval_metrics(greedy, sampled, run.reward_weights, [fn.__name__ for fn in run.reward_fns])
     metrics.update({"eval/num_prompts": len(greedy), "eval/completions/mean_length": lengths.mean().item()})
-    return {**metrics, **pushed, "timing/eval": time.perf_counter() - t0}
+    return {**metrics, "timing/eval": time.perf_counter() - t0}
 
 
 def log_metrics(run, metrics, show):

@@ -168,8 +168,8 @@ def test_an_async_push_runs_beside_the_next_step_while_the_weights_hold_still(
     monkeypatch.setattr(rewards, "score", score)
     flag = "--async-generation" if async_generation else "--no-async-generation"
     common = [*ARGS, "--dataset-name", data, "--output-dir", tmp_path / "run", "--max-steps", 4, flag]
-    run_in_process(script, monkeypatch, *common)
-    metrics = read_metrics(tmp_path / "run")
+    run_in_process(script, monkeypatch, *common, "--eval-steps", 2, "--eval-dataset", data)  # evaluation waits too
+    metrics = [m for m in read_metrics(tmp_path / "run") if m["step"] > 0]  # (step 0: the evaluation before training)
     assert [m["step"] for m in metrics] == [1, 2, 3, 4] and server.updates_while_serving == 0
     assert all(held for _, _, held, _ in pushes) and len(pushes) >= 3, pushes  # the initial push and the steps'
     beside = [any(t0 < t < t1 for t in scored) for t0, t1, _, _ in pushes]
@@ -178,9 +178,15 @@ def test_an_async_push_runs_beside_the_next_step_while_the_weights_hold_still(
         assert on_main[0] and not any(on_main[1:]) and any(beside), (on_main, beside)
         waited = [m["timing/weight_sync"] for m in metrics[1:] if "timing/weight_sync_wait" in m]
         assert waited and all(s >= 0.4 for s in waited), metrics  # the push's own time, reported by the step after
+        if script != "online_dpo.py":  # (its steps without a pair push nothing) every push is logged once, also
+            # one that evaluation waited for (step 2's, logged by step 3), and the wait is not the optimizer's time
+            steps = [m for m in metrics if "timing/forward_backward" in m]
+            assert all("timing/weight_sync_wait" in m for m in steps[1:]), steps
+            assert all(m["timing/optimizer"] < 0.3 for m in steps), steps
     else:
         assert all(on_main) and not any(beside), (on_main, beside)
-    assert server.in_flight == 0 and len(server.requests) == 4
+    training_rounds = [r for r in server.requests if r["n"] is None]  # (evaluation asks for n completions)
+    assert server.in_flight == 0 and len(training_rounds) == 4
 
 
 @pytest.mark.parametrize("script", ["grpo.py", "rloo.py", "online_dpo.py"])
