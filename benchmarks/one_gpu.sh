@@ -171,14 +171,14 @@ if [ "$PHASE" = bench ]; then
   [ "$P" = 1 ] || ORDER=$(echo $ORDER | tr ' ' '\n' | tac | tr '\n' ' ')
   for side in $ORDER; do
     case $side in
-      trl) trl trl_colocate_$P 200 ;;
-      colocate) ours ours_colocate_$P 260 grpo.py $BENCH --vllm-mode colocate ;;
-      server) ours ours_server1gpu_$P 150 grpo.py $BENCH $S ;;
-      async) ours ours_async1gpu_$P 150 grpo.py $BENCH $S --async-generation ;;
+      trl) trl trl_colocate_$P "${TRL_LIMIT:-200}" ;;  # the limits: raise them for bench-1.5b
+      colocate) ours ours_colocate_$P "${COLOCATE_LIMIT:-260}" grpo.py $BENCH --vllm-mode colocate ;;
+      server) ours ours_server1gpu_$P "${SERVER_LIMIT:-150}" grpo.py $BENCH $S ;;
+      async) ours ours_async1gpu_$P "${SERVER_LIMIT:-150}" grpo.py $BENCH $S --async-generation ;;
       *) echo "bench: unknown side $side (trl, colocate, server or async)" >&2; exit 2 ;;
     esac
   done
-  python3 benchmarks/ratios.py "$OUT" --commit "${COMMIT:-unknown}"
+  python3 benchmarks/ratios.py "$OUT" --commit "${COMMIT:-unknown}" --model "$MODEL"
 fi
 if [ "$PHASE" = push_probe ]; then  # each HTTP call of a push to the bench servers, one and all (push_probe.py)
   for p in $PORTS; do wait_server "$p"; done
@@ -227,7 +227,7 @@ if [ "$PHASE" = lora7b ]; then  # SIDES (default by PAIR: "ours trl" or "trl our
       *) echo "lora7b: unknown side $side (ours, trl or trl_memory)" >&2; exit 2 ;;
     esac
   done
-  python3 benchmarks/ratios.py "$OUT" --commit "${COMMIT:-unknown}"
+  python3 benchmarks/ratios.py "$OUT" --commit "${COMMIT:-unknown}" --model "$MODEL"
 fi
 if [ "$PHASE" = lora15 ]; then  # bench-1.5b (make_bench_model.py TOK /tmp/bench-qwen15b 1.5b), full vs LoRA, colocate + sleep
   L="${BENCH//$MODEL//tmp/bench-qwen15b} --vllm-mode colocate --vllm-enable-sleep-mode"

@@ -40,8 +40,9 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("out_dir")
     parser.add_argument("--commit", default=None)
+    parser.add_argument("--model", default=None, help="the bench model's path (bench-0.5b or bench-1.5b)")
     args = parser.parse_args()
-    result = {"commit": args.commit, "modes": {}}
+    result = {"commit": args.commit, "model": args.model, "modes": {}, "ours_vs_ours": {}}
     for mode, (our_prefix, trl_prefix, trl_mode) in MODES.items():
         pairs = []
         for i in (1, 2):
@@ -68,6 +69,20 @@ def main():
                 f"{mode}: ratio {result['modes'][mode]['ratio_median']:.3f} over {len(pairs)} pair(s): "
                 + ", ".join(f"{p['ours']['s_per_step']:.2f} s vs TRL {p['trl_s_per_step']:.2f} s" for p in pairs)
             )
+    # one GPU: the async server step against our own colocate step of the same pair
+    for mode, (num, den) in {"async_1gpu_vs_colocate": ("ours_async1gpu", "ours_colocate")}.items():
+        pairs = []
+        for i in (1, 2):
+            a, b = (os.path.join(args.out_dir, f"{prefix}_{i}") for prefix in (num, den))
+            if os.path.exists(os.path.join(a, "metrics.jsonl")) and os.path.exists(os.path.join(b, "metrics.jsonl")):
+                x, y = ours(a)["s_per_step"], ours(b)["s_per_step"]
+                pairs.append({"pair": i, f"{num}_s_per_step": x, f"{den}_s_per_step": y, "ratio": x / y})
+        if pairs:
+            result["ours_vs_ours"][mode] = {
+                "ratio_median": statistics.median(p["ratio"] for p in pairs),
+                "pairs": pairs,
+            }
+            print(f"{mode}: ratio {result['ours_vs_ours'][mode]['ratio_median']:.3f} over {len(pairs)} pair(s)")
     with open(os.path.join(args.out_dir, "vs_trl.json"), "w") as f:
         json.dump(result, f, indent=1)
 
