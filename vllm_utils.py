@@ -442,19 +442,43 @@ def paused_updates(urls, send, name="MODEL", backend="nccl", timeout=300.0):
     update. A failure anywhere restores and resumes them all; it is raised once, with each server's restoration."""
     if len(urls) == 1:
         return paused_update(urls[0], send, name, backend, timeout)
-    barrier, errors = threading.Barrier(len(urls), action=send), {}  # the last server to be ready runs send()
+    ready, late, failed, lock = [], [], [], threading.Lock()  # late: the servers the others waited for in vain
+
+    def send_once():  # run by the last server to be ready
+        try:
+            send()
+        except BaseException:
+            failed.append(True)  # before the barrier breaks: the others know it was not a timeout
+            raise
+
+    barrier, errors = threading.Barrier(len(urls), action=send_once), {}
     device = torch.cuda.current_device() if torch.cuda.is_initialized() else None
     stream = torch.cuda.current_stream() if device is not None else None
+
+    def wait(url):
+        with lock:
+            ready.append(url)
+        try:
+            barrier.wait(timeout)
+        except threading.BrokenBarrierError as error:  # no server failed: the wait ran out. Say who was not ready
+            with lock:
+                if errors or late or failed:
+                    raise
+                late.extend(u for u in urls if u not in ready)
+            raise TimeoutError(
+                f"{', '.join(late)} did not pause inside a started weight update within {timeout:g} s of {url} "
+                f"(no answer yet to /pause or /start_weight_update): nothing was sent"
+            ) from error
 
     def one(url):
         try:
             if device is not None:  # the current device and stream are per thread: send() packs on the caller's
                 torch.cuda.set_device(device)
             with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-                paused_update(url, lambda: barrier.wait(timeout), name, backend, timeout)
+                paused_update(url, lambda: wait(url), name, backend, timeout)
         except BaseException as error:  # noqa: BLE001 - raised below, after every server is resumed
+            errors[url] = error  # before the abort: a server that sees the barrier break knows it was not a timeout
             barrier.abort()  # the others stop waiting: each restores and resumes its server
-            errors[url] = error
 
     threads = [threading.Thread(target=one, args=(url,), daemon=True) for url in urls]
     for thread in threads:

@@ -1342,6 +1342,25 @@ def test_a_failed_push_to_either_server_leaves_both_restored_and_resumed(serve, 
             assert "/update_weights" not in paths, paths
 
 
+def test_a_server_too_slow_to_start_its_update_is_named_and_both_end_resumed(serve, monkeypatch):
+    """The other server waits `timeout` s for it at the barrier, then the error names the slow one (it was an empty
+    line: a timed-out barrier has no message), nothing is sent, and both end resumed."""
+    FakeIPC(monkeypatch)
+    slow_start = lambda body: time.sleep(1.5) or (200, {})  # noqa: E731 - answers, but after the others gave up
+    servers = [serve(_sync_routes()), serve(_sync_routes(**{"/start_weight_update": slow_start}))]
+    with pytest.raises(RuntimeError) as error:
+        vllm_utils.server_sync_weights_ipc([s.url for s in servers], _tiny_llama(), "0.26.0", 1 << 20, 0.5, name="m")
+    first, *rest = str(error.value).split("\n")
+    assert first == (
+        f"the weight update failed: {servers[1].url} did not pause inside a started weight update within 0.5 s of "
+        f"{servers[0].url} (no answer yet to /pause or /start_weight_update): nothing was sent"
+    ), str(error.value)
+    for server in servers:
+        paths = server.paths()
+        assert "/update_weights" not in paths and paths.count("/pause") == 1 and paths[-1] == "/resume", paths
+        assert any(f"The server at {server.url} was restored" in line for line in rest), str(error.value)
+
+
 def _several(monkeypatch, servers):
     """start() against stand-ins for the servers' facts: `servers`, one dict of overrides per port."""
     monkeypatch.setattr(vllm_utils, "wait_for_server", lambda *a, **k: None)
