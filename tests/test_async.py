@@ -255,3 +255,23 @@ def test_generate_without_vllm_is_never_stale(tmp_path, data, script):
 
     check(run_script(script, *SMALL, "--dataset-name", data, "--output-dir", tmp_path / "run", "--max-steps", 3))
     assert [m["sampling/staleness"] for m in read_metrics(tmp_path / "run")] == [0, 0, 0]
+
+
+@pytest.mark.parametrize("script", ["grpo.py", "rloo.py", "online_dpo.py"])
+def test_the_phase_clock_waits_for_the_trainers_stream_not_the_pushs(monkeypatch, script):
+    """clock() charges a phase the work queued on the calling thread's stream. A device-wide synchronize also waited
+    for --async-generation's background push (its own stream), so a NCCL push blocked the next step's phases."""
+    clock = runpy.run_path(str(ROOT / script), run_name="not_main")["clock"]
+    waited = []
+
+    class Stream:
+        def synchronize(self):
+            waited.append("this thread's stream")
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: waited.append("the whole device"))
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: waited.append(device) or Stream())
+    clock(torch.device("cuda", 0))
+    assert waited == [torch.device("cuda", 0), "this thread's stream"]
+    waited.clear()
+    clock(torch.device("cpu"))
+    assert waited == []
