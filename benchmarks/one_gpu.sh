@@ -14,7 +14,8 @@
 #   bench: bench-0.5b side by side, PAIR=1: TRL colocate, ours colocate, ours one-GPU server, ours one-GPU server
 #          --async-generation; PAIR=2 the same in reverse order. Writes OUT_DIR/vs_trl.json (ratios.py, $COMMIT).
 #          SERVERS=2: ours against two servers on the GPU (ports 8001 and 8011), each round shared between them.
-#          SIDES: which of trl, colocate, server and async run (all four by default), in PAIR=1's order.
+#          SIDES: which of trl, colocate, server and async run (all four by default), in PAIR=1's order;
+#          async_one: --async-generation against the first server only (with SERVERS=2: one server against two).
 #          BENCH_MODEL=/tmp/bench-qwen15b (../shared/gpu/make_bench_model.py TOK OUT 1.5b) for the 1.5B shape: its
 #          server is started on port 8002 (stop the 0.5b one first: both would not fit beside a trainer).
 #   push_probe: where a push to the bench servers goes, call by call (benchmarks/push_probe.py; SERVERS as bench).
@@ -175,7 +176,9 @@ if [ "$PHASE" = bench ]; then
       colocate) ours ours_colocate_$P "${COLOCATE_LIMIT:-260}" grpo.py $BENCH --vllm-mode colocate ;;
       server) ours ours_server1gpu_$P "${SERVER_LIMIT:-150}" grpo.py $BENCH $S ;;
       async) ours ours_async1gpu_$P "${SERVER_LIMIT:-150}" grpo.py $BENCH $S --async-generation ;;
-      *) echo "bench: unknown side $side (trl, colocate, server or async)" >&2; exit 2 ;;
+      async_one) ours ours_async1srv_$P "${SERVER_LIMIT:-150}" grpo.py $BENCH --vllm-mode server \
+        --vllm-server-port $PORT --async-generation ;;  # SERVERS=2: the first server only (one process fewer)
+      *) echo "bench: unknown side $side (trl, colocate, server, async or async_one)" >&2; exit 2 ;;
     esac
   done
   python3 benchmarks/ratios.py "$OUT" --commit "${COMMIT:-unknown}" --model "$MODEL"

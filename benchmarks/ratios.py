@@ -16,6 +16,7 @@ MODES = {
     # one GPU (benchmarks/one_gpu.sh): the server on the trainer's GPU, against TRL's only one-GPU mode
     "server_1gpu": ("ours_server1gpu", "trl_colocate", "colocate"),
     "async_1gpu": ("ours_async1gpu", "trl_colocate", "colocate"),
+    "async_1gpu_one_server": ("ours_async1srv", "trl_colocate", "colocate"),  # one_gpu.sh bench's side async_one
     # LoRA on the 7B shape, colocate with sleep mode (one_gpu.sh lora7b)
     "lora7b": ("ours_lora7b", "trl_lora7b", "colocate"),
 }
@@ -70,7 +71,11 @@ def main():
                 + ", ".join(f"{p['ours']['s_per_step']:.2f} s vs TRL {p['trl_s_per_step']:.2f} s" for p in pairs)
             )
     # one GPU: the async server step against our own colocate step of the same pair
-    for mode, (num, den) in {"async_1gpu_vs_colocate": ("ours_async1gpu", "ours_colocate")}.items():
+    ours_pairs = {
+        "async_1gpu_vs_colocate": ("ours_async1gpu", "ours_colocate"),
+        "async_one_server_vs_two": ("ours_async1srv", "ours_async1gpu"),  # SERVERS=2, side async_one beside async
+    }
+    for mode, (num, den) in ours_pairs.items():
         pairs = []
         for i in (1, 2):
             a, b = (os.path.join(args.out_dir, f"{prefix}_{i}") for prefix in (num, den))
