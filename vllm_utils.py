@@ -413,8 +413,8 @@ def paused_update(base_url, send, name="MODEL", backend="nccl", timeout=300.0):
     """Probe -> /pause (wait: running requests end on the old weights) -> /start_weight_update -> send() -> finish ->
     reset the prefix cache -> /resume. A failure restores what it can and resumes; the error names the fix."""
     probe_server(base_url, name, backend=backend)  # a wedged engine is reported now, not after `timeout` s
-    _post(base_url, "/pause", timeout, params={"mode": "wait"})
     try:
+        _post(base_url, "/pause", timeout, params={"mode": "wait"})  # (in the try: a pause that timed out is undone)
         try:
             _post(base_url, "/start_weight_update", 60, json={})
         except RuntimeError as error:  # "already active" (0.26 to 0.33 v1/worker/gpu_worker.py): a trainer died in one
@@ -442,14 +442,15 @@ def paused_updates(urls, send, name="MODEL", backend="nccl", timeout=300.0):
     update. A failure anywhere restores and resumes them all; it is raised once, with each server's restoration."""
     if len(urls) == 1:
         return paused_update(urls[0], send, name, backend, timeout)
-    ready, late, failed, lock = [], [], [], threading.Lock()  # late: the servers the others waited for in vain
+    arrived, state, lock = {}, {"sent": False, "failed": False, "timed_out": False}, threading.Lock()
 
-    def send_once():  # run by the last server to be ready
+    def send_once():  # run by the last server to be ready, before any is released
         try:
             send()
         except BaseException:
-            failed.append(True)  # before the barrier breaks: the others know it was not a timeout
+            state["failed"] = True  # before the barrier breaks: the others know it was not a timeout
             raise
+        state["sent"] = True
 
     barrier, errors = threading.Barrier(len(urls), action=send_once), {}
     device = torch.cuda.current_device() if torch.cuda.is_initialized() else None
@@ -457,17 +458,19 @@ def paused_updates(urls, send, name="MODEL", backend="nccl", timeout=300.0):
 
     def wait(url):
         with lock:
-            ready.append(url)
+            arrived[url] = time.monotonic()
         try:
             barrier.wait(timeout)
-        except threading.BrokenBarrierError as error:  # no server failed: the wait ran out. Say who was not ready
+        except threading.BrokenBarrierError as error:
             with lock:
-                if errors or late or failed:
+                if errors or state["failed"] or state["timed_out"]:
                     raise
-                late.extend(u for u in urls if u not in ready)
+                state["timed_out"] = True  # no server failed: the wait ran out. Name those it waited for
+                late = [u for u in urls if arrived.get(u, float("inf")) > arrived[url] + timeout / 2]
             raise TimeoutError(
-                f"{', '.join(late)} did not pause inside a started weight update within {timeout:g} s of {url} "
-                f"(no answer yet to /pause or /start_weight_update): nothing was sent"
+                f"{', '.join(late) or 'the last server'} did not pause inside a started weight update within "
+                f"{timeout:g} s after {url} had (--vllm-weight-sync-timeout; no answer yet to /pause or "
+                f"/start_weight_update): nothing was sent"
             ) from error
 
     def one(url):
@@ -478,7 +481,8 @@ def paused_updates(urls, send, name="MODEL", backend="nccl", timeout=300.0):
                 paused_update(url, lambda: wait(url), name, backend, timeout)
         except BaseException as error:  # noqa: BLE001 - raised below, after every server is resumed
             errors[url] = error  # before the abort: a server that sees the barrier break knows it was not a timeout
-            barrier.abort()  # the others stop waiting: each restores and resumes its server
+            if not state["sent"]:  # the others stop waiting: each restores and resumes its server. After the send
+                barrier.abort()  # none waits, and one just released would take the break for a failed send
 
     threads = [threading.Thread(target=one, args=(url,), daemon=True) for url in urls]
     for thread in threads:

@@ -9,6 +9,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from types import SimpleNamespace
 
 import pytest
+import requests
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -1352,13 +1353,59 @@ def test_a_server_too_slow_to_start_its_update_is_named_and_both_end_resumed(ser
         vllm_utils.server_sync_weights_ipc([s.url for s in servers], _tiny_llama(), "0.26.0", 1 << 20, 0.5, name="m")
     first, *rest = str(error.value).split("\n")
     assert first == (
-        f"the weight update failed: {servers[1].url} did not pause inside a started weight update within 0.5 s of "
-        f"{servers[0].url} (no answer yet to /pause or /start_weight_update): nothing was sent"
+        f"the weight update failed: {servers[1].url} did not pause inside a started weight update within 0.5 s after "
+        f"{servers[0].url} had (--vllm-weight-sync-timeout; no answer yet to /pause or /start_weight_update): nothing "
+        "was sent"
     ), str(error.value)
     for server in servers:
         paths = server.paths()
         assert "/update_weights" not in paths and paths.count("/pause") == 1 and paths[-1] == "/resume", paths
         assert any(f"The server at {server.url} was restored" in line for line in rest), str(error.value)
+
+
+def test_a_server_failing_after_the_send_leaves_the_others_updated(serve, monkeypatch):
+    """Every server got the weights; the third's /finish_weight_update fails. The others finish, reset their prefix
+    caches and resume as after a good push, and the error names the third only. (They took the failure for a failed
+    send when it came as they left the barrier: skipped their cache reset and said they were restored. The third's
+    calls answer without a socket here, so that its failure comes before the others wake up.)"""
+    FakeIPC(monkeypatch)
+    post, started = vllm_utils._post, []
+
+    def fast_third(base_url, path, timeout, **kwargs):  # once started, the third answers without a socket
+        if base_url == servers[2].url and started:
+            if path == "/finish_weight_update":
+                raise RuntimeError(f"POST {base_url}{path} failed with 500: boom")
+            return {}
+        if base_url == servers[2].url and path == "/start_weight_update":
+            started.append(True)  # (this call itself still goes to the stand-in)
+        return post(base_url, path, timeout, **kwargs)
+
+    monkeypatch.setattr(vllm_utils, "_post", fast_third)
+    late_start = lambda body: time.sleep(0.1) or (200, {})  # noqa: E731 - the third is the last ready: it sends
+    for _ in range(10):
+        started.clear()
+        servers = [serve(_sync_routes()) for _ in range(2)] + [
+            serve(_sync_routes(**{"/start_weight_update": late_start}))
+        ]
+        with pytest.raises(RuntimeError, match="boom") as error:
+            vllm_utils.server_sync_weights_ipc([s.url for s in servers], _tiny_llama(), "0.26.0", 1 << 30, 5, name="m")
+        for server in servers[:2]:
+            assert server.paths()[-3:] == ["/finish_weight_update", "/reset_prefix_cache", "/resume"], server.paths()
+            assert server.url not in str(error.value), str(error.value)
+        assert f"The server at {servers[2].url} could not be restored" in str(error.value), str(error.value)
+
+
+def test_a_pause_that_times_out_is_undone(serve):
+    """A /pause that does not answer within the timeout: the error says so and the server is asked to resume (it was
+    left paused, serving nothing, until another trainer's check resumed it)."""
+    slow_pause = lambda body: time.sleep(1.0) or (200, {})  # noqa: E731
+    server = serve(_sync_routes(**{"/pause": slow_pause}))
+    with pytest.raises(requests.RequestException, match="timed out"):
+        vllm_utils.paused_update(server.url, lambda: None, "m", "ipc", timeout=0.3)
+    deadline = time.time() + 10
+    while "/resume" not in server.paths() and time.time() < deadline:  # (the stand-in answers one call at a time)
+        time.sleep(0.05)
+    assert server.paths()[-2:] == ["/pause", "/resume"], server.paths()
 
 
 def _several(monkeypatch, servers):
