@@ -45,6 +45,8 @@
 #   lora_compile: bench-1.5b with --use-peft, eager then with its decoder layers compiled (PAIR=2: the reverse).
 set -u
 PHASE=$1; OUT=$2; mkdir -p "$OUT"
+# a bare host (lost between calls, or a call that ran before the payload's) fails now, not after a server's timeout
+python3 -c "import vllm" 2> /dev/null || { echo "one_gpu.sh: no vllm here: transfer the payload, source .gpu/setup.sh" >&2; exit 3; }
 [ -f /tmp/tasks/addition.jsonl ] || python3 benchmarks/make_tasks.py /tmp/tasks > /dev/null  # once: runs of other calls read it
 export WANDB_MODE=offline PYTHONUNBUFFERED=1 CUDA_VISIBLE_DEVICES=0
 BENCH="--model-name-or-path /tmp/bench-qwen05b --dataset-name /tmp/tasks/bench.jsonl --prompt-column prompt
