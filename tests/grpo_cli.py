@@ -391,6 +391,14 @@ def read_metrics(output_dir):
         return [json.loads(line) for line in f]
 
 
+def wait_for_stderr(process, text, timeout=240):
+    """Wait until `process` (a Process) has written `text` to its (rank 0's) stderr."""
+    stderr, deadline = Path(process._out.name, "rank0.stderr"), time.time() + timeout
+    while not (stderr.exists() and text in stderr.read_text(errors="replace")):
+        assert process.poll() is None and time.time() < deadline, process.communicate()[1][-3000:]
+        time.sleep(0.02)
+
+
 def wait_for_steps(process, output_dir, steps=1, timeout=240):
     """Wait until `process` (a Process) has logged `steps` optimizer steps to output_dir/metrics.jsonl."""
     metrics = Path(output_dir) / "metrics.jsonl"

@@ -11,7 +11,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -30,6 +29,7 @@ from grpo_cli import (
     read_metrics,
     run_script,
     script_env,
+    wait_for_stderr,
     wait_for_steps,
     write_jsonl,
 )
@@ -112,10 +112,7 @@ def test_a_second_ctrl_c_stops_at_once(tmp_path):
         wait_for_steps(run, out, 1)
         run.send_signal(signal.SIGINT)
         # the second once the first was heard (a fixed delay raced the handler on a loaded machine), within step 2
-        stderr, deadline = Path(run._out.name, "rank0.stderr"), time.time() + 60
-        while "SIGINT: stopping" not in stderr.read_text(errors="replace"):
-            assert run.poll() is None and time.time() < deadline, run.communicate()[1][-3000:]
-            time.sleep(0.02)
+        wait_for_stderr(run, "SIGINT: stopping", timeout=60)
         run.send_signal(signal.SIGINT)
         stdout, stderr = run.communicate(timeout=240)
     finally:
@@ -128,12 +125,8 @@ def test_a_second_ctrl_c_stops_at_once(tmp_path):
 def test_a_run_killed_before_its_first_step_leaves_a_directory_a_new_run_takes(tmp_path):
     out = tmp_path / "run"
     run = Process("grpo.py", *BASE, *SLOW, "--max-steps", 3, "--output-dir", out)
-    stderr = Path(run._out.name, "rank0.stderr")
     try:
-        deadline = time.time() + 240
-        while not (stderr.exists() and "0/3" in stderr.read_text(errors="replace")):  # the progress bar: set up
-            assert run.poll() is None and time.time() < deadline, run.communicate()[1][-3000:]
-            time.sleep(0.02)
+        wait_for_stderr(run, "0/3")  # the progress bar: set up
         run.kill()
         run.wait(60)
     finally:
