@@ -18,6 +18,11 @@
 #          async_one: --async-generation against the first server only (with SERVERS=2: one server against two).
 #          BENCH_MODEL=/tmp/bench-qwen15b (../shared/gpu/make_bench_model.py TOK OUT 1.5b) for the 1.5B shape: its
 #          server is started on port 8002 (stop the 0.5b one first: both would not fit beside a trainer).
+#          MPS=1: the servers (ports 8061 / 8062 and on) and the trainers of the server sides are clients of a CUDA
+#          MPS daemon (started here: nvidia-cuda-mps-control -d, pipe /tmp/mps/pipe), so that their kernels can run at
+#          once instead of taking turns on the GPU; TRL and our colocate runs stay outside it (a process finds no daemon
+#          at the default pipe). ASYNC_FLAGS: more flags for the async sides (e.g. --micro-batch-tokens 32768).
+#   mps_stop: stops the MPS=1 bench servers of BENCH_MODEL, then the MPS daemon.
 #   push_probe: where a push to the bench servers goes, call by call (benchmarks/push_probe.py; SERVERS as bench).
 #   learn: the learning runs of $RUNS against eager IPC servers of their own (by default grpo.py against two servers,
 #          with and without --async-generation), in a session of their own: give it a directory that outlives the
@@ -60,7 +65,7 @@ serve_ipc() {  # serve_ipc MODEL PORT [ARGS]: an IPC `vllm serve` on this GPU, i
   local model=$1 port=$2; shift 2
   pgrep -f "serve $model --port $port" > /dev/null && return
   mkdir -p "${SERVER_LOGS:-$OUT}"
-  VLLM_SERVER_DEV_MODE=1 VLLM_ALLOW_INSECURE_SERIALIZATION=1 setsid python3 -m vllm.entrypoints.cli.main serve "$model" \
+  env $MPS_ENV VLLM_SERVER_DEV_MODE=1 VLLM_ALLOW_INSECURE_SERIALIZATION=1 setsid python3 -m vllm.entrypoints.cli.main serve "$model" \
     --port "$port" --weight-transfer-config '{"backend": "ipc"}' --logprobs-mode processed_logprobs --max-logprobs -1 \
     "$@" > "${SERVER_LOGS:-$OUT}/server_$port.log" 2>&1 &  # SERVER_LOGS: a folder that outlives the call
 }
@@ -80,7 +85,7 @@ wait_server() { python3 -c "import vllm_utils; vllm_utils.wait_for_server('http:
 ours() {  # ours NAME TIMEOUT SCRIPT ARGS...
   local name=$1 limit=$2 script=$3; shift 3
   echo "== $name: python $script $*" > "$OUT/$name.log"
-  eval timeout "$limit" python3 "$script" --output-dir "$OUT/$name" "$@" >> "$OUT/$name.log" 2>&1
+  eval timeout "$limit" env ${RUN_ENV:-} python3 "$script" --output-dir "$OUT/$name" "$@" >> "$OUT/$name.log" 2>&1
   echo "== $name exit $?" | tee -a "$OUT/$name.log"
   find "$OUT/$name" -mindepth 1 ! -name metrics.jsonl -delete  # a device call returns at most 8 files: keep this one
 }
@@ -92,6 +97,15 @@ trl() {  # trl NAME TIMEOUT (BENCH_MODEL reaches trl_bench.py through the enviro
 
 MODEL=${BENCH_MODEL:-/tmp/bench-qwen05b}; PORT=8001; [ "$MODEL" != /tmp/bench-qwen05b ] && PORT=8002
 BENCH="${BENCH/\/tmp\/bench-qwen05b/$MODEL}"
+MPS_ENV=""  # MPS=1 (bench, serve, push_probe, mps_stop): see the header
+if [ "${MPS:-0}" = 1 ]; then
+  MPS_ENV="CUDA_MPS_PIPE_DIRECTORY=/tmp/mps/pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps/log"; PORT=$((PORT + 60))
+  command -v nvidia-cuda-mps-control > /dev/null || { echo "one_gpu.sh: MPS=1, but no nvidia-cuda-mps-control" >&2; exit 4; }
+  mkdir -p /tmp/mps/pipe /tmp/mps/log
+  if [ "$PHASE" != mps_stop ] && ! echo get_server_list | env $MPS_ENV nvidia-cuda-mps-control > /dev/null 2>&1; then
+    env $MPS_ENV nvidia-cuda-mps-control -d || { echo "one_gpu.sh: the MPS daemon did not start" >&2; exit 4; }
+  fi
+fi
 # SERVERS=2: two bench servers (ports PORT and PORT + 10) that the trainer shares each round between
 PORTS=$(seq -s ' ' $PORT 10 $((PORT + 10 * (${SERVERS:-1} - 1))))
 serve_bench() {  # compiled, as a user's server would be; $SERVE_FLAGS: more flags (e.g. what rounds_profile found)
@@ -176,10 +190,11 @@ if [ "$PHASE" = bench ]; then
     case $side in
       trl) trl trl_colocate_$P "${TRL_LIMIT:-200}" ;;  # the limits: raise them for bench-1.5b
       colocate) ours ours_colocate_$P "${COLOCATE_LIMIT:-260}" grpo.py $BENCH --vllm-mode colocate ;;
-      server) ours ours_server1gpu_$P "${SERVER_LIMIT:-150}" grpo.py $BENCH $S ;;
-      async) ours ours_async1gpu_$P "${SERVER_LIMIT:-150}" grpo.py $BENCH $S --async-generation ;;
-      async_one) ours ours_async1srv_$P "${SERVER_LIMIT:-150}" grpo.py $BENCH --vllm-mode server \
-        --vllm-server-port $PORT --async-generation ;;  # SERVERS=2: the first server only (one process fewer)
+      server) RUN_ENV=$MPS_ENV ours ours_server1gpu_$P "${SERVER_LIMIT:-150}" grpo.py $BENCH $S ;;
+      async) RUN_ENV=$MPS_ENV ours ours_async1gpu_$P "${SERVER_LIMIT:-150}" grpo.py $BENCH $S --async-generation \
+        ${ASYNC_FLAGS:-} ;;
+      async_one) RUN_ENV=$MPS_ENV ours ours_async1srv_$P "${SERVER_LIMIT:-150}" grpo.py $BENCH --vllm-mode server \
+        --vllm-server-port $PORT --async-generation ${ASYNC_FLAGS:-} ;;  # SERVERS=2: the first server only
       *) echo "bench: unknown side $side (trl, colocate, server, async or async_one)" >&2; exit 2 ;;
     esac
   done
@@ -187,7 +202,11 @@ if [ "$PHASE" = bench ]; then
 fi
 if [ "$PHASE" = push_probe ]; then  # each HTTP call of a push to the bench servers, one and all (push_probe.py)
   for p in $PORTS; do wait_server "$p"; done
-  timeout 300 python3 benchmarks/push_probe.py "$MODEL" "$OUT/push_probe.json" $PORTS 2>&1 | tail -5
+  timeout 300 env $MPS_ENV python3 benchmarks/push_probe.py "$MODEL" "$OUT/push_probe.json" $PORTS 2>&1 | tail -5
+fi
+if [ "$PHASE" = mps_stop ]; then  # the MPS=1 bench servers of this model, then the daemon (it waits for its clients)
+  stop_servers "serve $MODEL --port ($(echo $PORTS | tr ' ' '|'))"; sleep 5
+  echo quit | env $MPS_ENV nvidia-cuda-mps-control; echo "== mps_stop exit $?"
 fi
 if [ "$PHASE" = ab ]; then  # colocate bench-0.5b, the scripts of $OLD_DIR (e.g. bench_old/, carried) against these
   P=${PAIR:-1}
