@@ -98,6 +98,11 @@ trl() {  # trl NAME TIMEOUT (BENCH_MODEL reaches trl_bench.py through the enviro
 MODEL=${BENCH_MODEL:-/tmp/bench-qwen05b}; PORT=8001; [ "$MODEL" != /tmp/bench-qwen05b ] && PORT=8002
 BENCH="${BENCH/\/tmp\/bench-qwen05b/$MODEL}"
 MPS_ENV=""  # MPS=1 (bench, serve, push_probe, mps_stop): see the header
+case "$PHASE:${MPS:-0}" in
+  bench:*|serve:*|push_probe:*|mps_stop:1) ;;
+  mps_stop:*) echo "one_gpu.sh: mps_stop needs MPS=1 (and the BENCH_MODEL / SERVERS of the servers to stop)" >&2; exit 2 ;;
+  *:1) echo "one_gpu.sh: MPS=1 applies to bench, serve, push_probe and mps_stop only, not $PHASE" >&2; exit 2 ;;
+esac
 if [ "${MPS:-0}" = 1 ]; then
   MPS_ENV="CUDA_MPS_PIPE_DIRECTORY=/tmp/mps/pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps/log"; PORT=$((PORT + 60))
   command -v nvidia-cuda-mps-control > /dev/null || { echo "one_gpu.sh: MPS=1, but no nvidia-cuda-mps-control" >&2; exit 4; }
