@@ -65,8 +65,9 @@ serve_ipc() {  # serve_ipc MODEL PORT [ARGS]: an IPC `vllm serve` on this GPU, i
   local model=$1 port=$2; shift 2
   pgrep -f "serve $model --port $port" > /dev/null && return
   mkdir -p "${SERVER_LOGS:-$OUT}"
-  env $MPS_ENV VLLM_SERVER_DEV_MODE=1 VLLM_ALLOW_INSECURE_SERIALIZATION=1 setsid python3 -m vllm.entrypoints.cli.main serve "$model" \
-    --port "$port" --weight-transfer-config '{"backend": "ipc"}' --logprobs-mode processed_logprobs --max-logprobs -1 \
+  env $MPS_ENV VLLM_SERVER_DEV_MODE=1 VLLM_ALLOW_INSECURE_SERIALIZATION=1 setsid \
+    python3 -m vllm.entrypoints.cli.main serve "$model" --port "$port" --weight-transfer-config '{"backend": "ipc"}' \
+    --logprobs-mode processed_logprobs --max-logprobs -1 \
     "$@" > "${SERVER_LOGS:-$OUT}/server_$port.log" 2>&1 &  # SERVER_LOGS: a folder that outlives the call
 }
 tiny_models() {  # once per host: phases that run at the same time must not write them at the same time
@@ -100,14 +101,15 @@ BENCH="${BENCH/\/tmp\/bench-qwen05b/$MODEL}"
 MPS_ENV=""  # MPS=1 (bench, serve, push_probe, mps_stop): see the header
 case "$PHASE:${MPS:-0}" in
   bench:*|serve:*|push_probe:*|mps_stop:1) ;;
-  mps_stop:*) echo "one_gpu.sh: mps_stop needs MPS=1 (and the BENCH_MODEL / SERVERS of the servers to stop)" >&2; exit 2 ;;
+  mps_stop:*) echo "one_gpu.sh: mps_stop needs MPS=1 (and the servers' BENCH_MODEL / SERVERS)" >&2; exit 2 ;;
   *:1) echo "one_gpu.sh: MPS=1 applies to bench, serve, push_probe and mps_stop only, not $PHASE" >&2; exit 2 ;;
 esac
 if [ "${MPS:-0}" = 1 ]; then
   MPS_ENV="CUDA_MPS_PIPE_DIRECTORY=/tmp/mps/pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps/log"; PORT=$((PORT + 60))
-  command -v nvidia-cuda-mps-control > /dev/null || { echo "one_gpu.sh: MPS=1, but no nvidia-cuda-mps-control" >&2; exit 4; }
+  command -v nvidia-cuda-mps-control > /dev/null || { echo "one_gpu.sh: no nvidia-cuda-mps-control" >&2; exit 4; }
   mkdir -p /tmp/mps/pipe /tmp/mps/log
-  if [ "$PHASE" != mps_stop ] && ! echo get_server_list | env $MPS_ENV nvidia-cuda-mps-control > /dev/null 2>&1; then
+  if [ "$PHASE" != mps_stop ] && ! echo get_server_list | env $MPS_ENV nvidia-cuda-mps-control > /dev/null 2>&1
+  then
     env $MPS_ENV nvidia-cuda-mps-control -d || { echo "one_gpu.sh: the MPS daemon did not start" >&2; exit 4; }
   fi
 fi
