@@ -32,7 +32,9 @@ import itertools
 import json
 import math
 import os
+import pickle
 import re
+import shlex
 import shutil
 import signal
 import socket
@@ -42,7 +44,7 @@ import threading
 import time
 import uuid
 import warnings
-from concurrent.futures import Future
+from concurrent.futures import Future, wait
 from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
@@ -79,6 +81,10 @@ class Args:
     # Model
     model_name_or_path: str = "Qwen/Qwen2.5-0.5B-Instruct"
     """Hugging Face causal LM: a hub name or a local path (also the frozen reference model)"""
+    trust_remote_code: bool = False
+    """allow the model's own Python code (its config's auto_map) for every load: the policy, its tokenizer, the
+    reference model and the served model's comparison; off: never run code from the model's directory or from a
+    server's answer"""
     param_dtype: Literal["float32", "bfloat16"] = "float32"
     """dtype of the trained weights and of the reference model (float32 keeps small AdamW updates from rounding away)"""
     bf16: bool = True
@@ -353,17 +359,17 @@ def train(args):
         round_start = time.perf_counter()
         timing = {"timing/weight_sync": 0.0}
         # prompts of the rounds before this one (a round generating in the background is drawn but not trained yet)
-        epoch = (run.prompts_consumed - (args.prompts_per_step if next_round else 0)) // len(prompt_ids)
+        epoch = (next_round.start if next_round else run.prompts_consumed) // len(prompt_ids)
         beta = beta_for_epoch(args.beta, epoch)
 
         # ALGO LOGIC: 1. sample prompts, generate G completions each. --async-generation: this round was generated
         # during the last step, by the weights before it; the next starts now, from the current weights, while we train
-        rows, version, generation = next_round or start_round(run)
+        round = next_round or start_round(run)
         if args.async_generation:
             next_round = start_round(run) if global_step + 1 < args.max_steps else None
-        t0 = time.perf_counter()
+        t0, rows = time.perf_counter(), round.rows
         # prompt-major: completion k is rows[k // G]'s. The DPO loss needs no sampling_logprobs (no IS ratio)
-        (completion_ids, _sampling_logprobs), timing["timing/generation"] = generation.result()
+        (completion_ids, _sampling_logprobs), timing["timing/generation"], version = round_output(run, round)
         timing["timing/generation_wait"] = time.perf_counter() - t0  # what generation costs the trainer
         staleness = global_step - version  # optimizer steps between the sampling and the trained weights
         if args.use_vllm:
@@ -501,13 +507,8 @@ def train(args):
         if run.is_main and args.log_completions and global_step % args.logging_steps == 0:  # rank 0's rows
             log_completions(run, batch_prompt_ids, completion_ids, rewards, global_step)
         log_metrics(run, metrics, show=global_step % args.logging_steps == 0 or evaluated)
-        preempted = global_sum(run.preemption.is_set(), world_size, device) > 0 and global_step < args.max_steps
-        if preempted or (args.save_steps and global_step % args.save_steps == 0 and global_step < args.max_steps):
-            # a round generated in the background is not trained yet: a resume generates it again
-            consumed = run.prompts_consumed - (args.prompts_per_step if next_round else 0)
-            save_checkpoint(run, global_step, consumed, skipped_steps=skipped_steps)
-            if preempted:
-                stop_preempted(run, global_step)
+        # the checkpoint every --save-steps, or SIGTERM's, and the stop
+        end_step(run, global_step, next_round, skipped_steps=skipped_steps)
     finish(run)
 
 
@@ -622,7 +623,8 @@ def set_up(args, rules, problems=(), reference_model=False, steps_per_generation
 
     # tokenizer and prompts before the weights (a prompt too long stops the run now), then the model and the reference
     model_path = checkpoint_dir or args.model_name_or_path
-    run.tokenizer = tokenizer = AutoTokenizer.from_pretrained(model_path)
+    remote = {"trust_remote_code": args.trust_remote_code}  # the model's own code runs only where the user allows it
+    run.tokenizer = tokenizer = AutoTokenizer.from_pretrained(model_path, **remote)
     run.tokenizer_files = tokenizer_files(model_path, tokenizer)
     sentence = tokenizer("The quick brown fox jumps over the lazy dog, and then it ran away.")["input_ids"]
     if len(sentence) < 5:  # a tokenizer that lost its vocabulary knows only special tokens
@@ -631,13 +633,13 @@ def set_up(args, rules, problems=(), reference_model=False, steps_per_generation
             f"a 15-word sentence into {len(sentence)} tokens"
         )
     model_path = args.model_name_or_path if args.use_peft else model_path  # a LoRA checkpoint holds only the adapter
-    max_context = getattr(AutoConfig.from_pretrained(model_path), "max_position_embeddings", None) or 10**9
+    max_context = getattr(AutoConfig.from_pretrained(model_path, **remote), "max_position_embeddings", None) or 10**9
     run.train_set = load_prompts(args, dataset, tokenizer, max_context)
     run.eval_set = None if eval_dataset is None else load_prompts(args, eval_dataset, tokenizer, max_context, True)
     if args.prompts_per_step > (kept := len(run.train_set.prompt_ids)):
         print(f"warning: --prompts-per-step {args.prompts_per_step} > the {kept} prompts kept: steps repeat prompts")
     dtype = getattr(torch, args.param_dtype)  # --use-peft: the adapters'; the frozen base's is bf16 (no updates)
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.bfloat16 if args.use_peft else dtype)
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.bfloat16 if args.use_peft else dtype, **remote)
     for module in model.modules():  # dropout would make two passes over the same tokens disagree (ratio != 1)
         if isinstance(module, torch.nn.Dropout):
             module.p = 0.0
@@ -648,7 +650,7 @@ def set_up(args, rules, problems=(), reference_model=False, steps_per_generation
     run.model = model = model.to(device)
     run.ref_model = WithoutAdapters(model) if reference_model and args.use_peft else None  # the base: no copy
     if reference_model and not args.use_peft:  # the initial model, also when resuming, in the policy's dtype: KL 0
-        run.ref_model = AutoModelForCausalLM.from_pretrained(args.model_name_or_path, dtype=dtype)
+        run.ref_model = AutoModelForCausalLM.from_pretrained(args.model_name_or_path, dtype=dtype, **remote)
         run.ref_model.to(device).eval().requires_grad_(False)
     models = [model] + ([run.ref_model] if reference_model and not args.use_peft else [])
     if args.torch_compile and not args.use_peft and device.type == "cuda" and args.use_vllm and world_size == 1:
@@ -673,6 +675,7 @@ def set_up(args, rules, problems=(), reference_model=False, steps_per_generation
     torch.manual_seed(args.seed + rank)  # from here on each rank samples its own completions
     run.counters = load_checkpoint(run, checkpoint_dir) if checkpoint_dir else {}  # global_step, prompts_consumed, ...
     run.global_step, run.prompts_consumed = run.counters.get("global_step", 0), run.counters.get("prompts_consumed", 0)
+    run.trained = {**run.counters, "global_step": run.global_step, "prompts_consumed": run.prompts_consumed}
     if checkpoint_dir:
         print(f"resumed from {checkpoint_dir} at step {run.global_step}")
     run.prompts = prompt_stream(len(run.train_set.prompt_ids), args.seed, start=run.prompts_consumed)
@@ -690,7 +693,7 @@ def set_up(args, rules, problems=(), reference_model=False, steps_per_generation
         identity = dict(name=run.identity["run_name"], id=run.identity["run_id"], resume="allow")
         wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, config=asdict(args), **identity)
         run.wandb = wandb
-    metrics_path = os.path.join(run.output_dir, "metrics.jsonl")
+    metrics_path = own_path(run.output_dir, "metrics.jsonl")
     if checkpoint_dir and run.is_main and os.path.exists(metrics_path):  # steps logged after the checkpoint are redone
         kept = [line for line in open(metrics_path) if json.loads(line)["step"] <= run.global_step]
         with open(metrics_path, "w") as f:
@@ -702,17 +705,38 @@ def set_up(args, rules, problems=(), reference_model=False, steps_per_generation
 
 
 def generate(run, prompt_ids, num_generations=None, temperature=None):
-    """(completion ids, vLLM log-probs or None), prompt-major; None: training's G / temperature (0: greedy)."""
-    if run.engine is not None:
-        return vllm_utils.generate(run.engine, prompt_ids, num_generations, temperature)
+    """(completion ids, vLLM log-probs or None), prompt-major; None: training's G / temperature (0: greedy). In the
+    training thread a lost server is waited for and given the current weights, then asked again; when none comes back
+    (or the colocated engine died) the run stops with a checkpoint (stop_lost). A background round raises."""
+    while run.engine is not None:
+        try:
+            return vllm_utils.generate(run.engine, prompt_ids, num_generations, temperature)
+        except vllm_utils.ServerLost:
+            if threading.current_thread() is not threading.main_thread() or run.world_size > 1:
+                raise
+            try:
+                vllm_utils.wait_for_lost(run.engine, run.model)
+            except vllm_utils.ServerLost as gone:
+                stop_lost(run, gone)
+        except Exception as error:  # vllm.v1.engine.exceptions.EngineDeadError, without importing vLLM here
+            if type(error).__name__ != "EngineDeadError":
+                raise
+            stop_lost(run, error)
     with unsharded(run.model, run.world_size):  # FSDP2: full weights while decoding, ranks stop at different steps
         return hf_generate(run.model, prompt_ids, run.args, run.eos_ids, run.pad_id, num_generations, temperature)
 
 
+class Round(NamedTuple):
+    rows: list  # this rank's prompt rows
+    start: int  # the prompt stream's position before they were drawn: where a resume starts if it is not trained
+    version: int  # the optimizer step of the weights that sample it
+    generation: Future  # of (generate's output, seconds)
+
+
 def start_round(run):
     """Draw the next prompts_per_step prompts (same on every rank) and start generating this rank's share (background:
-    --async-generation). Returns the rows, the weights' optimizer step and a Future of (generate's output, seconds)."""
-    args = run.args
+    --async-generation)."""
+    args, start = run.args, run.prompts_consumed
     rows = [next(run.prompts) for _ in range(args.prompts_per_step)]
     rows = rows[run.rank * run.prompts_per_rank : (run.rank + 1) * run.prompts_per_rank]
     run.prompts_consumed += args.prompts_per_step
@@ -723,7 +747,20 @@ def start_round(run):
         t0 = time.perf_counter()
         return generate(run, [run.train_set.prompt_ids[i] for i in rows]), time.perf_counter() - t0
 
-    return rows, run.weights_version, future_of(work, background=args.async_generation)
+    return Round(rows, start, run.weights_version, future_of(work, background=args.async_generation))
+
+
+def round_output(run, round):
+    """(generate's output, seconds, the weights' step) of a round. One generated in the background whose servers were
+    all lost is generated again here, once one is back with the current weights: the same prompts, nothing skipped."""
+    try:
+        return (*round.generation.result(), round.version)
+    except vllm_utils.ServerLost:
+        if run.world_size > 1:
+            raise
+        t0 = time.perf_counter()
+        output = generate(run, [run.train_set.prompt_ids[i] for i in round.rows])
+        return output, time.perf_counter() - t0, run.weights_version
 
 
 def push_weights(run, next_round, timing):
@@ -735,7 +772,7 @@ def push_weights(run, next_round, timing):
     which cannot run beside training's: the push stays in the loop."""
     t0 = time.perf_counter()
     if next_round is not None:
-        next_round[2].result()
+        wait([next_round.generation])  # (a round whose servers were lost is generated again by round_output)
         if run.world_size > 1:
             dist.barrier()
     t1 = time.perf_counter()
@@ -869,7 +906,7 @@ def log_metrics(run, metrics, show):
         return
     if show:
         tqdm.write(" | ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in metrics.items()))
-    run.metrics_file = run.metrics_file or open(os.path.join(run.output_dir, "metrics.jsonl"), "a")
+    run.metrics_file = run.metrics_file or open(own_path(run.output_dir, "metrics.jsonl"), "a")
     print(json.dumps(metrics), file=run.metrics_file, flush=True)
     if run.wandb:
         run.wandb.log(metrics, step=metrics["step"])
@@ -1373,7 +1410,10 @@ def load_checkpoint(run, checkpoint_dir):
     """Restore a checkpoint's optimizer, schedule and this rank's RNG states (its weights were loaded as the model);
     returns its counters (global_step, prompts_consumed and the script's own)."""
     # mmap: pages of the full optimizer state are read as used, not all into every rank's memory (copy-on-write)
-    state = torch.load(os.path.join(checkpoint_dir, "trainer_state.pt"), weights_only=False, mmap=True)
+    try:  # weights_only: tensors, numbers, strings and containers of them; unpickling an object could run its code
+        state = torch.load(os.path.join(checkpoint_dir, "trainer_state.pt"), weights_only=True, mmap=True)
+    except pickle.UnpicklingError:
+        raise SystemExit(f"error: {checkpoint_dir}/trainer_state.pt holds objects beyond tensors: not loaded") from None
     if run.world_size == 1 and all(isinstance(key, int) for key in state["optimizer"]["state"]):  # written by one rank
         # directly: torch's set_optimizer_state_dict first builds a throw-away AdamW state, 2x the weights' memory
         run.optimizer.load_state_dict(state["optimizer"])
@@ -1404,18 +1444,58 @@ def save_checkpoint(run, global_step, prompts_consumed, **counters):
     rng_states = gather_objects((torch.get_rng_state(), torch.cuda.get_rng_state() if cuda else None), run.world_size)
     if not run.is_main:
         return
-    path = os.path.join(run.output_dir, f"checkpoint-{global_step}")
-    save_model(f"{path}.tmp", run.model, run.tokenizer_files, model_state)  # (a crash's .tmp went at the resume)
+    path = own_path(run.output_dir, f"checkpoint-{global_step}")
+    save_model(own_path(f"{path}.tmp"), run.model, run.tokenizer_files, model_state)  # (a crash's went at the resume)
     counters |= dict(global_step=global_step, prompts_consumed=prompts_consumed)
     state = {"optimizer": optimizer_state, "scheduler": run.scheduler.state_dict(), **counters}
     state |= {"torch_rng": [r[0] for r in rng_states], "cuda_rng": [r[1] for r in rng_states] if cuda else None}
-    torch.save(state, os.path.join(f"{path}.tmp", "trainer_state.pt"))
-    with open(os.path.join(f"{path}.tmp", "run.json"), "w") as f:
+    torch.save(state, own_path(f"{path}.tmp", "trainer_state.pt"))
+    with open(own_path(f"{path}.tmp", "run.json"), "w") as f:
         json.dump({**run.identity, "script": os.path.basename(__file__), "global_step": global_step}, f, indent=1)
     shutil.rmtree(path, ignore_errors=True)  # a step done again after a resume from an earlier checkpoint
     os.rename(f"{path}.tmp", path)
     for old in checkpoints(run.output_dir)[: -args.save_total_limit] if args.save_total_limit else []:
         shutil.rmtree(old)
+
+
+def end_step(run, global_step, next_round, **counters):
+    """After a step's log: what a checkpoint of it holds (a round in flight is not trained: a resume draws it again),
+    written every --save-steps and when SIGTERM or Ctrl-C asked for it, then the stop (stop_preempted)."""
+    start = next_round.start if next_round else run.prompts_consumed
+    run.trained = {**counters, "global_step": global_step, "prompts_consumed": start}
+    preempted = global_sum(run.preemption.is_set(), run.world_size, run.device) > 0 and global_step < run.args.max_steps
+    if preempted or (run.args.save_steps and global_step % run.args.save_steps == 0 and global_step < run.args.max_steps):
+        save_checkpoint(run, **run.trained)
+    if preempted:
+        stop_preempted(run, global_step)
+
+
+def stop_lost(run, error):
+    """No server came back within --vllm-server-timeout, or the colocated engine died: the checkpoint of the last
+    completed step (as SIGTERM writes it; the newest on disk if the weights moved past it or CUDA is gone), one line
+    with the cause and the command that resumes, exit 75 (EX_TEMPFAIL: try again later)."""
+    step = run.trained["global_step"]
+    try:
+        if run.scheduler.last_epoch != step or step == 0:
+            raise RuntimeError("no completed step since the newest checkpoint")
+        if not os.path.isdir(os.path.join(run.output_dir, f"checkpoint-{step}")):
+            save_checkpoint(run, **run.trained)
+        wrote = f"wrote checkpoint-{step}"
+    except Exception:  # noqa: BLE001 - a dead engine may have taken the CUDA context with it
+        wrote = f"the newest checkpoint is {(checkpoints(run.output_dir) or ['none'])[-1]}"
+    cause = f"{type(error).__name__}: {error}".replace("\n", " ")
+    print(f"error: {cause}; {wrote}; resume with: {resume_command(run)}", file=sys.stderr, flush=True)
+    if run.is_main:
+        os.close(run.lock)  # (the process ends: only a caller that goes on, as a test does, would hold it)
+    sys.exit(75)
+
+
+def resume_command(run):
+    """This run's command line with --output-dir DIR --resume-from-checkpoint latest in place of its own."""
+    argv, own = sys.argv[1:], ("--output-dir", "--resume-from-checkpoint")
+    drop = {j for i, arg in enumerate(argv) if arg.split("=")[0] in own for j in (i, i + ("=" not in arg))}
+    latest = ["--output-dir", run.output_dir, "--resume-from-checkpoint", "latest"]
+    return shlex.join(["python", os.path.basename(sys.argv[0]), *(a for i, a in enumerate(argv) if i not in drop), *latest])
 
 
 def stop_preempted(run, global_step):
@@ -1472,7 +1552,7 @@ def full_state(model, optimizer):
 def save_final(output_dir, model, tokenizer_files, state_dict=None):
     """save_model into output_dir itself, next to checkpoints and metrics: the files are written to a temporary
     folder, then each is moved in with an atomic rename, config.json last, so a config.json means a complete model."""
-    tmp = os.path.join(output_dir, ".final.tmp")
+    tmp = own_path(output_dir, ".final.tmp")
     shutil.rmtree(tmp, ignore_errors=True)  # (output_dir/merged's: a resume removes only the run directory's .tmp)
     save_model(tmp, model, tokenizer_files, state_dict)
     for name in sorted(os.listdir(tmp), key=lambda n: n == "config.json"):
@@ -1500,16 +1580,23 @@ def tokenizer_files(model_path, tokenizer):
     return {os.path.basename(path): open(path, "rb").read() for path in paths if path}
 
 
+def own_path(*parts):
+    """os.path.join(*parts), a file or folder of the run's own: never a symbolic link (a write changes its target)."""
+    if os.path.islink(path := os.path.join(*parts)):
+        raise SystemExit(f"error: {path} is a symbolic link: a run writes its own files, not through links. Remove it")
+    return path
+
+
 def checkpoints(output_dir):
     """The complete checkpoint-N directories of a run directory, oldest first (one being written is checkpoint-N.tmp)."""
     names = os.listdir(output_dir) if os.path.isdir(output_dir) else []
     complete = [n for n in names if re.fullmatch(r"checkpoint-\d+", n)]
-    return [os.path.join(output_dir, n) for n in sorted(complete, key=lambda n: int(n.split("-")[1]))]
+    return [own_path(output_dir, n) for n in sorted(complete, key=lambda n: int(n.split("-")[1]))]
 
 
 def run_info(checkpoint):
     """A checkpoint's run.json: its run (run_id, run_name: wandb's), script and global_step; {} without one."""
-    with contextlib.suppress(OSError, ValueError), open(os.path.join(checkpoint, "run.json")) as f:
+    with contextlib.suppress(OSError, ValueError), open(own_path(checkpoint, "run.json")) as f:
         return json.load(f)
     return {}
 
@@ -1540,7 +1627,8 @@ def claim_run_dir(args):
                 os.makedirs(out)
                 break
     # a live run holds its directory's flock (the kernel drops it however the process ends): in use, whatever it holds
-    with contextlib.suppress(OSError), open(os.path.join(out, ".lock"), "rb") as lock:
+    lock_path, _ = own_path(out, ".lock"), own_path(out, "metrics.jsonl")  # (a link refused before models load)
+    with contextlib.suppress(OSError), os.fdopen(os.open(lock_path, os.O_RDONLY | os.O_NOFOLLOW), "rb") as lock:
         try:
             fcntl.flock(lock, fcntl.LOCK_SH | fcntl.LOCK_NB)  # (a free lock is released again as the file closes)
         except BlockingIOError:
@@ -1588,7 +1676,7 @@ def claim_run_dir(args):
                 f"{checkpoint} into a directory of its own and resume it from there"
             )
     os.makedirs(out, exist_ok=True)
-    lock = os.open(os.path.join(out, ".lock"), os.O_RDWR | os.O_CREAT, 0o644)
+    lock = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
     try:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:  # a run that took the directory since the check above: start again, which says so
@@ -1599,7 +1687,7 @@ def claim_run_dir(args):
     os.ftruncate(lock, 0)
     os.pwrite(lock, f"{script}, pid {os.getpid()} on {socket.gethostname()}, since {time.ctime()}".encode(), 0)
     for name in [n for n in os.listdir(out) if n.endswith(".tmp")]:  # what a crash of this run left half-written
-        shutil.rmtree(os.path.join(out, name))
+        shutil.rmtree(own_path(out, name))
         print(f"{out}: removed {name}, left half-written by a crash")
     if created:
         atexit.register(remove_unstarted, os.path.abspath(out))
@@ -1651,16 +1739,26 @@ COMMON_RULES = [  # (the shared flags' fields, true for a valid value, what they
     ("min_p", lambda v: 0 <= v <= 1, "in [0, 1] (0 = off)"),
     ("repetition_penalty", lambda v: v > 0, "> 0 (1 = off)"),
 ]
+IGNORED = [  # (a regex of flags, true where they are read, what that takes): typed where nothing reads them, refused
+    (r"--vllm-", lambda a: a.use_vllm, "--use-vllm"),
+    (r"--vllm-(server|group|generation|weight-sync)-", lambda a: a.vllm_mode == "server", "--vllm-mode server"),
+    (r"--vllm-(gpu|tensor|max-model|enable-sleep)-", lambda a: a.vllm_mode == "colocate", "--vllm-mode colocate"),
+    (r"--lora-|--save-merged-model", lambda a: a.use_peft, "--use-peft"),
+    (r"--dataset-(config|split)", lambda a: not os.path.isfile(a.dataset_name), "a hub --dataset-name"),
+    (r"--eval-(dataset|max|num)", lambda a: a.eval_steps > 0 or a.max_steps == 0, "--eval-steps N (or --max-steps 0)"),
+]
 
 
 def parse_args(argv=None):
-    """The flags: tyro's plain --help box of Args, every flag with its docstring."""
-    if "--overwrite-output-dir" in (sys.argv[1:] if argv is None else argv):
+    """The flags: tyro's plain --help box of Args, every flag with its docstring; args.flags_given: the flags typed."""
+    if "--overwrite-output-dir" in (argv := sys.argv[1:] if argv is None else argv):
         raise SystemExit(
             "error: --overwrite-output-dir was removed: every run writes to a directory of its own (runs/{exp_name}__"
             "{seed}__{unix time} by default). Pass another --output-dir, or --resume-from-checkpoint to continue a run."
         )
-    return tyro.cli(Args, args=argv, description="\n\n".join(__doc__.split("\n\n")[:3]))
+    args = tyro.cli(Args, args=argv, description="\n\n".join(__doc__.split("\n\n")[:3]))
+    args.flags_given = {re.sub("^--no-", "--", a.split("=")[0].replace("_", "-")) for a in argv if a.startswith("--")}
+    return args
 
 
 def is_local(path):
@@ -1671,23 +1769,33 @@ def is_local(path):
 
 
 def path_problem(flag, path, marker="config.json", kind="model"):
-    """Why a local directory flag is wrong (None if it is not): a directory that is not there, or lacks its marker
-    file, is reported as such, not as a hub name that does not parse."""
+    """Why a directory flag is wrong (None if it is not): a file; a local directory that is not there or lacks its
+    marker file; a hub name neither cached nor reachable (HF_HUB_OFFLINE too): from_pretrained retries, then fails."""
+    if path is not None and os.path.isfile(path):
+        return f"{flag} {path} is a file, not a {kind} directory"
     if path is not None and os.path.isdir(path) and not os.path.exists(os.path.join(path, marker)):
         return f"{flag} {path}: that directory has no {marker}, so it is not a {kind}"
     if path is not None and not os.path.isdir(path) and (kind == "checkpoint" or is_local(path)):
         return f"{flag} {path}: no such directory"
+    if path is not None and not os.path.isdir(path):  # a hub name: cached, or one HEAD request to the hub
+        import huggingface_hub as hub
+
+        try:
+            if not isinstance(hub.try_to_load_from_cache(path, marker), str):
+                hub.get_hf_file_metadata(hub.hf_hub_url(path, marker), timeout=10)
+        except Exception as error:  # noqa: BLE001 - the hub's answer (no such repo, a gated one) is from_pretrained's
+            if not isinstance(error, (hub.errors.HfHubHTTPError, ValueError)):  # no answer (offline, no network)
+                return f"{flag} {path} is not in the local Hugging Face cache and the hub cannot be reached: {error!r}"
 
 
 def lora_problem(args):
-    """--save-merged-model without --use-peft, or a --lora-target-modules name no Linear of the decoder has (config)."""
-    if args.save_merged_model and not args.use_peft:
-        return "--save-merged-model needs --use-peft (it merges the adapter)"
-    if args.use_peft and args.lora_target_modules and not path_problem("", args.model_name_or_path):
+    """A --lora-target-modules name that no Linear of the decoder has (read from the config of the model)."""
+    if args.use_peft and args.lora_target_modules:
         from transformers import AutoConfig, AutoModelForCausalLM
 
+        config = AutoConfig.from_pretrained(args.model_name_or_path, trust_remote_code=args.trust_remote_code)
         with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(args.model_name_or_path))
+            model = AutoModelForCausalLM.from_config(config, trust_remote_code=args.trust_remote_code)
         head = model.get_output_embeddings()  # trained through its weight alone: not adapted
         names = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and m is not head]
         if missing := [t for t in args.lora_target_modules if not any(n == t or n.endswith(f".{t}") for n in names)]:
@@ -1723,27 +1831,22 @@ def check_args(args, world_size, rules=(), problems=(), steps_per_round=1, steps
             f"--reward-weights has {len(args.reward_weights)} values for {len(args.reward_funcs)} --reward-funcs"
         )
     problems += vllm_utils.check_args(args)
-    problems.append(path_problem("--model-name-or-path", args.model_name_or_path))
-    problems.append(lora_problem(args))
-    if args.resume_from_checkpoint != "latest":
-        problems.append(
-            path_problem("--resume-from-checkpoint", args.resume_from_checkpoint, "trainer_state.pt", "checkpoint")
-        )
+    problems.append(path_problem("--model-name-or-path", args.model_name_or_path) or lora_problem(args))
+    resume = None if args.resume_from_checkpoint == "latest" else args.resume_from_checkpoint  # (latest: claim_run_dir)
+    problems.append(path_problem("--resume-from-checkpoint", resume, "trainer_state.pt", "checkpoint"))
     for flag, name in (("--dataset-name", args.dataset_name), ("--eval-dataset", args.eval_dataset)):
         if name is not None and is_local(name) and not os.path.exists(name):
             problems.append(f"{flag} {name} does not exist (no such file or directory)")
         elif name is not None and os.path.isfile(name) and not name.endswith((".json", ".jsonl", ".csv", ".parquet")):
             problems.append(f"{flag} {name}: a .json / .jsonl / .csv / .parquet file (or a directory of them) expected")
-    evaluating = args.eval_steps > 0 or args.max_steps == 0
-    if evaluating and eval_source(args) is None:
+    if (args.eval_steps > 0 or args.max_steps == 0) and eval_source(args) is None:
         problems.append(
             f"{'--eval-steps' if args.eval_steps else '--max-steps 0 (evaluate and exit)'} needs an eval dataset: "
             f"--dataset-name {args.dataset_name} is a local file, with no test split; pass --eval-dataset"
         )
-    if args.eval_dataset and not evaluating:
-        problems.append(
-            "--eval-dataset is evaluated with --eval-steps N (during training) or --max-steps 0 (once): pass one"
-        )
+    for flag in sorted(getattr(args, "flags_given", ())):  # typed, yet nothing would read it: a mistake, said
+        if need := next((need for regex, read, need in IGNORED if re.match(regex, flag) and not read(args)), None):
+            problems.append(f"{flag} is ignored without {need}: add {need} or drop {flag}")
     if args.output_dir is not None and os.path.exists(args.output_dir) and not os.path.isdir(args.output_dir):
         problems.append(f"--output-dir {args.output_dir} is a file, not a directory")
     if problems := [p for p in problems if p]:

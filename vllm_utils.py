@@ -30,13 +30,14 @@ SUPPORTED_VLLM = ((0, 26), (0, 33))  # (major, minor), both ends tested as docs/
 PACKED_NUM_BUFFERS = 2  # packed-broadcast chunks in flight on each side; both sides must agree
 # server-mode Args fields (docs/vllm.md, "Server flags") and their defaults, for a fork whose Args predate them
 SERVER_OPTIONS = dict(vllm_group_port=None, vllm_generation_chunk_size=8, vllm_generation_timeout=1800.0)
-SERVER_OPTIONS.update(vllm_weight_sync_timeout=300.0, vllm_weight_sync_buffer_mb=1024)
+SERVER_OPTIONS.update(vllm_weight_sync_timeout=300.0, vllm_weight_sync_buffer_mb=1024, vllm_server_timeout=240.0)
 # the restart line of an error: the command for the server at base_url (its port; 8000 if unknown) and its backend
 _restart = lambda model, backend="nccl", base_url=None: (  # noqa: E731
     f"Restart it as:\n  {serve_command(model, port=base_url.rsplit(':', 1)[1] if base_url else 8000, backend=backend)}"
 )
 _listed = lambda value: list(value) if isinstance(value, (list, tuple)) else [value]  # noqa: E731 - one or several
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "0.0.0.0", "::1", socket.gethostname())
+TRUST_REMOTE_CODE = False  # the trainer's --trust-remote-code (start sets it): the serve commands it prints carry it
 _strip = lambda name: (  # noqa: E731 - wrappers' infixes: activation checkpointing's, FSDP's, peft's
     name.replace("_checkpoint_wrapped_module.", "").replace("_fsdp_wrapped_module.", "").replace(".base_layer.", ".")
 ).removeprefix("base_model.model.")
@@ -171,12 +172,14 @@ def tensor_parallel_group(tensor_parallel_size):
 # Server: a stock `vllm serve` over HTTP, weights by NCCL or CUDA IPC
 
 
-def serve_command(model, host="0.0.0.0", port=8000, gpus=None, backend="nccl", servers=1):
+def serve_command(model, host="127.0.0.1", port=8000, gpus=None, backend="nccl", servers=1, trust_remote_code=None):
     """The command that starts a server this codebase can train against, with 4 HTTP front ends: one alone turns the
     sampled tokens' log-probs into responses slower than the engine samples them (docs/vllm.md, "HTTP front ends").
     backend "nccl": on GPUs the trainer does not use (`gpus`, default 1); "ipc": on the trainer's GPU (the default),
     with a memory share that leaves the trainer room (0.35, split between `servers` servers of one run), pickled CUDA
-    IPC handles allowed (vLLM 0.26's also needs ray)."""
+    IPC handles allowed (vLLM 0.26's also needs ray). Bound to loopback: dev mode's endpoints have no authentication
+    (docs/vllm.md, "Security"); --trust-remote-code where asked (None: as the trainer's, TRUST_REMOTE_CODE)."""
+    model += " --trust-remote-code" * (TRUST_REMOTE_CODE if trust_remote_code is None else trust_remote_code)
     if gpus is None and backend == "ipc":  # the trainer's GPU, as its CUDA_VISIBLE_DEVICES names it
         index = torch.cuda.current_device() if torch.cuda.is_available() else 0
         visible = [gpu for gpu in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if gpu.strip()]
@@ -258,16 +261,17 @@ def check_server(base_url, model):
     served = get("/v1/models").json()["data"][0]
     info = {"model_id": served["id"], "max_model_len": served.get("max_model_len"), "backend": backend, "url": base_url}
     workers = get("/get_world_size").json()["world_size"]
-    return {**info, "version": version, "model_config": model_config, "workers": workers}
+    info |= {"cache_config": config.get("cache_config") or {}, "model_config": model_config, "workers": workers}
+    return {**info, "version": version}
 
 
-def check_same_model(server, model, model_path):
+def check_same_model(server, model, model_path, trust_remote_code=False):
     """Refuse a server that serves another model before any NCCL or /start_weight_update. No vLLM reports parameter
     names (0.28+'s /weight_info: a version string), so the served model (/server_info's path, revision, hf_overrides)
     is built on the meta device: it must have weight_metadata's names and shapes (dtypes may differ: vLLM casts)."""
     served = server["model_config"]
-    name, remote = served.get("model", server["model_id"]), {"trust_remote_code": bool(served.get("trust_remote_code"))}
-    try:  # the served model's HF parameters, built on the meta device (no memory)
+    name, remote = served.get("model", server["model_id"]), {"trust_remote_code": trust_remote_code}
+    try:  # the served model's parameters, on the meta device; its code only if the trainer, not the server, trusts it
         config = transformers.AutoConfig.from_pretrained(name, revision=served.get("revision"), **remote)
         config.update(served.get("hf_overrides") or {})
         with torch.device("meta"):
@@ -337,12 +341,32 @@ def check_transport(base_url, server, model):
             "PYTORCH_CUDA_ALLOC_CONF (or PYTORCH_ALLOC_CONF) has expandable_segments:True, whose memory cannot be "
             "exported as a CUDA IPC handle (pytorch#165685). Unset it for the trainer or serve with NCCL on other GPUs."
         )
+    import psutil  # a vLLM dependency
+
+    nics = [a.address for nic in psutil.net_if_addrs().values() for a in nic if a.family == socket.AF_INET]
+    for address in (a for a in nics if not a.startswith("127.")):  # a server bound to 0.0.0.0 answers on each
+        with contextlib.suppress(OSError), socket.create_connection((address, int(port)), timeout=0.5):
+            return print(
+                f"warning: the server at {base_url} also answers on {address}:{port}, and it runs any code it is sent "
+                "(VLLM_ALLOW_INSECURE_SERIALIZATION=1): restart it with --host 127.0.0.1 (docs/vllm.md, Security)"
+            )
 
 
 def _ipc_elsewhere(base_url, model, what):
     mine = f"GPU-{torch.cuda.get_device_properties(torch.cuda.current_device()).uuid}"
     where = f"the server at {base_url} {what}, not on trainer rank 0's GPU {mine}, which CUDA IPC weight transfer needs"
     return f"{where}. {_both_commands(base_url, model)}"
+
+
+class ServerLost(ConnectionError):
+    """Every server of the run stopped answering (refused, reset, or a 5xx while /health fails): a restart may come."""
+
+
+def _answers(base_url, timeout=5.0):
+    """Whether a server answers GET /health with 200 (a restarting one does once it can serve)."""
+    with contextlib.suppress(requests.RequestException):
+        return requests.get(f"{base_url}/health", timeout=timeout).status_code == 200
+    return False
 
 
 def _post(base_url, path, timeout, **kwargs):
@@ -415,11 +439,16 @@ def paused_update(base_url, send, name="MODEL", backend="nccl", timeout=300.0):
     probe_server(base_url, name, backend=backend)  # a wedged engine is reported now, not after `timeout` s
     try:
         _post(base_url, "/pause", timeout, params={"mode": "wait"})  # (in the try: a pause that timed out is undone)
-        try:
-            _post(base_url, "/start_weight_update", 60, json={})
-        except RuntimeError as error:  # "already active" (0.26 to 0.33 v1/worker/gpu_worker.py): a trainer died in one
-            dead = "a previous trainer died inside a weight update: " if "already active" in str(error) else ""
-            raise RuntimeError(f"{dead}{error}\n{_restart(name, backend, base_url)}") from error
+        for retry in (True, False):
+            try:
+                _post(base_url, "/start_weight_update", 60, json={})
+                break
+            except RuntimeError as error:  # "already active" (0.26 to 0.33 v1/worker/gpu_worker.py): a trainer died
+                dead = "a previous trainer died inside a weight update: " if "already active" in str(error) else ""
+                if not (retry and dead):
+                    raise RuntimeError(f"{dead}{error}\n{_restart(name, backend, base_url)}") from error
+                with contextlib.suppress(RuntimeError, requests.RequestException):  # where its engine still answers,
+                    _post(base_url, "/finish_weight_update", 60, json={})  # finishing that update repairs it: retry
         try:
             send()
             _post(base_url, "/finish_weight_update", 60, json={})
@@ -612,20 +641,30 @@ def parse_completions(response, num_prompts, n):
     return completion_ids, logprobs
 
 
-def server_generate(base_url, model_id, prompt_ids, n, fields, chunk_size=8, timeout=1800.0):
+def server_generate(base_url, model_id, prompt_ids, n, fields, chunk_size=8, timeout=1800.0, lost=None):
     """Sample n completions per prompt on the server: (completion ids, log-probs), prompt-major, from concurrent
     requests of `chunk_size` prompts (vLLM batches them; no response holds a round), each within `timeout` s.
     `base_url`: one server's URL, or a list of several servers of the same weights, which take the chunks in turn: one
-    EngineCore process's CPU bounds a round with log-probs, and several share it (docs/vllm.md, "Several servers")."""
-    urls = _listed(base_url)
+    EngineCore process's CPU bounds a round with log-probs, and several share it (docs/vllm.md, "Several servers").
+    A server that stops answering is added to `lost` ({url: since}) and its chunks go to the others; ServerLost when
+    none is left."""
+    urls, lost = _listed(base_url), {} if lost is None else lost
     first = int(os.environ.get("RANK", "0"))  # torchrun ranks start at different servers
 
     def complete(i, chunk):
         body, deadline = completions_request(model_id, chunk, n, fields), time.monotonic() + timeout
-        url = urls[(first + i) % len(urls)]
-        post = lambda: requests.post(f"{url}/v1/completions", json=body, timeout=timeout)  # noqa: E731
-        while (response := post()).status_code == 503 and time.monotonic() < deadline:  # 0.33: 503 while paused
-            time.sleep(1)
+        for url in [urls[(first + i + k) % len(urls)] for k in range(len(urls))]:
+            post = lambda: requests.post(f"{url}/v1/completions", json=body, timeout=timeout)  # noqa: E731
+            try:
+                while (response := post()).status_code == 503 and time.monotonic() < deadline:  # 0.33: while paused
+                    time.sleep(1)
+            except (requests.ConnectionError, requests.exceptions.ChunkedEncodingError):
+                response = None
+            if response is not None and (response.status_code < 500 or _answers(url)):
+                break
+            lost.setdefault(url, time.time())  # a dead engine's 5xx or a closed port: the server is gone
+        else:
+            raise ServerLost(f"no server of {', '.join(urls)} answers")
         if response.status_code != 200:
             raise RuntimeError(f"/v1/completions failed with {response.status_code}: {response.text[:500]}")
         return parse_completions(response.json(), len(chunk), n)
@@ -691,13 +730,16 @@ def check_args(args):
 def start(args, model_path, max_prompt_length):
     """The generator `args.vllm_mode` asks for, a dict handed back to generate / sync_weights. A server is checked (its
     layout on rank 0); over NCCL the group forms at the first sync_weights, once the served model has been compared."""
+    global TRUST_REMOTE_CODE  # vLLM, the model comparison and the serve commands printed load the model alike
     vllm_version(None, who="this trainer")
     engine = {"mode": args.vllm_mode, "fields": sampling_fields(args), "n": args.num_generations, "model": model_path}
+    TRUST_REMOTE_CODE = engine["trust_remote_code"] = getattr(args, "trust_remote_code", False)
     max_len = max_prompt_length + args.max_completion_length
     if args.vllm_mode == "colocate":
         dtype, seqs = ("bfloat16" if args.bf16 else "auto"), args.prompts_per_step * engine["n"]
         llm_args = dict(max_model_len=args.vllm_max_model_len or max_len, enable_sleep_mode=args.vllm_enable_sleep_mode)
         llm_args.update(gpu_memory_utilization=args.vllm_gpu_memory_utilization, dtype=dtype, max_num_seqs=seqs)
+        llm_args["trust_remote_code"] = TRUST_REMOTE_CODE
         engine["llm"] = colocate_engine(model_path, args.vllm_tensor_parallel_size, args.seed, **llm_args)
         engine["sleep"] = args.vllm_enable_sleep_mode  # starts awake with the checkpoint's weights (model_path)
         engine["tp_group"] = tensor_parallel_group(args.vllm_tensor_parallel_size)
@@ -750,8 +792,9 @@ def generate(engine, prompt_ids, n=None, temperature=None):
     """(completion ids, vLLM log-probs), prompt-major; n per prompt, temperature (0: greedy): None = training's."""
     n, fields = n or engine["n"], {**engine["fields"], **({} if temperature is None else {"temperature": temperature})}
     if engine["mode"] == "server":
-        chunking = engine["vllm_generation_chunk_size"], engine["vllm_generation_timeout"]
-        urls = engine.get("base_urls", [engine["base_url"]])
+        chunking = engine["vllm_generation_chunk_size"], engine["vllm_generation_timeout"], engine.setdefault("lost", {})
+        if not (urls := [url for url in engine.get("base_urls", [engine["base_url"]]) if url not in engine["lost"]]):
+            raise ServerLost(f"no server of the run answers (lost: {', '.join(engine['lost'])})")
         return server_generate(urls, engine["server"]["model_id"], prompt_ids, n, fields, *chunking)
     llm, group = engine["llm"], engine["tp_group"]
     if engine.get("weights_asleep"):
@@ -779,27 +822,85 @@ def sleep(engine):
         engine["weights_asleep"] = engine["kv_asleep"] = True
 
 
+def server_push(engine, model, urls):
+    """One weight update of the servers at `urls` (all of them in full: a restarted server holds its start-up ones)."""
+    sync = {"version": engine["server"]["version"], "timeout": engine["vllm_weight_sync_timeout"]}
+    sync["buffer_bytes"] = engine["vllm_weight_sync_buffer_mb"] << 20
+    if engine["server"]["backend"] == "ipc":  # no group: each chunk's handle goes over HTTP
+        return server_sync_weights_ipc(urls, model, name=engine["model"], **sync)
+    if (group := engine.pop("group", None)) is None:  # popped: a failed update leaves the group unusable
+        group = server_init_weight_sync(engine["base_url"], engine["vllm_group_port"], engine["master_address"], **sync)
+    server_sync_weights(engine["base_url"], group, model, name=engine["model"], **sync)
+    engine["group"] = group
+
+
+def push_live(engine, model):
+    """server_push to every server that answers: the live ones and the lost ones that answer again (restarted: checked
+    again, and NCCL's group formed anew). One that stops answering during the push is marked lost, and the push goes
+    again to the others, which its failure left resumed; a failure of a server that still answers is raised."""
+    lost = engine.setdefault("lost", {})
+    back = [url for url in lost if _answers(url)]
+    for url in back:  # it may serve another model or vLLM now
+        check_same_model(check_server(url, engine["model"]), model, engine["model"], engine.get("trust_remote_code", False))
+        engine.pop("group", None)
+    while urls := [url for url in engine.get("base_urls", [engine["base_url"]]) if url not in lost or url in back]:
+        try:
+            server_push(engine, model, urls)
+            break
+        except (RuntimeError, TimeoutError, requests.RequestException):
+            if not (dead := [url for url in urls if not _answers(url)]):
+                raise
+            lost.update({url: lost.get(url, time.time()) for url in dead})
+            back = [url for url in back if url not in dead]
+    for url in back:
+        print(f"vllm_utils: the server at {url} is back and holds the trainer's weights again", flush=True)
+        del lost[url]
+
+
+def wait_for_lost(engine, model):
+    """Every server of the run is lost: wait up to --vllm-server-timeout for one to answer again, saying which, since
+    when and the command that restarts it; then push_live. ServerLost if none is back in time."""
+    lost, timeout = engine["lost"], engine["vllm_server_timeout"]
+    for url, since in lost.items():
+        servers, backend = len(engine.get("base_urls", [url])), engine["server"]["backend"]
+        command = serve_command(engine["model"], port=url.rsplit(":", 1)[1], backend=backend, servers=servers)
+        kv = kv_cache_bytes(engine["server"], model.config) if backend == "ipc" else None
+        print(
+            f"vllm_utils: the server at {url} stopped answering at {time.strftime('%H:%M:%S', time.localtime(since))};"
+            f" waiting up to {timeout:.0f} s (--vllm-server-timeout) for it. Restart it with: "
+            + (command.replace(" --api", f" --kv-cache-memory-bytes {kv} --api") if kv else command),
+            flush=True,
+        )
+    deadline = time.monotonic() + timeout
+    while not any(_answers(url) for url in lost):
+        if time.monotonic() > deadline:
+            raise ServerLost(f"no server came back within {timeout:.0f} s (--vllm-server-timeout): {', '.join(lost)}")
+        time.sleep(2)
+    push_live(engine, model)
+
+
+def kv_cache_bytes(server, config):
+    """The KV cache a server had (its --kv-cache-memory-bytes, else its blocks' bytes in 16 bits) for its restart
+    beside a live trainer, whose memory vLLM's start-up profiling would take for its own (1 GiB if unknown)."""
+    cache = server.get("cache_config") or {}
+    if cache.get("kv_cache_memory_bytes"):
+        return cache["kv_cache_memory_bytes"]
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    per_token = 4 * config.num_hidden_layers * (getattr(config, "num_key_value_heads", None) or heads) * head_dim
+    return (cache.get("num_gpu_blocks") or 0) * (cache.get("block_size") or 16) * per_token or 1 << 30
+
+
 def sync_weights(engine, model):
     """Push the trainer's weights to vLLM after each optimizer step (every torchrun rank: FSDP2 gathers are collective).
     Colocate with sleep mode drops the gradients (the next step recomputes them) so that vLLM can map its memory."""
     if engine["mode"] == "server":
         if not engine.get("model_checked"):  # on every rank, so that all stop together
             for server in engine.get("servers", [engine["server"]]):
-                check_same_model(server, model, engine["model"])
+                check_same_model(server, model, engine["model"], engine.get("trust_remote_code", False))
             engine["model_checked"] = True
         if os.environ.get("RANK", "0") == "0":
-            sync = {"version": engine["server"]["version"], "timeout": engine["vllm_weight_sync_timeout"]}
-            sync["buffer_bytes"] = engine["vllm_weight_sync_buffer_mb"] << 20
-            if engine["server"]["backend"] == "ipc":  # no group: each chunk's handle goes over HTTP
-                server_sync_weights_ipc(
-                    engine.get("base_urls", engine["base_url"]), model, name=engine["model"], **sync
-                )
-            else:  # popped: a failed update leaves the group unusable, and a retry forms a new one
-                if (group := engine.pop("group", None)) is None:
-                    where = engine["vllm_group_port"], engine["master_address"]
-                    group = server_init_weight_sync(engine["base_url"], *where, **sync)
-                server_sync_weights(engine["base_url"], group, model, name=engine["model"], **sync)
-                engine["group"] = group
+            push_live(engine, model)
         else:  # take part in each parameter's FSDP2 gather, in rank 0's order, and drop the result
             for _ in named_weights(model):
                 pass

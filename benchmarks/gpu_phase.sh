@@ -25,7 +25,7 @@ BENCH="--model-name-or-path /tmp/bench-qwen05b --dataset-name /tmp/tasks/bench.j
 
 serve() {  # serve MODEL PORT [ARGS]: a stock vLLM server on GPU 1 (or $SERVER_GPUS), in its own session so that it
   local model=$1 port=$2; shift 2  # outlives this command
-  CUDA_VISIBLE_DEVICES=${SERVER_GPUS:-1} VLLM_SERVER_DEV_MODE=1 setsid python3 -m vllm.entrypoints.cli.main serve "$model" --port "$port" "$@" \
+  CUDA_VISIBLE_DEVICES=${SERVER_GPUS:-1} VLLM_SERVER_DEV_MODE=1 setsid python3 -m vllm.entrypoints.cli.main serve "$model" --port "$port" --host 127.0.0.1 "$@" \
     --weight-transfer-config '{"backend": "nccl"}' --logprobs-mode processed_logprobs --max-logprobs -1 \
     --api-server-count 4 \
     > "$OUT/server_$port.log" 2>&1 &

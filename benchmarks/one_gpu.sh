@@ -67,7 +67,7 @@ serve_ipc() {  # serve_ipc MODEL PORT [ARGS]: an IPC `vllm serve` on this GPU, i
   mkdir -p "${SERVER_LOGS:-$OUT}"
   env $MPS_ENV VLLM_SERVER_DEV_MODE=1 VLLM_ALLOW_INSECURE_SERIALIZATION=1 setsid \
     python3 -m vllm.entrypoints.cli.main serve "$model" --port "$port" --weight-transfer-config '{"backend": "ipc"}' \
-    --logprobs-mode processed_logprobs --max-logprobs -1 \
+    --host 127.0.0.1 --logprobs-mode processed_logprobs --max-logprobs -1 \
     "$@" > "${SERVER_LOGS:-$OUT}/server_$port.log" 2>&1 &  # SERVER_LOGS: a folder that outlives the call
 }
 tiny_models() {  # once per host: phases that run at the same time must not write them at the same time

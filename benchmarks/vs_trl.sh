@@ -35,7 +35,7 @@ ADD="--model-name-or-path /tmp/smol --dataset-name /tmp/tasks/addition.jsonl --p
 serve() {  # serve MODEL PORT [ARGS]: `vllm serve` on GPU ${SERVE_GPU:-1} in its own session, so that it outlives this call
   local model=$1 port=$2; shift 2
   pgrep -f "serve $model --port $port" > /dev/null && return
-  CUDA_VISIBLE_DEVICES=${SERVE_GPU:-1} VLLM_SERVER_DEV_MODE=1 setsid python3 -m vllm.entrypoints.cli.main serve "$model" --port "$port" "$@" \
+  CUDA_VISIBLE_DEVICES=${SERVE_GPU:-1} VLLM_SERVER_DEV_MODE=1 setsid python3 -m vllm.entrypoints.cli.main serve "$model" --port "$port" --host 127.0.0.1 "$@" \
     --weight-transfer-config '{"backend": "nccl"}' --logprobs-mode processed_logprobs --max-logprobs -1 \
     --api-server-count "${API_SERVERS:-4}" \
     > "$OUT/server_$port.log" 2>&1 &

@@ -244,7 +244,7 @@ def test_eval_metrics_by_hand():
             ["--eval-dataset", "tests/assets/nope.jsonl", "--eval-steps", 1],
             ["--eval-dataset tests/assets/nope.jsonl does not exist"],
         ),
-        ("grpo.py", ["--eval-dataset", "EVAL"], ["--eval-dataset is evaluated with --eval-steps"]),
+        ("grpo.py", ["--eval-dataset", "EVAL"], ["--eval-dataset is ignored without --eval-steps N"]),
         (
             "grpo.py",
             ["--eval-dataset", "EVAL", "--eval-steps", 3, "--steps-per-generation", 2],

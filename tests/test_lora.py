@@ -352,6 +352,6 @@ def test_the_micro_batch_default_is_halved_for_lora(script):
     """--micro-batch-tokens left unset: 16384 tokens, 8192 with --use-peft (a 7B shape ran out of memory at 16384 on
     one H200); a value given is kept."""
     for flags, expected in (({}, 16384), (dict(use_peft=True), 8192), (dict(use_peft=True, micro_batch_tokens=99), 99)):
-        args = script.Args(**flags)
+        args = script.Args(model_name_or_path=STORIES, **flags)  # (a hub name not cached here is one HEAD request)
         script.check_args(args, world_size=1)
         assert args.micro_batch_tokens == expected

@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import time
+from types import SimpleNamespace
 
 import pytest
 import transformers
@@ -85,6 +86,9 @@ BAD_INPUTS = [  # (script, extra arguments (a function of tmp_path), what the me
     ("grpo.py", lambda t: ["--num-generations", 1], ["--num-generations must be at least 2"]),
     ("grpo.py", lambda t: ["--temperature", 0], ["--temperature must be > 0"]),
     ("grpo.py", lambda t: ["--epsilon", -0.2, "--delta", 0.5], ["--epsilon must be >= 0", "--delta must be > 1"]),
+    # two-sided clipping's cap at or below the upper clip would stop positive-advantage tokens before their clip does
+    ("grpo.py", lambda t: ["--delta", 1.2], ["--delta 1.2 must be > 1 + --epsilon-high = 1.2 (--epsilon-high: "]),
+    ("grpo.py", lambda t: ["--delta", 1.25, "--epsilon-high", 0.28], ["--delta 1.25 must be > 1 + --epsilon-high"]),
     (
         "grpo.py",
         lambda t: ["--vllm-importance-sampling-clip-min", 4],
@@ -164,7 +168,7 @@ BAD_INPUTS = [  # (script, extra arguments (a function of tmp_path), what the me
     ),
     ("rloo.py", lambda t: ["--use-peft", "--lora-target-modules", "c_attn"], ["--lora-target-modules c_attn: no"]),
     ("online_dpo.py", lambda t: ["--use-peft", "--lora-target-modules", "wq"], ["--lora-target-modules wq: no"]),
-    ("grpo.py", lambda t: ["--save-merged-model"], ["--save-merged-model needs --use-peft"]),
+    ("grpo.py", lambda t: ["--save-merged-model"], ["--save-merged-model is ignored without --use-peft"]),
     ("grpo.py", lambda t: ["--use-peft", "--lora-r", 0, "--lora-dropout", 1], ["--lora-r must be", "--lora-dropout"]),
 ]
 
@@ -515,7 +519,7 @@ def test_a_run_that_loses_the_lock_race_leaves_the_winners_directory_alone(monke
     out, real_open, winner = tmp_path / "run", os.open, {}
 
     def racing_open(path, flags, mode=0o777):
-        if str(path).endswith(".lock") and not winner:  # run A gets there first, right here
+        if str(path).endswith(".lock") and flags & os.O_CREAT and not winner:  # run A gets there first, right here
             winner["fd"] = real_open(path, os.O_RDWR | os.O_CREAT, 0o644)
             fcntl.flock(winner["fd"], fcntl.LOCK_EX | fcntl.LOCK_NB)
         return real_open(path, flags, mode)
@@ -555,3 +559,168 @@ def test_a_directory_holding_another_runs_checkpoints_is_not_resumed(monkeypatch
     )
     assert "also holds checkpoints of another run (checkpoint-2)" in message, message
     assert snapshot(out) == before
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# untrusted files: the run's own files are never written through a symbolic link; a checkpoint never runs code
+
+
+def test_untrusted_lock_symlink(tmp_path):
+    """out/.lock -> a file elsewhere: claim_run_dir opened it, truncated it and wrote its pid line into that file. The
+    run is refused in one line naming the link, and the file keeps its contents."""
+    import grpo
+
+    out, target = tmp_path / "run", tmp_path / "elsewhere.txt"
+    out.mkdir()
+    target.write_text("not the run's")
+    (out / ".lock").symlink_to(target)
+    with pytest.raises(SystemExit) as exited:
+        grpo.claim_run_dir(grpo.Args(output_dir=str(out)))
+    assert str(exited.value.code) == f"error: {out / '.lock'} is a symbolic link: {LINK_REFUSED}"
+    assert target.read_text() == "not the run's"
+
+
+LINK_REFUSED = "a run writes its own files, not through links. Remove it"
+
+
+@pytest.mark.parametrize("name", ["metrics.jsonl", "checkpoint-2/run.json", "checkpoint-3", "checkpoint-3.tmp"])
+def test_untrusted_run_file_symlinks(tmp_path, name):
+    """The run's other files and folders as links to elsewhere: a resume would rewrite metrics.jsonl through its link,
+    take a linked checkpoint-N (and delete it, --save-total-limit) or fail on a linked .tmp with a traceback. Each is
+    refused in one line naming the link, before any model loads, and what it points to is left as it was."""
+    import grpo
+
+    out, elsewhere = tmp_path / "run", tmp_path / "elsewhere"
+    identity = {"run_id": "r", "run_name": "n", "script": "grpo.py"}
+    for step, directory in ((2, out / "checkpoint-2"), (3, elsewhere)):
+        directory.mkdir(parents=True)
+        (directory / "run.json").write_text(json.dumps({**identity, "global_step": step}))
+    (elsewhere / "metrics.jsonl").write_text('{"step": 9}\n')
+    (out / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2}\n')
+    link = out / name
+    link.unlink(missing_ok=True)
+    link.symlink_to(elsewhere / os.path.basename(name) if name.endswith((".json", ".jsonl")) else elsewhere)
+    before = snapshot(elsewhere)
+    with pytest.raises(SystemExit) as exited:
+        grpo.claim_run_dir(grpo.Args(output_dir=str(out), resume_from_checkpoint="latest", max_steps=8))
+    assert str(exited.value.code) == f"error: {link} is a symbolic link: {LINK_REFUSED}"
+    assert snapshot(elsewhere) == before and elsewhere.exists()
+
+
+def test_untrusted_checkpoint_pickle(tmp_path):
+    """trainer_state.pt is loaded with weights_only (tensors, numbers, strings and containers of them): one holding a
+    pickled object, here one whose unpickling writes a file, is refused in one line and nothing of it runs."""
+    import torch
+
+    import grpo
+
+    written = tmp_path / "written-while-loading"
+
+    class WritesAFile:
+        def __reduce__(self):
+            return open, (str(written), "w")
+
+    torch.save({"optimizer": WritesAFile(), "global_step": 2}, tmp_path / "trainer_state.pt")
+    with pytest.raises(SystemExit) as exited:
+        grpo.load_checkpoint(SimpleNamespace(world_size=1), str(tmp_path))
+    assert str(exited.value.code) == f"error: {tmp_path}/trainer_state.pt holds objects beyond tensors: not loaded"
+    assert not written.exists()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# a flag typed where nothing reads it (check_args' IGNORED table) is refused, in one line naming it and what it needs
+
+STARTS = ["--model-name-or-path", str(ASSETS / "stories260K"), "--dataset-name", str(ASSETS / "stories_prompts.jsonl")]
+IGNORED_FLAGS = [  # (flags typed, the line that refuses them): every row of IGNORED
+    (["--vllm-server-port", "9000"], "--vllm-server-port is ignored without --use-vllm: add --use-vllm or drop"),
+    (["--vllm-mode=server"], "--vllm-mode is ignored without --use-vllm"),
+    (["--use-vllm", "--vllm-server-timeout", "5"], "--vllm-server-timeout is ignored without --vllm-mode server"),
+    (["--use-vllm", "--vllm-mode", "server", "--no-vllm-enable-sleep-mode"], "--vllm-enable-sleep-mode is ignored"),
+    (["--use-vllm", "--vllm-mode", "server", "--vllm-max-model-len", "64"], "without --vllm-mode colocate"),
+    (["--lora_r", "8"], "--lora-r is ignored without --use-peft: add --use-peft or drop --lora-r"),
+    (["--save-merged-model"], "--save-merged-model is ignored without --use-peft"),
+    (["--dataset-split", "test"], "--dataset-split is ignored without a hub --dataset-name"),
+    (["--dataset-config", "main"], "--dataset-config is ignored without a hub --dataset-name"),
+    (["--eval-max-samples", "3"], "--eval-max-samples is ignored without --eval-steps N (or --max-steps 0)"),
+]
+
+
+def check_args_message(module, argv):
+    """What module's check_args exits with ('' if it passes) after its parse_args (a flag it cannot parse fails)."""
+    args = module.parse_args(argv)
+    try:
+        module.check_args(args, world_size=1)
+    except SystemExit as exited:
+        return str(exited.code)
+    return ""
+
+
+@pytest.mark.parametrize("flags, expected", IGNORED_FLAGS, ids=lambda v: " ".join(v) if isinstance(v, list) else "")
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_ignored_flag_is_refused(script, flags, expected):
+    lines = check_args_message(importlib.import_module(script[:-3]), [*STARTS, *flags]).splitlines()
+    assert all(line.startswith("error: ") for line in lines), lines
+    assert len([line for line in lines if expected in line]) == 1, lines
+
+
+def documented_commands(script):
+    """The argv of each `python script ...` / `torchrun ... script ...` in README.md's and docs/*.md's code blocks and
+    in the script's docstring (lines joined at a trailing backslash; commands with placeholders such as $ADD left out)."""
+    import shlex
+
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    text = "\n".join(p.read_text() for p in pages) + importlib.import_module(script[:-3]).__doc__.replace("\\\\", "\\")
+    command = re.compile(rf"\s*(\w+=\S* )*(python|torchrun) .*\b{script}( |$)")  # after any VAR=value
+    commands = []
+    for line in re.sub(r"\\\n\s*", " ", text).splitlines():
+        words = shlex.split(line, comments=True) if command.match(line) and "$" not in line else []
+        if words and "..." not in words and words[-1] != "--help":
+            commands.append(words[words.index(script) + 1 :])
+    return commands
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_ignored_flag_never_trips_on_flags_that_are_read(monkeypatch, script):
+    module = importlib.import_module(script[:-3])
+    for name in ("path_problem", "lora_problem"):  # no hub look-ups for the documented commands' model names
+        monkeypatch.setattr(module, name, lambda *args, **kwargs: None)
+    read = [
+        [*STARTS],  # nothing typed: the defaults
+        ["--use-vllm", "--vllm-mode", "server", "--vllm-server-port", "9000", "--vllm-weight-sync-timeout=5"],
+        ["--use-vllm", "--vllm-enable-sleep-mode", "--vllm-gpu-memory-utilization", "0.5", "--vllm-max-model-len", "9"],
+        ["--use-peft", "--lora-r", "8", "--lora-target-modules", "q_proj", "--save-merged-model"],
+        ["--dataset-name", "openai/gsm8k", "--dataset-config", "main", "--dataset-split", "train"],
+        [*STARTS, "--eval-dataset", STARTS[-1], "--eval-steps", "2", "--eval-max-samples", "3"],
+        [*STARTS, "--eval-dataset", STARTS[-1], "--max-steps", "0", "--eval-num-generations", "2"],
+    ]
+    documented = documented_commands(script)
+    assert len(documented) >= 3, documented  # the docstring's three examples at least
+    for argv in read + documented:
+        assert "is ignored" not in check_args_message(module, argv), argv
+    # and every row of the table is exercised by test_ignored_flag_is_refused
+    typed = {re.sub("^--no-", "--", f.split("=")[0].replace("_", "-")) for flags, _ in IGNORED_FLAGS for f in flags}
+    assert all(any(re.match(regex, flag) for flag in typed) for regex, _, _ in module.IGNORED)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# a model that cannot load is one line before anything loads, not a traceback after a minute of retries
+
+
+@pytest.mark.parametrize("case", ["a file", "offline", "the hub out of reach"])
+def test_a_model_that_cannot_load_is_one_line(tmp_path, stories_jsonl, case):
+    (tmp_path / "model.safetensors").write_bytes(b"not a model directory")
+    name = "model.safetensors" if case == "a file" else "someone/not-in-the-cache"
+    hub = {"offline": dict(HF_HUB_OFFLINE="1"), "the hub out of reach": dict(HF_ENDPOINT="http://127.0.0.1:9")}
+    env = dict(os.environ, WANDB_MODE="offline", CUDA_VISIBLE_DEVICES="", HF_HUB_CACHE=str(tmp_path / "hub-cache"))
+    env |= hub.get(case, {})  # (an empty cache: the name is in none)
+    args = [*SMALL, "--dataset-name", stories_jsonl, "--output-dir", tmp_path / "run", "--model-name-or-path", name]
+    command = [sys.executable, str(ROOT / "grpo.py"), *map(str, args)]
+    result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    lines = (result.stdout + result.stderr).strip().splitlines()
+    assert result.returncode == 1 and len(lines) == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    expected = {
+        "a file": "error: --model-name-or-path model.safetensors is a file, not a model directory",
+        "offline": "error: --model-name-or-path someone/not-in-the-cache is not in the local Hugging Face cache and",
+    }
+    assert lines[0].startswith(expected.get(case, expected["offline"])), lines
+    assert not (tmp_path / "run").exists()

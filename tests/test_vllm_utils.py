@@ -244,7 +244,7 @@ def test_unreachable_server_error_prints_the_serve_command():
     message = str(error.value)
     assert "--vllm-server-timeout" in message
     assert (
-        "VLLM_SERVER_DEV_MODE=1 vllm serve Qwen/Qwen2.5-0.5B-Instruct --host 0.0.0.0 --port 9 "
+        "VLLM_SERVER_DEV_MODE=1 vllm serve Qwen/Qwen2.5-0.5B-Instruct --host 127.0.0.1 --port 9 "
         '--weight-transfer-config \'{"backend": "nccl"}\' --logprobs-mode processed_logprobs --max-logprobs -1 '
         "--api-server-count 4"
     ) in message
@@ -389,7 +389,7 @@ def test_every_rank_generates_through_the_server_and_only_rank_0_joins_the_weigh
     monkeypatch.setattr(
         vllm_utils,
         "server_generate",
-        lambda url, model_id, prompts, n, fields, chunk, timeout: (
+        lambda url, model_id, prompts, n, fields, chunk, timeout, lost: (
             sent.append((url, chunk, timeout)) or ([[1]], [[-0.1]])
         ),
     )
@@ -663,15 +663,36 @@ def test_a_server_that_cannot_be_restored_is_reported_with_the_restart_command(s
     assert "vllm serve my/model" in str(error.value) and server.paths()[-1] == "/resume"
 
 
+_ACTIVE = _vllm_error(
+    "start_weight_update called while a weight update is already active. Call finish_weight_update first."
+)
+
+
 @pytest.mark.parametrize("backend", ["nccl", "ipc"])
-def test_an_update_left_active_by_a_dead_trainer_is_explained(serve, no_nccl, backend):
-    """A trainer killed between /start_weight_update and its end leaves the update active: the next one is told why and
-    how to recover instead of a bare 500, and nothing is sent. The restart command is the one of this server: its port
-    and its weight transfer (the first GPU run printed port 8000 and NCCL for an IPC server on port 8041)."""
-    active = _vllm_error(
-        "start_weight_update called while a weight update is already active. Call finish_weight_update first."
-    )
-    server = serve(_sync_routes(**{"/start_weight_update": active}))
+def test_an_update_left_active_by_a_dead_trainer_is_finished_and_the_push_goes_on(serve, no_nccl, monkeypatch, backend):
+    """A trainer killed between /start_weight_update and its end leaves the update active. Where the server's engine
+    still answers, the next trainer finishes that update (every layer gets its weights back), starts its own and
+    pushes, instead of refusing."""
+    ipc, model = FakeIPC(monkeypatch), _tiny_llama()
+    update = ipc.update_weights if backend == "ipc" else (200, {})
+    server = serve(_sync_routes(**{"/start_weight_update": [_ACTIVE, (200, {})], "/update_weights": update}))
+    if backend == "nccl":
+        vllm_utils.server_sync_weights(server.url, "group", model, "0.26.0", 1 << 20, timeout=5, name="my/m")
+        assert len(no_nccl) == 1  # the broadcast ran
+    else:
+        vllm_utils.server_sync_weights_ipc(server.url, model, "0.26.0", 1 << 20, timeout=5, name="my/m")
+        assert ipc.received.keys() == dict(vllm_utils.named_weights(model)).keys()  # every weight arrived
+    paths, repaired = server.paths(), ["/start_weight_update", "/finish_weight_update", "/start_weight_update"]
+    assert paths[:5] == ["/is_paused", "/pause", *repaired]  # the dead trainer's update finished before this one
+    assert "/update_weights" in paths[5:] and paths[-3:] == ["/finish_weight_update", "/reset_prefix_cache", "/resume"]
+
+
+@pytest.mark.parametrize("backend", ["nccl", "ipc"])
+def test_an_update_that_stays_active_is_explained(serve, no_nccl, backend):
+    """The repair fails (the update is still active after /finish_weight_update): the trainer is told why and how to
+    recover instead of a bare 500, and nothing is sent. The restart command is the one of this server: its port and
+    its weight transfer (the first GPU run printed port 8000 and NCCL for an IPC server on port 8041)."""
+    server = serve(_sync_routes(**{"/start_weight_update": _ACTIVE}))
     with pytest.raises(RuntimeError, match="a previous trainer died inside a weight update") as error:
         if backend == "nccl":
             vllm_utils.server_sync_weights(
@@ -680,9 +701,10 @@ def test_an_update_left_active_by_a_dead_trainer_is_explained(serve, no_nccl, ba
         else:  # nothing is exported before the start fails: no GPU needed
             vllm_utils.server_sync_weights_ipc(server.url, _tiny_llama(), "0.26.0", 1 << 20, timeout=5, name="my/model")
     port = server.url.rsplit(":", 1)[1]
-    assert f"vllm serve my/model --host 0.0.0.0 --port {port} " in str(error.value)
+    assert f"vllm serve my/model --host 127.0.0.1 --port {port} " in str(error.value)
     assert f'{{"backend": "{backend}"}}' in str(error.value)
-    assert server.paths() == ["/is_paused", "/pause", "/start_weight_update", "/resume"] and no_nccl == []
+    tried = ["/start_weight_update", "/finish_weight_update", "/start_weight_update"]  # one repair, then the refusal
+    assert server.paths() == ["/is_paused", "/pause", *tried, "/resume"] and no_nccl == []
 
 
 def test_a_stuck_server_is_reported_before_anything_is_sent(serve, no_nccl, monkeypatch):
@@ -724,6 +746,27 @@ def test_a_server_serving_another_model_is_refused_before_any_nccl(serve, monkey
             joined.clear()
             vllm_utils.sync_weights(engine, _tiny_llama())
             assert len(joined) == 2  # NCCL group, then the update
+
+
+def test_untrusted_server_info(serve, tmp_path):
+    """/server_info is whatever answers on the server's port: one naming a model directory whose config maps to its
+    own Python code (auto_map), and saying trust_remote_code, must not make the trainer import that code. Only the
+    trainer's own --trust-remote-code runs it."""
+    ran, model_dir = tmp_path / "ran", tmp_path / "evil"
+    model_dir.mkdir()
+    config = {"model_type": "evil", "auto_map": {"AutoConfig": "configuration_evil.EvilConfig"}}
+    (model_dir / "config.json").write_text(json.dumps(config))
+    (model_dir / "configuration_evil.py").write_text(
+        f"open({str(ran)!r}, 'w').close()  # what any imported code may do\n"
+        "from transformers import PretrainedConfig\n\n\nclass EvilConfig(PretrainedConfig):\n    model_type = 'evil'\n"
+    )
+    routes = _routes(model=str(model_dir))
+    routes["/server_info"][1]["vllm_config"]["model_config"]["trust_remote_code"] = True
+    server = vllm_utils.check_server(serve(routes).url, "trainer/model")
+    vllm_utils.check_same_model(server, _tiny_llama(), "trainer/model")  # the trainer's default: not trusted
+    assert not ran.exists()
+    vllm_utils.check_same_model(server, _tiny_llama(), "trainer/model", trust_remote_code=True)
+    assert ran.exists()  # the trainer's flag, and it alone, runs the model's code
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -814,6 +857,7 @@ def test_a_failed_sync_forms_a_new_nccl_group_on_the_next_one(monkeypatch):
             raise outcome
 
     monkeypatch.setattr(vllm_utils, "server_sync_weights", sync)
+    monkeypatch.setattr(vllm_utils, "_answers", lambda url: True)  # it still answers: a failure, not a lost server
     engine = {
         "mode": "server",
         "base_url": "http://s",
@@ -1112,6 +1156,24 @@ def test_layouts_each_transport_serves_pass(monkeypatch, backend, gpus):
     vllm_utils.check_transport(_layout(monkeypatch, gpus), {"backend": backend, "workers": 1}, "my/m")
 
 
+def test_an_ipc_server_that_also_answers_beyond_loopback_is_warned_about(monkeypatch, capsys):
+    """vLLM binds every interface without --host, and an IPC server unpickles what it is sent: the trainer warns when
+    the server's port also answers on one of this host's other addresses, and not for one bound to 127.0.0.1."""
+    import socket
+
+    import psutil
+
+    nics = [a.address for nic in psutil.net_if_addrs().values() for a in nic if a.family == socket.AF_INET]
+    if all(address.startswith("127.") for address in nics):
+        pytest.skip("this machine has no IPv4 address but loopback")
+    for host, warned in (("127.0.0.1", False), ("0.0.0.0", True)):
+        with socket.create_server((host, 0)) as listener:  # a port that answers: the kernel accepts for it
+            url = _layout(monkeypatch, {"GPU-abcd"}).replace(":8001", f":{listener.getsockname()[1]}")
+            vllm_utils.check_transport(url, {"backend": "ipc", "workers": 1}, "my/m")
+        out = capsys.readouterr().out
+        assert ("warning: " in out and "also answers on" in out and "--host 127.0.0.1" in out) == warned, out
+
+
 def test_the_server_gpus_are_found_through_the_vllm_serve_ancestor_and_its_port(monkeypatch):
     """nvidia-smi lists the engine core (renamed VLLM::EngineCore): its parent `vllm serve ... --port 8001` says
     which server it belongs to; another server's engine (port 8002), other processes and ones that ended are not."""
@@ -1408,8 +1470,8 @@ def test_a_pause_that_times_out_is_undone(serve):
     assert server.paths()[-2:] == ["/pause", "/resume"], server.paths()
 
 
-def _several(monkeypatch, servers):
-    """start() against stand-ins for the servers' facts: `servers`, one dict of overrides per port."""
+def _several(monkeypatch, servers, **extra):
+    """start() against stand-ins for the servers' facts: `servers`, one dict of overrides per port; `extra`: Args."""
     monkeypatch.setattr(vllm_utils, "wait_for_server", lambda *a, **k: None)
     facts = {f"http://127.0.0.1:{8000 + i}": s for i, s in enumerate(servers)}
     base = {"model_id": "served", "max_model_len": 2048, "version": "0.26.0", "model_config": {}, "backend": "ipc"}
@@ -1420,7 +1482,7 @@ def _several(monkeypatch, servers):
     args = SimpleNamespace(model_name_or_path="my/m", vllm_mode="server", vllm_server_host="127.0.0.1")
     args.__dict__.update(vllm_server_port=[8000 + i for i in range(len(servers))], vllm_server_timeout=1)
     args.__dict__.update(num_generations=2, max_completion_length=8, temperature=1.0, top_p=1.0, top_k=0, min_p=0.0)
-    args.repetition_penalty = 1.0
+    args.__dict__.update(repetition_penalty=1.0, **extra)
     return (lambda: vllm_utils.start(args, "my/m", max_prompt_length=10)), checked
 
 
@@ -1461,3 +1523,22 @@ def test_the_commands_for_several_servers_split_the_memory_share(monkeypatch):
     with pytest.raises(ConnectionError, match="--gpu-memory-utilization 0.17 ") as error:
         vllm_utils.wait_for_server(f"http://127.0.0.1:{vllm_utils.free_port()}", 0.01, "m", servers=2)
     assert "CUDA_VISIBLE_DEVICES=2 " in str(error.value)
+
+
+def test_the_serve_commands_bind_loopback_and_carry_trust_remote_code_only_when_asked(monkeypatch):
+    """Dev mode's endpoints have no authentication and an IPC server unpickles what it is sent: every command the
+    trainer prints binds 127.0.0.1. --trust-remote-code only where asked: by the argument, else by the trainer's flag,
+    which start() also hands to the served model's comparison."""
+    for backend in ("nccl", "ipc"):
+        command = vllm_utils.serve_command("m", backend=backend)
+        assert " --host 127.0.0.1 " in command and "--trust-remote-code" not in command
+        trusted = vllm_utils.serve_command("m", backend=backend, trust_remote_code=True)
+        assert "vllm serve m --trust-remote-code --host 127.0.0.1 " in trusted
+    monkeypatch.setattr(vllm_utils, "TRUST_REMOTE_CODE", False)  # restored after the test: start() sets it
+    compared = []
+    monkeypatch.setattr(vllm_utils, "check_same_model", lambda server, model, path, trust: compared.append(trust))
+    monkeypatch.setattr(vllm_utils, "server_sync_weights_ipc", lambda *a, **k: None)
+    for trust in (True, False):
+        start, _ = _several(monkeypatch, [{}], trust_remote_code=trust)
+        vllm_utils.sync_weights(start(), _tiny_llama())
+        assert compared[-1] is trust and ("--trust-remote-code" in vllm_utils._restart("my/m", "ipc")) == trust

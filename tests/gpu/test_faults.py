@@ -4,11 +4,10 @@ a process of its own: tests/gpu/fault_trainer.py). The issue asks, and each test
 1. a trainer whose model differs from the served one (the tiny Qwen3-MoE) gets a clear error before any NCCL
    (check_same_model: "the server serves ..., nothing sent"), the server stays healthy, and a fresh trainer of the
    right model then syncs against it (log-probs within 0.02 after the sync);
-2. a trainer SIGKILLed between /start_weight_update and /update_weights: the next trainer either recovers the server
-   (syncs, within 0.02) or fails with the exact command that restarts it;
+2. a trainer SIGKILLed between /start_weight_update and /update_weights: the server's engine still answers, and the
+   next trainer finishes that update and syncs (within 0.02);
 3. a trainer SIGKILLed mid-broadcast: the next trainer reports the wedged server within 30 s (from its first vllm_utils
-   call) with the restart command, instead of a 300 s timeout (or, if the server got out of the receive by itself,
-   syncs against it within 0.02).
+   call) with the restart command, instead of a 300 s timeout.
 
 The trainers send the MoE experts under per-expert checkpoint names (fault_trainer.py), so that these faults are
 tested apart from the fused-expert naming that test_real_models.py reports.
@@ -91,11 +90,9 @@ def test_2_trainer_killed_after_start_weight_update(server):
         {"killed_rc": done.returncode, "healthy_after_kill": still_healthy, "next": nxt, "next_wall_s": wall2},
     )
     assert nxt is not None, done2.stdout[-3000:] + done2.stderr[-5000:]
-    if nxt["ok"]:
-        assert nxt["after_sync"]["mean"] < BOUND, nxt
-    else:
-        assert "vllm serve" in nxt["error"], f"neither recovered nor said how to restart: {nxt['error']}"
-        servers.restart(SERVED)  # as the message says, so that test 3 starts from a working server
+    if not nxt["ok"]:
+        servers.restart(SERVED)  # so that test 3 starts from a working server
+    assert nxt["ok"] and nxt["after_sync"]["mean"] < BOUND, nxt  # the dead trainer's update finished, then this one
 
 
 def test_3_trainer_killed_mid_broadcast_is_reported_within_30s(server):
@@ -112,8 +109,5 @@ def test_3_trainer_killed_mid_broadcast_is_reported_within_30s(server):
     )
     servers.stop(kill=True)  # wedged (or dead): the next test that needs one starts a fresh one
     assert nxt is not None, done2.stdout[-3000:] + done2.stderr[-5000:]
-    if nxt["ok"]:  # the server got out of the broadcast by itself (NCCL noticed the peer's death): no wedge
-        assert nxt["after_sync"]["mean"] < BOUND, nxt
-        return
-    assert "vllm serve" in nxt["error"], nxt["error"]
+    assert not nxt["ok"] and "vllm serve" in nxt["error"], nxt  # the engine is blocked in the receive: restart it
     assert nxt["seconds_to_outcome"] < 30, f"reported after {nxt['seconds_to_outcome']:.0f} s: {nxt['error']}"

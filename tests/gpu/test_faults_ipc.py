@@ -4,19 +4,21 @@ after how many seconds in $GPU_RESULTS_DIR/fault_ipc_*.json:
 
 1. a trainer of another model (the tiny Qwen3-MoE against the served tiny DeepSeek-V2) is refused before any
    /start_weight_update ("nothing sent"); the server then trains a correct trainer (within the bound after its push);
-2. a trainer SIGKILLed between /start_weight_update and its first /update_weights: the next trainer recovers the
-   server (a push within the bound) or fails with the command that restarts it;
+2. a trainer SIGKILLed between /start_weight_update and its first /update_weights: the next trainer finishes that
+   update and pushes (within the bound);
 3. a trainer SIGKILLed inside /update_weights (the memory its IPC handle points at vanishes under the server): the
-   next trainer pushes within the bound, or reports within 30 s with the restart command, and a fresh trainer then
-   trains against a restarted server;
+   server's engine still answers, and the next trainer finishes that update and pushes within the bound;
 4. the server killed while grpo.py trains against it, inside a weight push (tests/gpu/grpo_marked.py marks it):
-   SIGKILL of the EngineCore process, and separately of the `vllm serve` parent. The trainer reports it within 30 s
-   of the kill with the restart command (or, if the server kept serving, finishes its run), and the same command
-   with --resume-from-checkpoint latest continues from the last checkpoint against a restarted server, to the end.
+   SIGKILL of the EngineCore process, and separately of the `vllm serve` parent, then started again. The trainer
+   waits for it (one line: the URL, since when, the restart command), pushes it the current weights, redoes the lost
+   round and finishes its run: one metrics row per step, vLLM's log-probs within the bound;
+5. the recovery measured (tests/gpu/lost_server.py): after the restart the server's start-up weights differ from the
+   trainer's by the control (>= 0.2), and after vllm_utils' re-push they are within the bound again.
 
     python tests/gpu/make_tiny_models.py /tmp/tiny-models && pytest tests/gpu/test_faults_ipc.py -q   # 1 GPU
 """
 
+import json
 import os
 import signal
 import subprocess
@@ -24,10 +26,9 @@ import sys
 import time
 
 import pytest
-import requests
 from gpu_helpers import MODEL, record
 from test_faults import trainer
-from tiny_models import BOUND, MODELS, Servers
+from tiny_models import BOUND, CONTROL_TARGET, MODELS, Servers, parse_result
 
 SERVED = MODELS["dsv2"]
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
@@ -70,11 +71,9 @@ def test_2_trainer_killed_after_start_weight_update(ipc_servers):
     nxt, done2, wall2 = on_gpu0(url, SERVED, name="fault_ipc_after_start_next")
     record("fault_ipc_after_start", {"next": nxt, "next_wall_s": wall2})
     assert nxt is not None, done2.stdout[-3000:] + done2.stderr[-5000:]
-    if nxt["ok"]:
-        assert nxt["after_sync"]["mean"] < BOUND, nxt
-    else:
-        assert "vllm serve" in nxt["error"], f"neither recovered nor said how to restart: {nxt['error']}"
-        ipc_servers.restart(SERVED)
+    if not nxt["ok"]:
+        ipc_servers.restart(SERVED)  # so that the next tests start from a working server
+    assert nxt["ok"] and nxt["after_sync"]["mean"] < BOUND, nxt  # the dead trainer's update finished, then this one
 
 
 def test_3_trainer_killed_inside_update_weights(ipc_servers):
@@ -85,16 +84,12 @@ def test_3_trainer_killed_inside_update_weights(ipc_servers):
     nxt, done2, wall2 = on_gpu0(url, SERVED, name="fault_ipc_mid_update_next", timeout=150)
     server_alive = ipc_servers.proc.poll() is None
     fresh = None
-    if not (nxt and nxt["ok"]):  # as the message says: restart the server, then a fresh trainer trains against it
+    if not (nxt and nxt["ok"]):  # for the tests after this one, and the record: does a restarted server train?
         ipc_servers.restart(SERVED)
         fresh, _, _ = on_gpu0(ipc_servers.url, SERVED, name="fault_ipc_mid_update_fresh")
     record("fault_ipc_mid_update", {"next": nxt, "next_wall_s": wall2, "server_alive": server_alive, "fresh": fresh})
     assert nxt is not None, done2.stdout[-3000:] + done2.stderr[-5000:]
-    if nxt["ok"]:
-        assert nxt["after_sync"]["mean"] < BOUND, nxt
-        return
-    assert "vllm serve" in nxt["error"] and nxt["seconds_to_outcome"] < 30, nxt
-    assert fresh is not None and fresh["ok"] and fresh["after_sync"]["mean"] < BOUND, fresh
+    assert nxt["ok"] and nxt["after_sync"]["mean"] < BOUND, (nxt, fresh)  # its engine answers: the update finished
 
 
 def _engine_core(session):
@@ -113,17 +108,21 @@ def _engine_core(session):
 
 
 @pytest.mark.parametrize("victim", ["engine_core", "serve_parent"])
-def test_4_server_killed_inside_a_push_is_reported_and_the_run_resumes(ipc_servers, victim, tmp_path):
+def test_4_server_killed_inside_a_push_is_waited_for_and_the_run_goes_on(ipc_servers, victim, tmp_path):
+    """grpo.py trains against the server, which is SIGKILLed inside a weight push (its EngineCore, or the `vllm serve`
+    parent) and started again as the trainer's line says: the trainer waits for it, pushes it the current weights,
+    redoes the lost round and ends its 20 steps with one metrics row each, vLLM's log-probs within the bound after."""
     if not os.path.exists(os.path.join(MODEL, "config.json")):
         pytest.skip(f"needs {MODEL}")
     subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "make_tasks.py"), str(tmp_path)], check=True)
-    url = ipc_servers.restart(MODEL)
+    ipc_servers.restart(MODEL)
     out, marker = tmp_path / "run", tmp_path / "pushing"
     flags = [
         *f"--model-name-or-path {MODEL} --dataset-name {tmp_path / 'addition.jsonl'} --prompt-column prompt".split(),
         *"--answer-column answer --reward-funcs gsm8k_accuracy --max-completion-length 32 --learning-rate 1e-5".split(),
-        *"--prompts-per-step 8 --num-generations 4 --use-vllm --vllm-mode server --save-steps 1".split(),
+        *"--prompts-per-step 8 --num-generations 4 --use-vllm --vllm-mode server --save-steps 5".split(),
         *f"--vllm-server-port {ipc_servers.port} --output-dir {out} --max-steps 20 --vllm-weight-sync-buffer-mb 1".split(),
+        "--vllm-server-timeout", "400",
     ]
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "0", "FAULT_MARKER": str(marker), "WANDB_MODE": "offline"}
     log = open(tmp_path / "trainer.log", "w")
@@ -136,36 +135,49 @@ def test_4_server_killed_inside_a_push_is_reported_and_the_run_resumes(ipc_serve
     pid = _engine_core(ipc_servers.proc.pid) if victim == "engine_core" else ipc_servers.proc.pid
     os.kill(pid, signal.SIGKILL)
     killed_at = time.monotonic()
+    ipc_servers.restart(MODEL)  # the trainer's line says how (a fixed KV cache: it starts beside a live trainer)
+    restarted_s = time.monotonic() - killed_at
     try:
-        rc = proc.wait(timeout=120)
+        rc = proc.wait(timeout=400)
     except subprocess.TimeoutExpired:
         proc.kill()
         rc = None
-    seconds = time.monotonic() - killed_at
     said = (tmp_path / "trainer.log").read_text()
-    try:
-        health = requests.get(f"{url}/health", timeout=5).status_code
-    except requests.RequestException as error:
-        health = f"{type(error).__name__}"
-    ipc_servers.restart(MODEL)  # what the message tells the user to do
-    resume = subprocess.run(
-        [sys.executable, "grpo.py", *flags, "--resume-from-checkpoint", "latest"],  # the same command, resumed
-        env=env,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=400,
-    )
-    steps = [line for line in open(out / "metrics.jsonl")] if (out / "metrics.jsonl").exists() else []
-    values = {"victim": victim, "trainer_rc": rc, "seconds_to_report": seconds, "health_after_kill": health}
-    values.update(trainer_said=said[-1500:], resume_rc=resume.returncode, resume_tail=resume.stdout[-800:])
-    values["resume_stderr"] = resume.stderr[-3000:]  # the first GPU run failed here with nothing on stdout
-    values["metrics_rows_after_resume"] = len(steps)
+    rows = [json.loads(line) for line in open(out / "metrics.jsonl")] if (out / "metrics.jsonl").exists() else []
+    waited = [line for line in said.splitlines() if "stopped answering" in line]
+    difference = [r.get("sampling/sampling_logp_difference/mean") for r in rows]
+    values = {"victim": victim, "trainer_rc": rc, "restart_s": restarted_s, "waiting_lines": waited}
+    values.update(steps=[r["step"] for r in rows], logp_difference=difference, trainer_tail=said[-1500:])
     record(f"fault_ipc_server_killed_{victim}", values)
-    if rc == 0:  # the server kept serving (a parent whose children live on): nothing to report, nothing lost
-        assert health == 200, values
-    else:
-        assert rc is not None and seconds < 30, f"reported after {seconds:.0f} s (rc {rc}): {said[-2000:]}"
-        assert "vllm serve" in said[-4000:], f"the trainer did not say how to restart the server: {said[-2000:]}"
-    assert resume.returncode == 0 and "resumed from" in resume.stdout, resume.stdout[-3000:] + resume.stderr[-3000:]
-    assert len(steps) == 20, steps[-2:]  # the rows after the checkpoint were redone, none lost or doubled
+    assert rc == 0, said[-4000:]
+    assert [r["step"] for r in rows] == list(range(1, 21)), values["steps"]  # none lost, none done twice
+    assert len(waited) == 1 and ipc_servers.url in waited[0] and "--kv-cache-memory-bytes" in waited[0], waited
+    assert "is back and holds the trainer's weights again" in said, said[-3000:]
+    assert all(d is not None and d < BOUND for d in difference), difference
+
+
+def test_5_a_restarted_server_gets_the_weights_in_full_before_it_samples(ipc_servers, tmp_path):
+    """vllm_utils' recovery measured: the trainer's changed weights pushed (within the bound), the server SIGKILLed and
+    started again, its start-up weights against the trainer's (the unsynced control, >= 0.2), then wait_for_lost's
+    checks and push in full (within the bound again)."""
+    if not os.path.exists(os.path.join(MODEL, "config.json")):
+        pytest.skip(f"needs {MODEL}")
+    url, marker = ipc_servers.restart(MODEL), tmp_path / "synced"
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "0"}
+    proc = subprocess.Popen(
+        [sys.executable, os.path.join(os.path.dirname(MARKED), "lost_server.py"), url, MODEL, str(marker)],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
+    )
+    deadline = time.monotonic() + 300
+    while not marker.exists():
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read()[-3000:]
+        time.sleep(0.1)
+    os.killpg(ipc_servers.proc.pid, signal.SIGKILL)
+    ipc_servers.restart(MODEL)
+    said, _ = proc.communicate(timeout=400)
+    result = parse_result(said)
+    record("server_lost_ipc_test", {"result": result, "tail": said[-2000:]})
+    assert result and result["ok"], said[-4000:]
+    assert result["after_push"]["mean"] < BOUND and result["after_repush"]["mean"] < BOUND, result
+    assert result["control_after_restart"]["mean"] >= CONTROL_TARGET, result
+    assert result["lost_after_repush"] == {}, result

@@ -106,11 +106,11 @@ def test_server_sync_matches_trainer(server):
     assert after < 0.02
 
 
-def test_a_failed_update_leaves_the_server_serving_its_weights_and_an_active_one_is_explained(server, monkeypatch):
+def test_a_failed_update_leaves_the_server_serving_its_weights_and_an_active_one_is_finished(server, monkeypatch):
     """Both sides fail before any NCCL call (the server rejects the update message after /start_weight_update moved its
     layers to the meta device; the trainer's producer raises): the trainer's restore gives the layers their weights
-    back, so the server's log-probs still match the trainer's weights of the last good sync. Then an update that is
-    already active (as a dead trainer leaves it) is explained, and finishing it by hand restores the server again."""
+    back, so the server's log-probs still match the trainer's weights of the last good sync. Then an update left
+    active (as a dead trainer leaves it) is finished by the next sync, which goes on and syncs."""
     from vllm.distributed.weight_transfer import packed_tensor
 
     url, _ = server
@@ -133,10 +133,9 @@ def test_a_failed_update_leaves_the_server_serving_its_weights_and_an_active_one
         vllm_utils.server_sync_weights(url, group, model, info["version"], name=MODEL)
     after_failure = _server_vs_trainer(url, info["model_id"], model, prompts)
 
+    monkeypatch.undo()  # a working trainer again (nothing went over NCCL: the group is intact)
     requests.post(f"{url}/start_weight_update", json={}, timeout=60).raise_for_status()  # a trainer that died here
-    with pytest.raises(RuntimeError, match="a previous trainer died inside a weight update"):
-        vllm_utils.server_sync_weights(url, group, model, info["version"], name=MODEL)
-    requests.post(f"{url}/finish_weight_update", json={}, timeout=60).raise_for_status()
+    vllm_utils.server_sync_weights(url, group, model, info["version"], name=MODEL)  # finishes that update, then syncs
     after_active = _server_vs_trainer(url, info["model_id"], model, prompts)
     record(
         "server_failures",

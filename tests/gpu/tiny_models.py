@@ -88,7 +88,7 @@ def serve_args(model, port, memory="0.3", eager=EAGER, backend="nccl", kv_bytes=
     args += ["--weight-transfer-config", f'{{"backend": "{backend}"}}', "--logprobs-mode", "processed_logprobs"]
     args += "--max-logprobs -1 --api-server-count 4 --max-model-len 1024 --gpu-memory-utilization".split() + [memory]
     args += ["--kv-cache-memory-bytes", str(kv_bytes)] if kv_bytes else []
-    return args + (["--enforce-eager"] if eager else [])
+    return args + ["--host", "127.0.0.1"] + (["--enforce-eager"] if eager else [])  # the trainers run on this host
 
 
 class Servers:
