@@ -153,7 +153,10 @@ def test_4_server_killed_inside_a_push_is_waited_for_and_the_run_goes_on(ipc_ser
     assert [r["step"] for r in rows] == list(range(1, 21)), values["steps"]  # none lost, none done twice
     assert len(waited) == 1 and ipc_servers.url in waited[0] and "--kv-cache-memory-bytes" in waited[0], waited
     assert "is back and holds the trainer's weights again" in said, said[-3000:]
-    assert all(d is not None and d < BOUND for d in difference), difference
+    # the training metric (a bf16-autocast trainer against vLLM: ~0.04 for SmolLM2 at every step) does not jump after
+    # the restart, as a server sampling its start-up weights would make it; test_5 measures the bound and the control
+    before, after = difference[:2], difference[2:]  # the kill comes inside push 3, after step 2
+    assert None not in difference and max(after) < 1.5 * max(before), difference
 
 
 def test_5_a_restarted_server_gets_the_weights_in_full_before_it_samples(ipc_servers, tmp_path):
