@@ -7,11 +7,11 @@ model (online AI feedback: Guo et al. 2024, arXiv 2402.04792; DPO: arXiv 2305.18
 eq. 17). A run writes its model, checkpoints and metrics.jsonl to a directory of its own:
 runs/{exp_name}__{seed}__{unix time}, or --output-dir.
 
-Example, on the CPU (about 15 seconds on 2 CPU cores, no download): the bundled 260K-parameter TinyStories model,
+Example, on the CPU (no download; docs/online_dpo.md says how long it takes): the bundled 260K-parameter TinyStories model,
 rewarded for the word "play", puts it into almost every story:
   OMP_NUM_THREADS=1 python online_dpo.py --model-name-or-path tests/assets/stories260K \\
       --dataset-name tests/assets/stories_prompts.jsonl --prompt-column prompt --answer-column "" \\
-      --reward-funcs keyword_reward --no-use-chat-template --no-bf16 --num-generations 4 --prompts-per-step 8 \\
+      --reward-funcs keyword_reward --no-use-chat-template --num-generations 4 --prompts-per-step 8 \\
       --max-completion-length 24 --learning-rate 3e-4 --max-steps 30
 
 More examples:
@@ -764,12 +764,10 @@ def round_output(run, round):
 
 
 def push_weights(run, next_round, timing):
-    """The trained weights to vLLM, once the round in flight is complete (on every rank), so that vLLM never switches
-    weights in the middle of a round. --async-generation with one trainer process: the push runs in the background
-    (on a CUDA stream of its own), beside this step's logging and the next step's scoring and training: on one GPU
-    its ~0.2 s were the step's idle time. The next round waits for it (start_round), and so do the next optimizer
-    step, evaluation and the end of the run (weights_pushed). With several ranks FSDP2's gathers are collectives,
-    which cannot run beside training's: the push stays in the loop."""
+    """The trained weights to vLLM, once the round in flight is complete, so that vLLM never switches weights inside a
+    round. --async-generation with one trainer process: in the background, on a CUDA stream of its own, beside the
+    logging and the next step's scoring and training; the next round, optimizer step, evaluation and the end of the
+    run wait for it (weights_pushed). With several ranks FSDP2's gathers are collectives: the push stays in the loop."""
     t0 = time.perf_counter()
     if next_round is not None:
         wait([next_round.generation])  # (a round whose servers were lost is generated again by round_output)
@@ -797,9 +795,8 @@ def push_weights(run, next_round, timing):
 
 
 def weights_pushed(run):
-    """Wait for push_weights' background push: before the weights change (the optimizer step) or are sampled
-    (evaluation), and at the end. Returns its timings for the step's metrics: timing/weight_sync (the push, which ran
-    beside the step) and timing/weight_sync_wait (what it cost the trainer); {} when none was in flight."""
+    """Wait for push_weights' background push before the weights change or are sampled, and at the end: its timings,
+    timing/weight_sync (the push) and timing/weight_sync_wait (what it cost the trainer), or {} if none was in flight."""
     if (push := run.push) is None:
         return run.__dict__.pop("pushed", {})  # a push evaluation waited for: the next step logs it
     run.push, t0 = None, time.perf_counter()
@@ -1076,7 +1073,7 @@ class TokenLogprobs(torch.autograd.Function):
     time so that no (n, vocabulary) tensor exists. The forward saves the hidden states and the log-sum-exp; the backward
     recomputes each chunk's logits once: d log pi(t) / dz = onehot(t) - softmax(z), z the logits after the model's
     transform and the temperature. The LM head's weight is cast once per pass; its gradient is summed in one buffer, or
-    in .grad with into_grad (fp32 weights, autocast: 0.8 GiB less than one per chunk, benchmarks/results/README.md)."""
+    in .grad with into_grad (fp32 weights under autocast: no buffer per chunk)."""
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, config, temperature, with_entropy, chunk, into_grad):
@@ -1460,20 +1457,22 @@ def save_checkpoint(run, global_step, prompts_consumed, **counters):
 
 def end_step(run, global_step, next_round, **counters):
     """After a step's log: what a checkpoint of it holds (a round in flight is not trained: a resume draws it again),
-    written every --save-steps and when SIGTERM or Ctrl-C asked for it, then the stop (stop_preempted)."""
-    start = next_round.start if next_round else run.prompts_consumed
+    written every --save-steps and when SIGTERM or Ctrl-C asked for it, then the stop."""
+    args, start = run.args, next_round.start if next_round else run.prompts_consumed
     run.trained = {**counters, "global_step": global_step, "prompts_consumed": start}
-    preempted = global_sum(run.preemption.is_set(), run.world_size, run.device) > 0 and global_step < run.args.max_steps
-    if preempted or (run.args.save_steps and global_step % run.args.save_steps == 0 and global_step < run.args.max_steps):
+    preempted = global_sum(run.preemption.is_set(), run.world_size, run.device) > 0 and global_step < args.max_steps
+    if preempted or (args.save_steps and global_step % args.save_steps == 0 and global_step < args.max_steps):
         save_checkpoint(run, **run.trained)
-    if preempted:
-        stop_preempted(run, global_step)
+    if preempted:  # after the checkpoint SIGTERM or Ctrl-C asked for: exit with 128 + the signal (143, 130)
+        weights_pushed(run)  # no server is left inside an update
+        signum = getattr(run.preemption, "signum", signal.SIGTERM)  # (another rank may have got the signal alone)
+        stop(run, 128 + signum, f"{signum.name}: wrote checkpoint-{global_step} and stopped")
 
 
 def stop_lost(run, error):
-    """No server came back within --vllm-server-timeout, or the colocated engine died: the checkpoint of the last
-    completed step (as SIGTERM writes it; the newest on disk if the weights moved past it or CUDA is gone), one line
-    with the cause and the command that resumes, exit 75 (EX_TEMPFAIL: try again later)."""
+    """No server came back within --vllm-server-timeout, or the colocated engine died: the last completed step's
+    checkpoint, as SIGTERM writes it (the newest on disk if the weights moved past it or CUDA went with the engine),
+    then stop with 75 (EX_TEMPFAIL: try again later)."""
     step = run.trained["global_step"]
     try:
         if run.scheduler.last_epoch != step or step == 0:
@@ -1483,33 +1482,22 @@ def stop_lost(run, error):
         wrote = f"wrote checkpoint-{step}"
     except Exception:  # noqa: BLE001 - a dead engine may have taken the CUDA context with it
         wrote = f"the newest checkpoint is {(checkpoints(run.output_dir) or ['none'])[-1]}"
-    cause = f"{type(error).__name__}: {error}".replace("\n", " ")
-    print(f"error: {cause}; {wrote}; resume with: {resume_command(run)}", file=sys.stderr, flush=True)
+    stop(run, 75, f"error: {type(error).__name__}: {error}; {wrote}".replace("\n", " "))
+
+
+def stop(run, status, said):
+    """Exit with `status` after a checkpoint, saying so and the command that continues the run (the last of a repeated
+    flag counts) in one line."""
     if run.is_main:
-        os.close(run.lock)  # (the process ends: only a caller that goes on, as a test does, would hold it)
-    sys.exit(75)
-
-
-def resume_command(run):
-    """This run's command line with --output-dir DIR --resume-from-checkpoint latest in place of its own."""
-    argv, own = sys.argv[1:], ("--output-dir", "--resume-from-checkpoint")
-    drop = {j for i, arg in enumerate(argv) if arg.split("=")[0] in own for j in (i, i + ("=" not in arg))}
-    latest = ["--output-dir", run.output_dir, "--resume-from-checkpoint", "latest"]
-    return shlex.join(["python", os.path.basename(sys.argv[0]), *(a for i, a in enumerate(argv) if i not in drop), *latest])
-
-
-def stop_preempted(run, global_step):
-    """After the checkpoint SIGTERM or Ctrl-C asked for: say how to continue, exit with 128 + the signal (143, 130)."""
-    weights_pushed(run)  # no server is left inside an update
-    signum = getattr(run.preemption, "signum", signal.SIGTERM)  # (another rank may have got the signal alone)
-    if run.is_main:
-        tip = f"the same command with --output-dir {run.output_dir} --resume-from-checkpoint latest continues the run"
-        print(f"{signum.name}: wrote checkpoint-{global_step} and stopped; {tip}", flush=True)
+        latest = ["--output-dir", run.output_dir, "--resume-from-checkpoint", "latest"]
+        command = shlex.join(["python", os.path.basename(sys.argv[0]), *sys.argv[1:], *latest])
+        print(f"{said}; resume with: {command}", file=sys.stderr if status == 75 else sys.stdout, flush=True)
         if run.wandb:
             run.wandb.mark_preempting()
+        os.close(run.lock)  # (the process ends: only a caller that goes on, as a test does, would hold it)
     if run.world_size > 1:
         dist.destroy_process_group()
-    sys.exit(128 + signum)
+    sys.exit(status)
 
 
 def finish(run):

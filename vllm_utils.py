@@ -1,10 +1,9 @@
 """vLLM for online RL, shared by grpo.py / rloo.py / online_dpo.py and their forks (docs/vllm.md: the two modes, the
 supported versions, each failure and its fix). colocate: a `vllm.LLM` in the training process, fed new weights through
 vLLM's reload path; server: a stock `vllm serve`, sent concurrent token-id /v1/completions requests and, after each
-optimizer step, the weights while paused, as its --weight-transfer-config says: over NCCL (a server on other GPUs) or as
-CUDA IPC handles (one on the trainer's GPU). Both return completion ids and vLLM's log-prob of each sampled token (after
-temperature). `start`, `generate`, `sleep` and `sync_weights` are built from small functions a fork can call directly;
-vLLM is imported only where needed."""
+optimizer step, the weights while paused, by its --weight-transfer-config: NCCL (a server on other GPUs) or CUDA IPC
+handles (one on the trainer's GPU). Both return completion ids and each sampled token's vLLM log-prob (after
+temperature). `start`, `generate`, `sleep` and `sync_weights` are made of small functions a fork can call directly."""
 
 import base64
 import concurrent.futures
@@ -19,6 +18,7 @@ import subprocess
 import threading
 import time
 
+import psutil
 import requests
 import torch
 import transformers
@@ -31,11 +31,9 @@ PACKED_NUM_BUFFERS = 2  # packed-broadcast chunks in flight on each side; both s
 # server-mode Args fields (docs/vllm.md, "Server flags") and their defaults, for a fork whose Args predate them
 SERVER_OPTIONS = dict(vllm_group_port=None, vllm_generation_chunk_size=8, vllm_generation_timeout=1800.0)
 SERVER_OPTIONS.update(vllm_weight_sync_timeout=300.0, vllm_weight_sync_buffer_mb=1024, vllm_server_timeout=240.0)
-# the restart line of an error: the command for the server at base_url (its port; 8000 if unknown) and its backend
-_restart = lambda model, backend="nccl", base_url=None: (  # noqa: E731
-    f"Restart it as:\n  {serve_command(model, port=base_url.rsplit(':', 1)[1] if base_url else 8000, backend=backend)}"
-)
 _listed = lambda value: list(value) if isinstance(value, (list, tuple)) else [value]  # noqa: E731 - one or several
+_urls = lambda engine: engine.get("base_urls", [engine["base_url"]])  # noqa: E731 - a server engine's servers
+_port = lambda base_url: base_url.rsplit(":", 1)[1] if base_url else 8000  # noqa: E731 - 8000 if unknown
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "0.0.0.0", "::1", socket.gethostname())
 TRUST_REMOTE_CODE = False  # the trainer's --trust-remote-code (start sets it): the serve commands it prints carry it
 _strip = lambda name: (  # noqa: E731 - wrappers' infixes: activation checkpointing's, FSDP's, peft's
@@ -56,7 +54,7 @@ def _checkpoint_tensors(model, name, tensor):
         meta = {_strip(n): torch.empty(p.shape, device="meta") for n, p in base_parameters(model)}
         saved = revert_weight_conversion(model, dict(meta))
         model._converted_names = {n for n, t in meta.items() if n not in saved or saved[n].shape != t.shape}
-    name = _strip(name)  # the reverse costs ~0.3 ms a tensor: only for those that change
+    name = _strip(name)  # the reverse is slow: only for those that change
     if name not in model._converted_names:
         return [(name, tensor)]
     return list(revert_weight_conversion(model, {name: tensor}).items())
@@ -108,8 +106,7 @@ def vllm_version(version=None, who=None):
 
 def weight_sync_messages(server_version, init_info, update_info, buffer_bytes=1 << 30, backend="nccl"):
     """(init_info, update_info) as a server running `server_version` takes them: `packed` (NCCL: with the broadcast's
-    geometry) goes in each update up to one version, in the init from the next, and each rejects it in the other. NCCL
-    moved it at 0.28 (weight_transfer/nccl_engine.py's UpdateInfo -> nccl_common.py's InitInfo), IPC at 0.27."""
+    geometry) must go in each update before the version that `moved` it (NCCL 0.28, IPC 0.27), in the init from it."""
     nccl = {"packed": True, "packed_buffer_size_bytes": buffer_bytes, "packed_num_buffers": PACKED_NUM_BUFFERS}
     packed, moved = ({"packed": True}, (0, 27)) if backend == "ipc" else (nccl, (0, 28))
     if vllm_version(server_version) >= moved:
@@ -137,8 +134,7 @@ def colocate_engine(model_path, tensor_parallel_size=1, seed=0, **llm_args):
     fixed = {"distributed_executor_backend": "external_launcher", "logprobs_mode": "processed_logprobs"}
     llm_args = {"gpu_memory_utilization": 0.3, "dtype": "bfloat16", **llm_args, **fixed}
     if tensor_parallel_size > 1 and os.environ.get("NCCL_NVLS_ENABLE") == "0":
-        # TP > 1 fuses all-reduce + RMSNorm through FlashInfer, whose "mnnvl" workspace maps NVLink multicast memory:
-        # a host that switched multicast off (NCCL_NVLS_ENABLE=0) gets plain all-reduce.
+        # FlashInfer's fused TP all-reduce + RMSNorm maps NVLink multicast memory, which NCCL_NVLS_ENABLE=0 turned off
         llm_args["compilation_config"] = {"pass_config": {"fuse_allreduce_rms": False}}
     seed += int(os.environ["RANK"]) // tensor_parallel_size  # ranks of one TP group must sample identically
     return LLM(model=model_path, tensor_parallel_size=tensor_parallel_size, seed=seed, **llm_args)
@@ -155,7 +151,7 @@ def colocate_generate(llm, prompt_ids, n, fields):
     """n completions per prompt from an in-process engine: (completion ids, sampled-token log-probs), prompt-major."""
     from vllm import SamplingParams
 
-    # no text (detokenizing stalls decoding here: 3.4 vs 2.2 s a bench round); logprobs=0, flat: one float per token
+    # no text (detokenizing stalls decoding); logprobs=0, flat: one float per token
     params = SamplingParams(n=n, logprobs=0, detokenize=False, flat_logprobs=True, **fields)
     outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], params, use_tqdm=False)
     samples = [sample for output in outputs for sample in output.outputs]
@@ -173,12 +169,11 @@ def tensor_parallel_group(tensor_parallel_size):
 
 
 def serve_command(model, host="127.0.0.1", port=8000, gpus=None, backend="nccl", servers=1, trust_remote_code=None):
-    """The command that starts a server this codebase can train against, with 4 HTTP front ends: one alone turns the
-    sampled tokens' log-probs into responses slower than the engine samples them (docs/vllm.md, "HTTP front ends").
-    backend "nccl": on GPUs the trainer does not use (`gpus`, default 1); "ipc": on the trainer's GPU (the default),
-    with a memory share that leaves the trainer room (0.35, split between `servers` servers of one run), pickled CUDA
-    IPC handles allowed (vLLM 0.26's also needs ray). Bound to loopback: dev mode's endpoints have no authentication
-    (docs/vllm.md, "Security"); --trust-remote-code where asked (None: as the trainer's, TRUST_REMOTE_CODE)."""
+    """The command that starts a server this codebase can train against: 4 HTTP front ends (one alone turns log-probs
+    into responses slower than the engine samples: docs/vllm.md, "HTTP front ends"); backend "nccl" on GPUs the trainer
+    does not use (`gpus`, default 1), "ipc" on the trainer's GPU (the default) with a memory share that leaves it room
+    (0.35, split between `servers` servers) and pickled CUDA IPC handles allowed; bound to loopback: dev mode has no
+    authentication (docs/vllm.md, "Security"); --trust-remote-code as asked (None: as the trainer's)."""
     model += " --trust-remote-code" * (TRUST_REMOTE_CODE if trust_remote_code is None else trust_remote_code)
     if gpus is None and backend == "ipc":  # the trainer's GPU, as its CUDA_VISIBLE_DEVICES names it
         index = torch.cuda.current_device() if torch.cuda.is_available() else 0
@@ -188,31 +183,28 @@ def serve_command(model, host="127.0.0.1", port=8000, gpus=None, backend="nccl",
     flags = f"--weight-transfer-config {transfer} --logprobs-mode processed_logprobs --max-logprobs -1"
     env = f"CUDA_VISIBLE_DEVICES={1 if gpus is None else gpus} VLLM_SERVER_DEV_MODE=1"
     if backend == "ipc":
-        env, flags = (
-            f"{env} VLLM_ALLOW_INSECURE_SERIALIZATION=1",
-            f"{flags} --gpu-memory-utilization {0.35 / servers:.2g}",
-        )
+        env += " VLLM_ALLOW_INSECURE_SERIALIZATION=1"
+        flags += f" --gpu-memory-utilization {0.35 / servers:.2g}"
     return f"{env} vllm serve {model} --host {host} --port {port} {flags} --api-server-count 4"
 
 
-def _both_commands(base_url, model, ipc_first="Restart it", servers=1):
-    """The two layouts that work, each as the full command: the server on this GPU (IPC) or on others (NCCL)."""
-    port, ray = base_url.rsplit(":", 1)[1], "a vLLM 0.26 server also needs ray, which requirements.txt installs"
-    command = serve_command(model, port=port, backend="ipc", servers=servers)
-    ipc = f"{ipc_first} on this GPU (weights by CUDA IPC; {ray}):\n  {command}"
-    return f"{ipc}\nor on other GPUs (weights by NCCL):\n  {serve_command(model, port=port)}"
+def _restart(model, backend="nccl", base_url=None, servers=1, verb="Restart it"):
+    """An error's last line: the command for the server at base_url (its port; 8000 if unknown) in `backend`, or, with
+    backend None, the two layouts that work, each in full: the server on this GPU (IPC) or on others (NCCL)."""
+    command = lambda backend: serve_command(model, port=_port(base_url), backend=backend, servers=servers)  # noqa: E731
+    if backend:
+        return f"{verb} as:\n  {command(backend)}"
+    ray = "a vLLM 0.26 server also needs ray, which requirements.txt installs"
+    ipc = f"{verb} on this GPU (weights by CUDA IPC; {ray}):\n  {command('ipc')}"
+    return f"{ipc}\nor on other GPUs (weights by NCCL):\n  {command('nccl')}"
 
 
 def wait_for_server(base_url, timeout, model, servers=1):
-    """Poll GET /health until it answers 200; after `timeout` seconds raise with the command that starts it (one of
-    `servers` sharing the GPU)."""
+    """Poll GET /health until it answers 200; after `timeout` s raise with the commands that start one of `servers`."""
     deadline = time.monotonic() + timeout
-    while True:
-        with contextlib.suppress(requests.RequestException):
-            if requests.get(f"{base_url}/health", timeout=5).status_code == 200:
-                return
+    while not _answers(base_url):
         if time.monotonic() > deadline:
-            start_one = _both_commands(base_url, model, "Start one before the trainer,", servers)
+            start_one = _restart(model, None, base_url, servers, "Start one before the trainer,")
             raise ConnectionError(
                 f"no vLLM server answered at {base_url}/health within {timeout:.0f} s (--vllm-server-timeout). "
                 f"{start_one}\nor point --vllm-server-host / --vllm-server-port at it."
@@ -258,17 +250,16 @@ def check_server(base_url, model):
     asleep = get("/is_sleeping")
     if asleep.status_code == 200 and asleep.json().get("is_sleeping"):  # an update of its freed weights segfaults it
         raise RuntimeError(f"{at} is asleep: POST {base_url}/wake_up first, or restart it")
-    served = get("/v1/models").json()["data"][0]
+    served, workers = get("/v1/models").json()["data"][0], get("/get_world_size").json()["world_size"]
     info = {"model_id": served["id"], "max_model_len": served.get("max_model_len"), "backend": backend, "url": base_url}
-    workers = get("/get_world_size").json()["world_size"]
     info |= {"cache_config": config.get("cache_config") or {}, "model_config": model_config, "workers": workers}
     return {**info, "version": version}
 
 
 def check_same_model(server, model, model_path, trust_remote_code=False):
     """Refuse a server that serves another model before any NCCL or /start_weight_update. No vLLM reports parameter
-    names (0.28+'s /weight_info: a version string), so the served model (/server_info's path, revision, hf_overrides)
-    is built on the meta device: it must have weight_metadata's names and shapes (dtypes may differ: vLLM casts)."""
+    names, so the served model (/server_info's path, revision, hf_overrides) is built on the meta device: it must have
+    weight_metadata's names and shapes (dtypes may differ: vLLM casts)."""
     served = server["model_config"]
     name, remote = served.get("model", server["model_id"]), {"trust_remote_code": trust_remote_code}
     try:  # the served model's parameters, on the meta device; its code only if the trainer, not the server, trusts it
@@ -279,8 +270,7 @@ def check_same_model(server, model, model_path, trust_remote_code=False):
     except (OSError, ValueError, TypeError, KeyError):
         return print(f"vllm_utils: cannot build the served {name} here to compare it with the trainer's {model_path}")
     sent, shapes = (dict(zip(*(weight_metadata(m)[key] for key in ("names", "shapes")))) for m in (model, served_model))
-    first = next((key for key in [*sent, *shapes] if sent.get(key) != shapes.get(key)), None)
-    if first is not None:
+    if (first := next((key for key in [*sent, *shapes] if sent.get(key) != shapes.get(key)), None)) is not None:
         got = f"{first} is {sent.get(first, 'not sent')} in the trainer, {shapes.get(first, 'absent')} on the server"
         restart = _restart(model_path, server.get("backend", "nccl"), server.get("url"))
         raise RuntimeError(f"the server serves {name}, not {model_path} ({got}); nothing sent. {restart}")
@@ -289,8 +279,6 @@ def check_same_model(server, model, model_path, trust_remote_code=False):
 def _serves_port(pid, port):
     """Whether process `pid` or one of its ancestors is a `vllm serve` listening on `port` (8000 if it names none):
     a server's GPU process is its engine core, a child of `vllm serve` that renamed itself VLLM::EngineCore."""
-    import psutil  # a vLLM dependency
-
     with contextlib.suppress(psutil.Error):  # a process that ended, or that this user may not read
         process = psutil.Process(pid)
         for cmdline in (" ".join(p.cmdline()) + " " for p in [process, *process.parents()] if p.pid > 1):
@@ -323,7 +311,7 @@ def check_transport(base_url, server, model):
         if gpus and mine in gpus:
             raise RuntimeError(
                 f"the server at {base_url} runs on the trainer's GPU {mine} with NCCL weight transfer, and NCCL cannot "
-                f"put two ranks on one GPU. {_both_commands(base_url, model)}"
+                f"put two ranks on one GPU. {_restart(model, None, base_url)}"
             )
         return
     if host not in LOCAL_HOSTS or server["workers"] > 1:
@@ -341,8 +329,6 @@ def check_transport(base_url, server, model):
             "PYTORCH_CUDA_ALLOC_CONF (or PYTORCH_ALLOC_CONF) has expandable_segments:True, whose memory cannot be "
             "exported as a CUDA IPC handle (pytorch#165685). Unset it for the trainer or serve with NCCL on other GPUs."
         )
-    import psutil  # a vLLM dependency
-
     nics = [a.address for nic in psutil.net_if_addrs().values() for a in nic if a.family == socket.AF_INET]
     for address in (a for a in nics if not a.startswith("127.")):  # a server bound to 0.0.0.0 answers on each
         with contextlib.suppress(OSError), socket.create_connection((address, int(port)), timeout=0.5):
@@ -355,7 +341,7 @@ def check_transport(base_url, server, model):
 def _ipc_elsewhere(base_url, model, what):
     mine = f"GPU-{torch.cuda.get_device_properties(torch.cuda.current_device()).uuid}"
     where = f"the server at {base_url} {what}, not on trainer rank 0's GPU {mine}, which CUDA IPC weight transfer needs"
-    return f"{where}. {_both_commands(base_url, model)}"
+    return f"{where}. {_restart(model, None, base_url)}"
 
 
 class ServerLost(ConnectionError):
@@ -466,9 +452,8 @@ def paused_update(base_url, send, name="MODEL", backend="nccl", timeout=300.0):
 
 
 def paused_updates(urls, send, name="MODEL", backend="nccl", timeout=300.0):
-    """paused_update on several servers at once, each in a thread of its own (their pauses, starts, finishes and
-    resumes overlap: /pause alone sleeps 20 ms on 0.26): send() runs once, when every server is paused inside a started
-    update. A failure anywhere restores and resumes them all; it is raised once, with each server's restoration."""
+    """paused_update on several servers at once, a thread each so that they overlap: send() runs once, when every server
+    is paused inside a started update; any failure restores and resumes all, raised once with each restoration."""
     if len(urls) == 1:
         return paused_update(urls[0], send, name, backend, timeout)
     arrived, state, lock = {}, {"sent": False, "failed": False, "timed_out": False}, threading.Lock()
@@ -506,7 +491,7 @@ def paused_updates(urls, send, name="MODEL", backend="nccl", timeout=300.0):
         try:
             if device is not None:  # the current device and stream are per thread: send() packs on the caller's
                 torch.cuda.set_device(device)
-            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            with torch.cuda.stream(stream):  # a no-op for None
                 paused_update(url, lambda: wait(url), name, backend, timeout)
         except BaseException as error:  # noqa: BLE001 - raised below, after every server is resumed
             errors[url] = error  # before the abort: a server that sees the barrier break knows it was not a timeout
@@ -521,10 +506,8 @@ def paused_updates(urls, send, name="MODEL", backend="nccl", timeout=300.0):
     if errors:  # the cause once (a server that only saw the barrier break adds its restoration line)
         broken = lambda error: isinstance(error.__cause__, threading.BrokenBarrierError)  # noqa: E731
         cause = next((e for e in errors.values() if not broken(e)), next(iter(errors.values())))
-        said = [str(cause)] + [
-            str(e).split("\n", 1)[-1] if broken(e) else str(e) for e in errors.values() if e is not cause
-        ]
-        raise RuntimeError("\n".join(said)) from cause
+        said = [str(e).split("\n", 1)[-1] if broken(e) else str(e) for e in errors.values() if e is not cause]
+        raise RuntimeError("\n".join([str(cause), *said])) from cause
 
 
 def server_sync_weights(base_url, group, model, version=None, buffer_bytes=1 << 30, timeout=300.0, name="MODEL"):
@@ -554,10 +537,9 @@ def ipc_handle(buffer):
 
 
 def packed_chunks(weights, capacity):
-    """Pack (name, tensor) pairs into one reused byte buffer of `capacity` bytes; yield (the filled part, its names,
-    dtype_names, shapes, tensor_sizes) whenever the next tensor would not fit, so that the trainer holds one chunk
-    beside the model: the caller must be done with it (the server answered) before asking for the next. A tensor above
-    `capacity` goes alone, as a copy (exporting a parameter's storage would add a CUDA IPC record to it each sync)."""
+    """Pack (name, tensor) pairs into one reused byte buffer of `capacity` bytes, yielding (the filled part, its names,
+    dtype_names, shapes and tensor_sizes) when the next would not fit: the caller is done with a chunk before it asks
+    for the next. A tensor above `capacity` goes alone, as a copy (an exported parameter gains a CUDA IPC record)."""
     buffer, used, meta = None, 0, {key: [] for key in ("names", "dtype_names", "shapes", "tensor_sizes")}
     for name, tensor in weights:
         flat = tensor.detach().contiguous().view(-1).view(torch.uint8)
@@ -579,11 +561,10 @@ def packed_chunks(weights, capacity):
 
 
 def server_sync_weights_ipc(base_url, model, version=None, buffer_bytes=1 << 30, timeout=300.0, name="MODEL"):
-    """CUDA IPC to a server on this GPU, inside paused_update: named_weights in packed chunks of at most `buffer_bytes`,
-    one /update_weights with its handle each (torchrun's other ranks iterate the weights too). 0.27+ learns `packed`
-    from /init_weight_transfer_engine, sent at every sync (one request; a restarted server has forgotten it).
-    `base_url`: one URL, or a list of servers of one run: each chunk goes to all at once, inside every server's
-    paused_update at once (paused_updates: a failure restores and resumes them all), so the weights are packed once."""
+    """CUDA IPC to a server on this GPU: named_weights in packed chunks of at most `buffer_bytes`, one /update_weights
+    with its handle each (torchrun's other ranks iterate the weights too); 0.27+ learns `packed` from
+    /init_weight_transfer_engine, sent at every sync (a restarted server has forgotten it). `base_url`: one URL, or the
+    servers of one run: each chunk goes to all at once, inside paused_updates, so that the weights are packed once."""
     urls = _listed(base_url)
     total = sum(2 * math.prod(shape) for shape in weight_metadata(model)["shapes"])  # bf16 bytes
     for url in urls:
@@ -642,12 +623,11 @@ def parse_completions(response, num_prompts, n):
 
 
 def server_generate(base_url, model_id, prompt_ids, n, fields, chunk_size=8, timeout=1800.0, lost=None):
-    """Sample n completions per prompt on the server: (completion ids, log-probs), prompt-major, from concurrent
-    requests of `chunk_size` prompts (vLLM batches them; no response holds a round), each within `timeout` s.
-    `base_url`: one server's URL, or a list of several servers of the same weights, which take the chunks in turn: one
-    EngineCore process's CPU bounds a round with log-probs, and several share it (docs/vllm.md, "Several servers").
-    A server that stops answering is added to `lost` ({url: since}) and its chunks go to the others; ServerLost when
-    none is left."""
+    """n completions per prompt on the server: (completion ids, log-probs) prompt-major, by concurrent requests of
+    `chunk_size` prompts (vLLM batches them; no response holds a round), each within `timeout` s. `base_url`: one URL,
+    or servers of the same weights taking the chunks in turn (one EngineCore's CPU bounds a round with log-probs:
+    docs/vllm.md, "Several servers"); one that stops answering joins `lost` ({url: since}), its chunks go to the others;
+    ServerLost if none is left."""
     urls, lost = _listed(base_url), {} if lost is None else lost
     first = int(os.environ.get("RANK", "0"))  # torchrun ranks start at different servers
 
@@ -691,15 +671,12 @@ def check_args(args):
     scripts' own checks, before any model loads (the importance-sampling flags where a script has them)."""
     problems = setup_problems() if args.use_vllm else []
     floor = getattr(args, "vllm_importance_sampling_clip_min", None) or 0  # the clip max must exceed it
+    ports = lambda v: 0 < len(set(_listed(v))) == len(_listed(v)) and all(0 < p < 65536 for p in _listed(v))
     rules = [  # (field, true for a valid value, what it must be); None (an option left unset) is always valid
         ("vllm_gpu_memory_utilization", lambda v: 0 < v <= 1, "in (0, 1]"),
         ("vllm_tensor_parallel_size", lambda v: v >= 1, "at least 1"),
         ("vllm_max_model_len", lambda v: v >= 1, "at least 1"),
-        (
-            "vllm_server_port",
-            lambda v: _listed(v) and all(0 < p < 65536 for p in _listed(v)) and len(set(_listed(v))) == len(_listed(v)),
-            "TCP ports (1-65535), at least one, each once",
-        ),
+        ("vllm_server_port", ports, "TCP ports (1-65535), at least one, each once"),
         ("vllm_server_timeout", lambda v: v > 0, "> 0 seconds"),
         ("vllm_group_port", lambda v: 0 < v < 65536, "a TCP port (1-65535)"),
         ("vllm_importance_sampling_clip_min", lambda v: v >= 0, ">= 0"),
@@ -744,8 +721,7 @@ def start(args, model_path, max_prompt_length):
         engine["sleep"] = args.vllm_enable_sleep_mode  # starts awake with the checkpoint's weights (model_path)
         engine["tp_group"] = tensor_parallel_group(args.vllm_tensor_parallel_size)
         return engine
-    # what to serve is the base model: a resume's checkpoint-N may be deleted (--save-total-limit), and the server gets
-    # this run's weights at once anyway (start_with_weights)
+    # serve the base model: a resume's checkpoint-N may be deleted, and start_with_weights sends this run's at once
     engine["model"] = model_path = getattr(args, "model_name_or_path", model_path)
     ports = _listed(args.vllm_server_port)  # several: servers of one model on this GPU, sharing each round
     engine["base_urls"] = urls = [f"http://{args.vllm_server_host}:{port}" for port in ports]
@@ -764,10 +740,8 @@ def start(args, model_path, max_prompt_length):
     engine["base_url"], engine["server"] = urls[0], servers[0]
     for server in servers:
         if (limit := server["max_model_len"]) and max_len > limit:
-            longest = f"the longest prompt ({max_prompt_length} tokens) + --max-completion-length"
-            raise ValueError(
-                f"{longest} {args.max_completion_length} exceeds {server['url']}'s --max-model-len {limit}"
-            )
+            lengths = f"({max_prompt_length} tokens) + --max-completion-length {args.max_completion_length}"
+            raise ValueError(f"the longest prompt {lengths} exceeds {server['url']}'s --max-model-len {limit}")
     engine.update({key: getattr(args, key, default) for key, default in SERVER_OPTIONS.items()})
     if os.environ.get("RANK", "0") == "0":  # with torchrun every rank generates over HTTP, rank 0 alone syncs
         for url, server in zip(urls, servers):
@@ -792,9 +766,10 @@ def generate(engine, prompt_ids, n=None, temperature=None):
     """(completion ids, vLLM log-probs), prompt-major; n per prompt, temperature (0: greedy): None = training's."""
     n, fields = n or engine["n"], {**engine["fields"], **({} if temperature is None else {"temperature": temperature})}
     if engine["mode"] == "server":
-        chunking = engine["vllm_generation_chunk_size"], engine["vllm_generation_timeout"], engine.setdefault("lost", {})
-        if not (urls := [url for url in engine.get("base_urls", [engine["base_url"]]) if url not in engine["lost"]]):
-            raise ServerLost(f"no server of the run answers (lost: {', '.join(engine['lost'])})")
+        lost = engine.setdefault("lost", {})
+        if not (urls := [url for url in _urls(engine) if url not in lost]):
+            raise ServerLost(f"no server of the run answers (lost: {', '.join(lost)})")
+        chunking = engine["vllm_generation_chunk_size"], engine["vllm_generation_timeout"], lost
         return server_generate(urls, engine["server"]["model_id"], prompt_ids, n, fields, *chunking)
     llm, group = engine["llm"], engine["tp_group"]
     if engine.get("weights_asleep"):
@@ -841,9 +816,10 @@ def push_live(engine, model):
     lost = engine.setdefault("lost", {})
     back = [url for url in lost if _answers(url)]
     for url in back:  # it may serve another model or vLLM now
-        check_same_model(check_server(url, engine["model"]), model, engine["model"], engine.get("trust_remote_code", False))
+        server = check_server(url, engine["model"])
+        check_same_model(server, model, engine["model"], engine.get("trust_remote_code", False))
         engine.pop("group", None)
-    while urls := [url for url in engine.get("base_urls", [engine["base_url"]]) if url not in lost or url in back]:
+    while urls := [url for url in _urls(engine) if url not in lost or url in back]:
         try:
             server_push(engine, model, urls)
             break
@@ -860,17 +836,13 @@ def push_live(engine, model):
 def wait_for_lost(engine, model):
     """Every server of the run is lost: wait up to --vllm-server-timeout for one to answer again, saying which, since
     when and the command that restarts it; then push_live. ServerLost if none is back in time."""
-    lost, timeout = engine["lost"], engine["vllm_server_timeout"]
+    lost, timeout, server = engine["lost"], engine["vllm_server_timeout"], engine["server"]
+    kv = f" --kv-cache-memory-bytes {kv_cache_bytes(server, model.config)}" if server["backend"] == "ipc" else ""
     for url, since in lost.items():
-        servers, backend = len(engine.get("base_urls", [url])), engine["server"]["backend"]
-        command = serve_command(engine["model"], port=url.rsplit(":", 1)[1], backend=backend, servers=servers)
-        kv = kv_cache_bytes(engine["server"], model.config) if backend == "ipc" else None
-        print(
-            f"vllm_utils: the server at {url} stopped answering at {time.strftime('%H:%M:%S', time.localtime(since))};"
-            f" waiting up to {timeout:.0f} s (--vllm-server-timeout) for it. Restart it with: "
-            + (command.replace(" --api", f" --kv-cache-memory-bytes {kv} --api") if kv else command),
-            flush=True,
-        )
+        command = serve_command(engine["model"], port=_port(url), backend=server["backend"], servers=len(_urls(engine)))
+        when = time.strftime("%H:%M:%S", time.localtime(since))
+        said = f"the server at {url} stopped answering at {when}; waiting up to {timeout:.0f} s (--vllm-server-timeout)"
+        print(f"vllm_utils: {said} for it. Restart it with: {command.replace(' --api', f'{kv} --api')}", flush=True)
     deadline = time.monotonic() + timeout
     while not any(_answers(url) for url in lost):
         if time.monotonic() > deadline:
@@ -882,13 +854,11 @@ def wait_for_lost(engine, model):
 def kv_cache_bytes(server, config):
     """The KV cache a server had (its --kv-cache-memory-bytes, else its blocks' bytes in 16 bits) for its restart
     beside a live trainer, whose memory vLLM's start-up profiling would take for its own (1 GiB if unknown)."""
-    cache = server.get("cache_config") or {}
-    if cache.get("kv_cache_memory_bytes"):
-        return cache["kv_cache_memory_bytes"]
-    heads = config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    per_token = 4 * config.num_hidden_layers * (getattr(config, "num_key_value_heads", None) or heads) * head_dim
-    return (cache.get("num_gpu_blocks") or 0) * (cache.get("block_size") or 16) * per_token or 1 << 30
+    text, cache = config.get_text_config(), server.get("cache_config") or {}  # a multimodal model's: its decoder's
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+    blocks = (cache.get("num_gpu_blocks") or 0) * (cache.get("block_size") or 16)
+    return cache.get("kv_cache_memory_bytes") or blocks * 4 * text.num_hidden_layers * kv_heads * head_dim or 1 << 30
 
 
 def sync_weights(engine, model):
@@ -907,14 +877,13 @@ def sync_weights(engine, model):
         if torch.distributed.is_initialized():
             torch.distributed.barrier()  # no rank generates before the server has the new weights
         return
-    llm = engine["llm"]
     if engine.get("weights_asleep"):
         model.zero_grad(set_to_none=True)  # the step is done: its gradients would hold memory vLLM is about to map
         torch.cuda.empty_cache()  # give the trainer's cached blocks back so that vLLM can map its weights again
-        llm.wake_up(tags=["weights"])  # level 2 left garbage: every weight is reloaded below
+        engine["llm"].wake_up(tags=["weights"])  # level 2 left garbage: every weight is reloaded below
         engine["weights_asleep"] = False
     # vLLM's layerwise reload reruns the post-load processing (MLA, MoE repacking, fp8) a plain load_weights skips, into
     # the same storage (CUDA graphs stay valid); each TP rank takes its shard; streamed: one full parameter at a time
     reload = {"weights_iterator": named_weights(model), "is_checkpoint_format": True}
-    llm.collective_rpc("reload_weights", kwargs=reload)
-    llm.reset_prefix_cache()
+    engine["llm"].collective_rpc("reload_weights", kwargs=reload)
+    engine["llm"].reset_prefix_cache()

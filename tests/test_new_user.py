@@ -94,8 +94,8 @@ def test_ctrl_c_stops_at_a_checkpoint_that_resumes_to_the_uninterrupted_weights(
     assert "KeyboardInterrupt" not in stderr
     stopped = read_metrics(interrupted)[-1]["step"]
     assert k <= stopped < max_steps and not (interrupted / "config.json").exists()
-    assert f"SIGINT: wrote checkpoint-{stopped} and stopped" in stdout
-    assert f"--output-dir {interrupted} --resume-from-checkpoint latest continues the run" in stdout
+    assert f"SIGINT: wrote checkpoint-{stopped} and stopped; resume with: python grpo.py " in stdout
+    assert f"--output-dir {interrupted} --resume-from-checkpoint latest\n" in stdout
 
     resumed = ["--max-steps", max_steps, "--output-dir", interrupted, "--resume-from-checkpoint", "latest"]
     assert f"at step {stopped}" in check(run_script("grpo.py", *BASE, *resumed)).stdout

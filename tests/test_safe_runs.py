@@ -455,8 +455,8 @@ def test_sigterm_leaves_a_resumable_checkpoint(monkeypatch, tmp_path, stories_js
     stdout, stderr = sigterm_after_two_steps(run, out)
     assert run.returncode == 143, stderr[-3000:]
     steps = [m["step"] for m in read_metrics(out)]
-    assert f"SIGTERM: wrote checkpoint-{steps[-1]} and stopped" in stdout
-    assert f"the same command with --output-dir {out} --resume-from-checkpoint latest continues the run" in stdout
+    assert f"SIGTERM: wrote checkpoint-{steps[-1]} and stopped; resume with: python {script} " in stdout
+    assert f"--output-dir {out} --resume-from-checkpoint latest\n" in stdout
     assert os.path.isdir(out / f"checkpoint-{steps[-1]}") and not (out / "config.json").exists()  # no final model
     assert steps == list(range(1, steps[-1] + 1))
 

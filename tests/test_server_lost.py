@@ -26,8 +26,17 @@ import rewards
 import vllm_utils
 from grpo_cli import ROOT, SMALL, STORIES, read_metrics, write_jsonl
 
-PROMPTS = [f"Once upon a time, there was a little {animal} named {name}." for animal, name in
-           [("girl", "Lily"), ("boy", "Tim"), ("cat", "Tom"), ("dog", "Max"), ("bird", "Sue"), ("fox", "Ben")]]
+PROMPTS = [
+    f"Once upon a time, there was a little {animal} named {name}."
+    for animal, name in [
+        ("girl", "Lily"),
+        ("boy", "Tim"),
+        ("cat", "Tom"),
+        ("dog", "Max"),
+        ("bird", "Sue"),
+        ("fox", "Ben"),
+    ]
+]
 
 
 class StandIn:
@@ -190,8 +199,9 @@ def uninterrupted(script, monkeypatch, data, tmp_path, fake_vllm, trained, flag)
 
 
 @pytest.mark.parametrize("flag", ["--no-async-generation", "--async-generation"])
-@pytest.mark.parametrize("fault", [("/v1/completions", 3, "kill"), ("/update_weights", 3, "kill"),
-                                   ("/v1/completions", 4, "500")])
+@pytest.mark.parametrize(
+    "fault", [("/v1/completions", 3, "kill"), ("/update_weights", 3, "kill"), ("/v1/completions", 4, "500")]
+)
 def test_server_lost_and_restarted_costs_no_step(tmp_path, monkeypatch, capsys, data, fake_vllm, trained, flag, fault):
     expected = uninterrupted("grpo.py", monkeypatch, data, tmp_path, fake_vllm, trained, flag)
     path, call, how = fault
@@ -209,8 +219,9 @@ def test_server_lost_and_restarted_costs_no_step(tmp_path, monkeypatch, capsys, 
 
 
 @pytest.mark.parametrize("script", ["rloo.py", "online_dpo.py"])
-def test_server_lost_in_a_background_round_of_rloo_and_online_dpo(tmp_path, monkeypatch, data, fake_vllm, trained,
-                                                                  script):
+def test_server_lost_in_a_background_round_of_rloo_and_online_dpo(
+    tmp_path, monkeypatch, data, fake_vllm, trained, script
+):
     expected = uninterrupted(script, monkeypatch, data, tmp_path, fake_vllm, trained, "--async-generation")
     server = StandIn(fake_vllm, plan={("/v1/completions", 3): "kill"}, restart_after=3.0)
     fake_vllm["install"]([server])
@@ -234,8 +245,9 @@ def test_server_lost_of_two_goes_on_with_the_other(tmp_path, monkeypatch, data, 
 
 
 @pytest.mark.parametrize("flag", ["--no-async-generation", "--async-generation"])
-def test_server_lost_for_good_writes_the_last_step_and_exits_75(tmp_path, monkeypatch, capsys, data, fake_vllm,
-                                                               trained, flag):
+def test_server_lost_for_good_writes_the_last_step_and_exits_75(
+    tmp_path, monkeypatch, capsys, data, fake_vllm, trained, flag
+):
     expected = uninterrupted("grpo.py", monkeypatch, data, tmp_path, fake_vllm, trained, flag)
     server = StandIn(fake_vllm, plan={("/v1/completions", 4): "kill"}, restart_after=None)
     fake_vllm["install"]([server], timeout=3.0)
@@ -261,8 +273,9 @@ def test_server_lost_for_good_writes_the_last_step_and_exits_75(tmp_path, monkey
     assert [m["step"] for m in read_metrics(tmp_path / "run")] == [1, 2, 3, 4, 5, 6]
 
 
-def test_server_lost_colocated_engine_dead_writes_the_last_step_and_exits_75(tmp_path, monkeypatch, capsys, data,
-                                                                            trained):
+def test_server_lost_colocated_engine_dead_writes_the_last_step_and_exits_75(
+    tmp_path, monkeypatch, capsys, data, trained
+):
     class EngineDeadError(Exception):  # vLLM's class name: the trainer tells it by name, without importing vLLM
         pass
 

@@ -34,7 +34,13 @@ def main():
         server = vllm_utils.check_server(url, model_path)
         vllm_utils.check_transport(url, server, model_path)
         engine = {"mode": "server", "base_url": url, "base_urls": [url], "server": server, "servers": [server]}
-        engine |= {"fields": FIELDS, "n": 4, "model": model_path, **vllm_utils.SERVER_OPTIONS, "vllm_server_timeout": 400}
+        engine |= {
+            "fields": FIELDS,
+            "n": 4,
+            "model": model_path,
+            **vllm_utils.SERVER_OPTIONS,
+            "vllm_server_timeout": 400,
+        }
         sample = lambda p, n: vllm_utils.generate(engine, p, n=n)  # noqa: E731
         for _ in range(8):  # trained as training does (random noise makes a real model garbage in bf16)
             change_weights(model, tokenizer)

@@ -122,7 +122,8 @@ def test_4_server_killed_inside_a_push_is_waited_for_and_the_run_goes_on(ipc_ser
         *"--answer-column answer --reward-funcs gsm8k_accuracy --max-completion-length 32 --learning-rate 1e-5".split(),
         *"--prompts-per-step 8 --num-generations 4 --use-vllm --vllm-mode server --save-steps 5".split(),
         *f"--vllm-server-port {ipc_servers.port} --output-dir {out} --max-steps 20 --vllm-weight-sync-buffer-mb 1".split(),
-        "--vllm-server-timeout", "400",
+        "--vllm-server-timeout",
+        "400",
     ]
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "0", "FAULT_MARKER": str(marker), "WANDB_MODE": "offline"}
     log = open(tmp_path / "trainer.log", "w")
@@ -169,7 +170,11 @@ def test_5_a_restarted_server_gets_the_weights_in_full_before_it_samples(ipc_ser
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "0"}
     proc = subprocess.Popen(
         [sys.executable, os.path.join(os.path.dirname(MARKED), "lost_server.py"), url, MODEL, str(marker)],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=ROOT,
     )
     deadline = time.monotonic() + 300
     while not marker.exists():
