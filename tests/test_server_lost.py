@@ -48,10 +48,14 @@ class StandIn:
         self.args_box, self.plan, self.restart_after = args_box, dict(plan or {}), restart_after
         self.calls, self.served, self.lock, self.dead = {}, [], threading.Lock(), False
         self.httpd, self.port = None, None
+        # loaded once: a restart's from_pretrained in a timer thread would race the trainer's own load (transformers
+        # builds models on the meta device through process-wide patches)
+        self.model = AutoModelForCausalLM.from_pretrained(STORIES, dtype=torch.float32).eval()
+        self.startup = {k: v.clone() for k, v in self.model.state_dict().items()}
         self.up()
 
     def up(self):
-        self.model = AutoModelForCausalLM.from_pretrained(STORIES, dtype=torch.float32).eval()
+        self.model.load_state_dict(self.startup)
         self.version, self.dead = 0, False  # start-up weights
         stand_in = self
 
@@ -94,11 +98,12 @@ class StandIn:
             threading.Timer(self.restart_after, self.restart).start()
 
     def restart(self):
-        if self.dead == "kill":
-            self.up()
-        else:
-            self.model = AutoModelForCausalLM.from_pretrained(STORIES, dtype=torch.float32).eval()
-            self.version, self.dead = 0, False
+        with self.lock:  # no request samples while the weights go back to the start-up ones
+            if self.dead == "kill":
+                self.up()
+            else:
+                self.model.load_state_dict(self.startup)
+                self.version, self.dead = 0, False
 
     def answer(self, path, body):
         with self.lock:
