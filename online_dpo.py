@@ -718,8 +718,9 @@ def generate(run, prompt_ids, num_generations=None, temperature=None):
                 vllm_utils.wait_for_lost(run.engine, run.model)
             except vllm_utils.ServerLost as gone:
                 stop_lost(run, gone)
-        except Exception as error:  # vllm.v1.engine.exceptions.EngineDeadError, without importing vLLM here
-            if type(error).__name__ != "EngineDeadError":
+        except Exception as error:  # a dead engine: vLLM's EngineDeadError (told by name), in process a CUDA error
+            dead = type(error).__name__ == "EngineDeadError" or "CUDA error" in str(error)
+            if not dead or run.world_size > 1:
                 raise
             stop_lost(run, error)
     with unsharded(run.model, run.world_size):  # FSDP2: full weights while decoding, ranks stop at different steps
@@ -758,6 +759,8 @@ def round_output(run, round):
     except vllm_utils.ServerLost:
         if run.world_size > 1:
             raise
+        if run.push is not None:  # the push in flight first: one push at a time, and the round samples its weights
+            run.push.result()
         t0 = time.perf_counter()
         output = generate(run, [run.train_set.prompt_ids[i] for i in round.rows])
         return output, time.perf_counter() - t0, run.weights_version
@@ -1481,17 +1484,20 @@ def stop_lost(run, error):
             save_checkpoint(run, **run.trained)
         wrote = f"wrote checkpoint-{step}"
     except Exception:  # noqa: BLE001 - a dead engine may have taken the CUDA context with it
-        wrote = f"the newest checkpoint is {(checkpoints(run.output_dir) or ['none'])[-1]}"
-    stop(run, 75, f"error: {type(error).__name__}: {error}; {wrote}".replace("\n", " "))
+        wrote = f"the newest checkpoint is {checkpoints(run.output_dir)[-1]}" if checkpoints(run.output_dir) else ""
+    said = f"error: {type(error).__name__}: {error}; " + (wrote or "no checkpoint to resume: start the run again")
+    stop(run, 75, said.replace("\n", " "), resume=bool(wrote))
 
 
-def stop(run, status, said):
+def stop(run, status, said, resume=True):
     """Exit with `status` after a checkpoint, saying so and the command that continues the run (the last of a repeated
     flag counts) in one line."""
     if run.is_main:
         latest = ["--output-dir", run.output_dir, "--resume-from-checkpoint", "latest"]
-        command = shlex.join(["python", os.path.basename(sys.argv[0]), *sys.argv[1:], *latest])
-        print(f"{said}; resume with: {command}", file=sys.stderr if status == 75 else sys.stdout, flush=True)
+        launcher = ["torchrun", f"--nproc-per-node={run.world_size}"] if run.world_size > 1 else ["python"]
+        said += f"; resume with: {shlex.join([*launcher, *sys.argv, *latest])}" if resume else ""
+        run.progress.close()  # the bar ends its line first: the message is a line of its own
+        print(said, file=sys.stderr if status == 75 else sys.stdout, flush=True)
         if run.wandb:
             run.wandb.mark_preempting()
         os.close(run.lock)  # (the process ends: only a caller that goes on, as a test does, would hold it)

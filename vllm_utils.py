@@ -633,7 +633,7 @@ def server_generate(base_url, model_id, prompt_ids, n, fields, chunk_size=8, tim
 
     def complete(i, chunk):
         body, deadline = completions_request(model_id, chunk, n, fields), time.monotonic() + timeout
-        for url in [urls[(first + i + k) % len(urls)] for k in range(len(urls))]:
+        for url in [u for u in (urls[(first + i + k) % len(urls)] for k in range(len(urls))) if u not in lost]:
             post = lambda: requests.post(f"{url}/v1/completions", json=body, timeout=timeout)  # noqa: E731
             try:
                 while (response := post()).status_code == 503 and time.monotonic() < deadline:  # 0.33: while paused

@@ -94,8 +94,11 @@ def test_ctrl_c_stops_at_a_checkpoint_that_resumes_to_the_uninterrupted_weights(
     assert "KeyboardInterrupt" not in stderr
     stopped = read_metrics(interrupted)[-1]["step"]
     assert k <= stopped < max_steps and not (interrupted / "config.json").exists()
-    assert f"SIGINT: wrote checkpoint-{stopped} and stopped; resume with: python grpo.py " in stdout
-    assert f"--output-dir {interrupted} --resume-from-checkpoint latest\n" in stdout
+    said = next(line for line in stdout.splitlines() if line.startswith("SIGINT: "))
+    assert (
+        said.startswith(f"SIGINT: wrote checkpoint-{stopped} and stopped; resume with: python ") and "grpo.py " in said
+    )
+    assert said.endswith(f"--output-dir {interrupted} --resume-from-checkpoint latest"), said
 
     resumed = ["--max-steps", max_steps, "--output-dir", interrupted, "--resume-from-checkpoint", "latest"]
     assert f"at step {stopped}" in check(run_script("grpo.py", *BASE, *resumed)).stdout

@@ -16,6 +16,7 @@ import runpy
 import shlex
 import sys
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
@@ -126,11 +127,12 @@ class StandIn:
         args = self.args_box["args"]
         import grpo
 
+        during_push = self.args_box.get("pushing", 0) > 0  # a push of the trainer's is on its way
         with self.lock:
             torch.manual_seed(sum(map(sum, prompts)))
             eos = [self.model.generation_config.eos_token_id]
             completions, _ = grpo.hf_generate(self.model, prompts, args, eos, 0, n, body["temperature"])
-            self.served.append((version, prompts))
+            self.served.append((version, prompts, during_push))
         choices = [
             {"index": k, "token_ids": c, "logprobs": {"token_logprobs": [-1.0] * len(c)}}
             for k, c in enumerate(completions)
@@ -153,10 +155,14 @@ def fake_vllm(monkeypatch):
             engine |= {"model": model_path, "base_urls": urls, "base_url": urls[0], "servers": [facts], "server": facts}
             return engine | vllm_utils.SERVER_OPTIONS | {"vllm_server_timeout": timeout, "model_checked": True}
 
-        def push(engine, model, urls):
-            box["trainer"] = model
-            for url in urls:
-                vllm_utils._post(url, "/update_weights", 30)
+        def push(engine, model, urls):  # slow (push_seconds): a round sampled meanwhile would be seen
+            box["trainer"], box["pushing"] = model, box.get("pushing", 0) + 1
+            try:
+                time.sleep(box.get("push_seconds", 0.0))
+                for url in urls:
+                    vllm_utils._post(url, "/update_weights", 30)
+            finally:
+                box["pushing"] -= 1
 
         monkeypatch.setattr(vllm_utils, "start", start)
         monkeypatch.setattr(vllm_utils, "server_push", push)
@@ -212,12 +218,14 @@ def test_server_lost_and_restarted_costs_no_step(tmp_path, monkeypatch, capsys, 
     path, call, how = fault
     server = StandIn(fake_vllm, plan={(path, call): how}, restart_after=3.0)
     fake_vllm["install"]([server])
+    fake_vllm["push_seconds"] = 0.5  # long enough that a round generated beside a push would be seen
     run("grpo.py", monkeypatch, data, tmp_path / "run", flag)
     assert not server.plan  # the fault happened
     assert trained == expected  # the lost round was redone: the same prompts, none twice, none skipped
     assert [m["step"] for m in read_metrics(tmp_path / "run")] == [1, 2, 3, 4, 5, 6]
     # the restarted server (version 0: its start-up weights) got the trainer's before it generated again
-    assert all(version > 0 for version, _ in server.served), [v for v, _ in server.served]
+    assert all(version > 0 for version, _, _ in server.served), [v for v, _, _ in server.served]
+    assert not any(during for _, _, during in server.served)  # one push at a time, and no round beside it
     said = [line for line in capsys.readouterr().out.splitlines() if "stopped answering" in line]
     assert len(said) == 1 and server.url in said[0] and "--vllm-server-timeout" in said[0], said
     assert "Restart it with: " in said[0] and "--kv-cache-memory-bytes" in said[0] and "--host 127.0.0.1" in said[0]
@@ -233,7 +241,7 @@ def test_server_lost_in_a_background_round_of_rloo_and_online_dpo(
     run(script, monkeypatch, data, tmp_path / "run", "--async-generation")
     assert not server.plan and trained == expected
     assert [m["step"] for m in read_metrics(tmp_path / "run")] == [1, 2, 3, 4, 5, 6]
-    assert all(version > 0 for version, _ in server.served)
+    assert all(version > 0 for version, _, _ in server.served)
 
 
 @pytest.mark.parametrize("flag", ["--no-async-generation", "--async-generation"])
@@ -245,7 +253,7 @@ def test_server_lost_of_two_goes_on_with_the_other(tmp_path, monkeypatch, data, 
     assert not lost.plan and trained == expected
     assert [m["step"] for m in read_metrics(tmp_path / "run")] == [1, 2, 3, 4, 5, 6]
     # the restarted one was taken back once it had the current weights, and never served its start-up ones
-    assert lost.version > 0 and all(v > 0 for v, _ in lost.served + survivor.served)
+    assert lost.version > 0 and all(v > 0 for v, _, _ in lost.served + survivor.served)
     assert survivor.calls["/update_weights"] == 7  # the start-up push and one a step: none missed, none doubled
 
 
@@ -263,8 +271,9 @@ def test_server_lost_for_good_writes_the_last_step_and_exits_75(
     last = steps[-1]
     assert steps == list(range(1, last + 1)) and last >= 2
     assert (tmp_path / "run" / f"checkpoint-{last}" / "trainer_state.pt").exists()
-    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1 and f"wrote checkpoint-{last}" in errors[0], errors
+    said = capsys.readouterr()
+    errors = [line for line in said.err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and f"wrote checkpoint-{last}" in errors[0], said.err[-2000:]
     resume = errors[0].split("resume with: ", 1)[1]
     assert resume.endswith(f"--output-dir {tmp_path / 'run'} --resume-from-checkpoint latest"), resume
     # the command it names continues the run: the prompts trained are the uninterrupted run's, each step logged once
@@ -278,9 +287,13 @@ def test_server_lost_for_good_writes_the_last_step_and_exits_75(
     assert [m["step"] for m in read_metrics(tmp_path / "run")] == [1, 2, 3, 4, 5, 6]
 
 
+@pytest.mark.parametrize("dies_at", [3, 1])
 def test_server_lost_colocated_engine_dead_writes_the_last_step_and_exits_75(
-    tmp_path, monkeypatch, capsys, data, trained
+    tmp_path, monkeypatch, capsys, data, trained, dies_at
 ):
+    """A colocated engine that dies: vLLM's EngineDeadError, or in process (external_launcher) a CUDA error. At step 3
+    the checkpoint of step 2 is written; at step 1 there is none, and the line says to start again."""
+
     class EngineDeadError(Exception):  # vLLM's class name: the trainer tells it by name, without importing vLLM
         pass
 
@@ -288,8 +301,8 @@ def test_server_lost_colocated_engine_dead_writes_the_last_step_and_exits_75(
 
     def generate(engine, prompt_ids, n=None, temperature=None):
         calls.append(1)
-        if len(calls) == 3:
-            raise EngineDeadError("EngineCore encountered an issue")
+        if len(calls) == dies_at:
+            raise EngineDeadError("EngineCore died") if dies_at == 3 else RuntimeError("CUDA error: an illegal memory")
         import grpo
 
         eos = [model.generation_config.eos_token_id]
@@ -308,7 +321,12 @@ def test_server_lost_colocated_engine_dead_writes_the_last_step_and_exits_75(
     with pytest.raises(SystemExit) as stopped:
         runpy.run_path(str(ROOT / "grpo.py"), run_name="__main__")
     assert stopped.value.code == 75
-    assert [m["step"] for m in read_metrics(tmp_path / "run")] == [1, 2]
-    assert (tmp_path / "run" / "checkpoint-2" / "trainer_state.pt").exists()
-    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1 and "EngineDeadError" in errors[0] and "--resume-from-checkpoint latest" in errors[0]
+    said = capsys.readouterr()
+    errors = [line for line in said.err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, said
+    if dies_at == 3:
+        assert [m["step"] for m in read_metrics(tmp_path / "run")] == [1, 2]
+        assert (tmp_path / "run" / "checkpoint-2" / "trainer_state.pt").exists()
+        assert "EngineDeadError" in errors[0] and "--resume-from-checkpoint latest" in errors[0]
+    else:  # nothing trained: no checkpoint, and no resume command that would find none
+        assert "CUDA error" in errors[0] and errors[0].endswith("no checkpoint to resume: start the run again")

@@ -1332,6 +1332,19 @@ def test_a_round_is_shared_by_several_servers_and_comes_back_in_prompt_order(ser
     assert len(servers[1].calls) == 3 and len(servers[0].calls) == 2
 
 
+def test_a_lost_server_gets_no_chunk_until_it_has_the_weights_again(serve):
+    """A server in `lost` (it stopped answering; it may be back, holding its start-up weights) is not asked, even by
+    the chunks that another server's failure moves on: one that answers is taken back only by push_live."""
+    down, up = (serve({"/v1/completions": _echo_completions({}, delays=[0.0])}) for _ in range(2))
+    dead = "http://127.0.0.1:9"  # nothing listens there: a connection refused, as from a killed server
+    lost = {down.url: 0.0}
+    ids, _ = vllm_utils.server_generate(
+        [down.url, dead, up.url], "m", [[100 + i] for i in range(6)], 1, {}, chunk_size=1, timeout=10, lost=lost
+    )
+    assert ids == [[100 + i] for i in range(6)] and down.calls == [] and len(up.calls) == 6
+    assert set(lost) == {down.url, dead}  # the refused one is lost now too
+
+
 def _timeline_routes(timeline, tag, **overrides):
     """_sync_routes whose every answer is also written to the shared `timeline` as (tag, path)."""
 
