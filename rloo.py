@@ -1472,15 +1472,14 @@ def stop_lost(run, error):
     """No server came back within --vllm-server-timeout, or the colocated engine died: the last completed step's
     checkpoint, as SIGTERM writes it (the newest on disk if the weights moved past it or CUDA went with the engine),
     then stop with 75 (EX_TEMPFAIL: try again later)."""
-    step = run.trained["global_step"]
-    try:
-        if run.scheduler.last_epoch != step or step == 0:
-            raise RuntimeError("no completed step since the newest checkpoint")
-        if not os.path.isdir(os.path.join(run.output_dir, f"checkpoint-{step}")):
-            save_checkpoint(run, **run.trained)
-        wrote = f"wrote checkpoint-{step}"
-    except Exception:  # noqa: BLE001 - a dead engine may have taken the CUDA context with it
-        wrote = f"the newest checkpoint is {checkpoints(run.output_dir)[-1]}" if checkpoints(run.output_dir) else ""
+    step, wrote = run.trained["global_step"], ""
+    if run.scheduler.last_epoch == step > 0:  # the weights are still the last completed step's
+        with contextlib.suppress(Exception):  # a dead engine may have taken the CUDA context with it
+            if not os.path.isdir(os.path.join(run.output_dir, f"checkpoint-{step}")):
+                save_checkpoint(run, **run.trained)
+            wrote = f"wrote checkpoint-{step}"
+    if not wrote and (newest := checkpoints(run.output_dir)):
+        wrote = f"the newest checkpoint is {newest[-1]}"
     said = f"error: {type(error).__name__}: {error}; " + (wrote or "no checkpoint to resume: start the run again")
     stop(run, 75, said.replace("\n", " "), resume=bool(wrote))
 

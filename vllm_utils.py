@@ -168,7 +168,7 @@ def tensor_parallel_group(tensor_parallel_size):
 # Server: a stock `vllm serve` over HTTP, weights by NCCL or CUDA IPC
 
 
-def serve_command(model, host="127.0.0.1", port=8000, gpus=None, backend="nccl", servers=1, trust_remote_code=None):
+def serve_command(model, port=8000, gpus=None, backend="nccl", servers=1, trust_remote_code=None, kv_bytes=None):
     """The command that starts a server this codebase can train against: 4 HTTP front ends (one alone turns log-probs
     into responses slower than the engine samples: docs/vllm.md, "HTTP front ends"); backend "nccl" on GPUs the trainer
     does not use (`gpus`, default 1), "ipc" on the trainer's GPU (the default) with a memory share that leaves it room
@@ -185,7 +185,8 @@ def serve_command(model, host="127.0.0.1", port=8000, gpus=None, backend="nccl",
     if backend == "ipc":
         env += " VLLM_ALLOW_INSECURE_SERIALIZATION=1"
         flags += f" --gpu-memory-utilization {0.35 / servers:.2g}"
-    return f"{env} vllm serve {model} --host {host} --port {port} {flags} --api-server-count 4"
+    flags += f" --kv-cache-memory-bytes {kv_bytes}" if kv_bytes else ""  # beside a live trainer: no profiling
+    return f"{env} vllm serve {model} --host 127.0.0.1 --port {port} {flags} --api-server-count 4"
 
 
 def _restart(model, backend="nccl", base_url=None, servers=1, verb="Restart it"):
@@ -836,13 +837,13 @@ def push_live(engine, model):
 def wait_for_lost(engine, model):
     """Every server of the run is lost: wait up to --vllm-server-timeout for one to answer again, saying which, since
     when and the command that restarts it; then push_live. ServerLost if none is back in time."""
-    lost, timeout, server = engine["lost"], engine["vllm_server_timeout"], engine["server"]
-    kv = f" --kv-cache-memory-bytes {kv_cache_bytes(server, model.config)}" if server["backend"] == "ipc" else ""
+    lost, timeout, backend = engine["lost"], engine["vllm_server_timeout"], engine["server"]["backend"]
+    kv, servers = kv_cache_bytes(engine["server"], model.config) if backend == "ipc" else None, len(_urls(engine))
     for url, since in lost.items():
-        command = serve_command(engine["model"], port=_port(url), backend=server["backend"], servers=len(_urls(engine)))
+        command = serve_command(engine["model"], _port(url), backend=backend, servers=servers, kv_bytes=kv)
         when = time.strftime("%H:%M:%S", time.localtime(since))
         said = f"the server at {url} stopped answering at {when}; waiting up to {timeout:.0f} s (--vllm-server-timeout)"
-        print(f"vllm_utils: {said} for it. Restart it with: {command.replace(' --api', f'{kv} --api')}", flush=True)
+        print(f"vllm_utils: {said} for it. Restart it with: {command}", flush=True)
     deadline = time.monotonic() + timeout
     while not any(_answers(url) for url in lost):
         if time.monotonic() > deadline:
@@ -852,8 +853,7 @@ def wait_for_lost(engine, model):
 
 
 def kv_cache_bytes(server, config):
-    """The KV cache a server had (its --kv-cache-memory-bytes, else its blocks' bytes in 16 bits) for its restart
-    beside a live trainer, whose memory vLLM's start-up profiling would take for its own (1 GiB if unknown)."""
+    """The KV cache bytes a server had (1 GiB if unknown), fixed in its restart: profiling counts a live trainer's."""
     text, cache = config.get_text_config(), server.get("cache_config") or {}  # a multimodal model's: its decoder's
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
     kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
