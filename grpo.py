@@ -52,11 +52,11 @@ import threading
 import time
 import uuid
 from collections import defaultdict
+from collections.abc import Iterator
 from concurrent.futures import Future, wait
 from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
-from types import SimpleNamespace
 from typing import Literal, NamedTuple
 
 import torch
@@ -682,15 +682,61 @@ def round_metrics(run, scores, completion_lengths, truncated, stats, step_loss):
 # directories, start-up checks. Change it in grpo.py, then copy it to the others: python tests/test_plumbing.py --write
 
 
+@dataclass
+class Run:
+    """What train() and the plumbing share, one per process: made by set_up, the counters moved on by the loop."""
+
+    args: "Args"  # the flags
+    rank: int = 0  # this process's rank (torchrun); rank 0 alone writes the run directory's files and logs
+    world_size: int = 1  # processes; each takes an equal share of every step's prompts, whole groups
+    device: torch.device = None  # this rank's GPU, or the CPU
+    output_dir: str = None  # the run directory (claim_run_dir)
+    identity: dict = None  # run_id and run_name (wandb's): a new run's, or the resumed checkpoint's
+    lock: int = None  # rank 0's open and locked output_dir/.lock
+    preemption: threading.Event = None  # set by SIGTERM or Ctrl-C: a checkpoint at the end of the step, then exit
+    reward_fns: list = None  # the --reward-funcs
+    reward_weights: torch.Tensor = None  # (num_funcs,) the --reward-weights
+    tokenizer: object = None
+    tokenizer_files: dict = None  # {name: bytes}: the tokenizer's files, saved with every model (tokenizer_files)
+    train_set: "PromptSet" = None  # the training prompts
+    eval_set: "PromptSet" = None  # the eval prompts, or None
+    model: torch.nn.Module = None  # the policy (peft's model with --use-peft, sharded by FSDP2 on several ranks)
+    ref_model: torch.nn.Module = None  # the frozen initial model (WithoutAdapters with --use-peft), or None
+    autocast: dict = None  # torch.autocast's arguments for the forward passes
+    pad_id: int = None  # the token that pads batches
+    eos_ids: list = None  # the tokens that end a completion
+    optimizer: torch.optim.Optimizer = None
+    scheduler: object = None  # the learning rate schedule
+    engine: object = None  # vllm_utils' engine (colocated or servers), or None: Hugging Face generate
+    counters: dict = None  # the resumed checkpoint's counters (global_step, prompts_consumed, the script's own), or {}
+    global_step: int = 0  # optimizer steps taken
+    prompts_consumed: int = 0  # prompts drawn from the prompt stream
+    prompts: Iterator = None  # the prompt stream (prompt_stream) from prompts_consumed on
+    trained: dict = None  # the counters of the last completed step: what its checkpoint holds
+    weights_version: int = 0  # the optimizer step whose weights the generator holds
+    push: Future = None  # --async-generation's background weight push, until weights_pushed waits for it
+    pushed: dict = field(default_factory=dict)  # the timings of a push that evaluation waited for (the next step's)
+    push_stream: torch.cuda.Stream = None  # the background push's CUDA stream
+    wandb: object = None  # rank 0's wandb module, with --track
+    metrics_file: object = None  # metrics.jsonl, opened by the first log
+    progress: tqdm = None  # the progress bar (rank 0's)
+
+    @property
+    def is_main(self):
+        return self.rank == 0
+
+    @property
+    def prompts_per_rank(self):
+        return self.args.prompts_per_step // self.world_size
+
+
 def set_up(args, rules, problems=(), reference_model=False, steps_per_generation=1, num_iterations=1):
-    """Everything before the first round, as one namespace: the checks of the flags (the shared ones, `rules`,
-    `problems`) and of the data, before anything loads or is written; the run directory; the seed; the policy, the
-    frozen initial model (with reference_model), the prompts, the optimizer (and a resumed checkpoint's state), the
-    generator, the logs. A round is steps_per_generation x num_iterations optimizer steps (checkpoints between)."""
-    # several processes (torchrun): each rank takes an equal share of every step's prompts, whole groups
+    """Everything before the first round: the checks of the flags (the shared ones, `rules`, `problems`) and of the
+    data, before anything loads or is written; the run directory; the seed; the models (load_models), the prompts, the
+    optimizer (and a resumed checkpoint's state), the generator, the logs. A round is steps_per_generation x
+    num_iterations optimizer steps (checkpoints between)."""
     world_size, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
-    run = SimpleNamespace(args=args, world_size=world_size, rank=rank, is_main=rank == 0, push=None)
-    run.prompts_per_rank = args.prompts_per_step // world_size
+    run = Run(args, rank, world_size)
     # every mistake in the flags or the data stops the run here, before anything loads or is written
     check_args(args, world_size, rules, problems, steps_per_generation * num_iterations, steps_per_generation)
     run.reward_fns = rewards.functions(args.reward_funcs)
@@ -698,8 +744,9 @@ def set_up(args, rules, problems=(), reference_model=False, steps_per_generation
     dataset = read_dataset(args, run.reward_fns)
     evaluating = args.eval_steps or args.max_steps == 0  # the eval prompts, read and checked like the training ones
     eval_dataset = read_dataset(args, run.reward_fns, evaluation=True) if evaluating else None
-    local_rank = os.environ.get("LOCAL_RANK", "0")
-    run.device = device = torch.device(f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")
+    run.device = device = torch.device(
+        f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if torch.cuda.is_available() else "cpu"
+    )
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if world_size > 1:  # (rank 0 alone may spend minutes writing a checkpoint while the others wait in a collective)
@@ -711,7 +758,7 @@ def set_up(args, rules, problems=(), reference_model=False, steps_per_generation
     run.preemption = on_stop_signal()  # SIGTERM or Ctrl-C (SIGINT): a checkpoint at the end of the step, then exit
 
     # seeding (random, numpy, torch): the same on every rank until sampling, so that all ranks hold the same weights
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, get_scheduler, set_seed
+    from transformers import AutoConfig, AutoTokenizer, get_scheduler, set_seed
 
     set_seed(args.seed)
     # no weight cache: each weight is cast once per forward anyway, and the cache would outlive gradient checkpointing
@@ -720,8 +767,7 @@ def set_up(args, rules, problems=(), reference_model=False, steps_per_generation
 
     # tokenizer and prompts before the weights (a prompt too long stops the run now), then the model and the reference
     model_path = checkpoint_dir or args.model_name_or_path
-    remote = {"trust_remote_code": args.trust_remote_code}  # the model's own code runs only where the user allows it
-    run.tokenizer = tokenizer = AutoTokenizer.from_pretrained(model_path, **remote)
+    run.tokenizer = tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=args.trust_remote_code)
     run.tokenizer_files = tokenizer_files(model_path, tokenizer)
     sentence = tokenizer("The quick brown fox jumps over the lazy dog, and then it ran away.")["input_ids"]
     if len(sentence) < 5:  # a tokenizer that lost its vocabulary knows only special tokens
@@ -730,11 +776,56 @@ def set_up(args, rules, problems=(), reference_model=False, steps_per_generation
             f"a 15-word sentence into {len(sentence)} tokens"
         )
     model_path = args.model_name_or_path if args.use_peft else model_path  # a LoRA checkpoint holds only the adapter
-    max_context = getattr(AutoConfig.from_pretrained(model_path, **remote), "max_position_embeddings", None) or 10**9
+    config = AutoConfig.from_pretrained(model_path, trust_remote_code=args.trust_remote_code)
+    max_context = getattr(config, "max_position_embeddings", None) or 10**9
     run.train_set = load_prompts(args, dataset, tokenizer, max_context)
     run.eval_set = None if eval_dataset is None else load_prompts(args, eval_dataset, tokenizer, max_context, True)
-    if args.prompts_per_step > (kept := len(run.train_set.prompt_ids)):
-        print(f"warning: --prompts-per-step {args.prompts_per_step} > the {kept} prompts kept: steps repeat prompts")
+    if args.prompts_per_step > (count := len(run.train_set.prompt_ids)):
+        print(f"warning: --prompts-per-step {args.prompts_per_step} > the {count} prompts kept: steps repeat prompts")
+    load_models(run, model_path, checkpoint_dir, reference_model, sentence)
+
+    # optimizer and schedule; fused: one CUDA kernel for all parameters, without foreach's full-size temporaries
+    adamw = dict(lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2), weight_decay=args.weight_decay)
+    trained = [param for param in run.model.parameters() if param.requires_grad]  # --use-peft: the adapters only
+    run.optimizer = torch.optim.AdamW(trained, **adamw, fused=device.type == "cuda")
+    run.scheduler = get_scheduler(args.lr_scheduler_type, run.optimizer, args.warmup_steps, args.max_steps)
+    torch.manual_seed(args.seed + rank)  # from here on each rank samples its own completions
+    run.counters = load_checkpoint(run, checkpoint_dir) if checkpoint_dir else {}  # global_step, prompts_consumed, ...
+    run.global_step, run.prompts_consumed = run.counters.get("global_step", 0), run.counters.get("prompts_consumed", 0)
+    run.trained = {**run.counters, "global_step": run.global_step, "prompts_consumed": run.prompts_consumed}
+    if checkpoint_dir:
+        print(f"resumed from {checkpoint_dir} at step {run.global_step}")
+    run.prompts = prompt_stream(len(run.train_set.prompt_ids), args.seed, start=run.prompts_consumed)
+    run.weights_version = run.global_step
+
+    # generator: Hugging Face generate, or vLLM (colocated engine or a `vllm serve` server)
+    longest = max(map(len, run.train_set.prompt_ids + (run.eval_set.prompt_ids if run.eval_set else [])))
+    run.engine = vllm_utils.start_with_weights(args, run.model, model_path, longest) if args.use_vllm else None
+
+    # logs: wandb (a resumed run continues its wandb run), metrics.jsonl (rank 0), the progress bar
+    if args.track and run.is_main:
+        import wandb
+
+        identity = dict(name=run.identity["run_name"], id=run.identity["run_id"], resume="allow")
+        wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, config=asdict(args), **identity)
+        run.wandb = wandb
+    metrics_path = own_path(run.output_dir, "metrics.jsonl")
+    if checkpoint_dir and run.is_main and os.path.exists(metrics_path):  # steps logged after the checkpoint are redone
+        logged = [line for line in open(metrics_path) if json.loads(line)["step"] <= run.global_step]
+        with open(metrics_path, "w") as f:
+            f.writelines(logged)
+    name = os.path.basename(__file__).removesuffix(".py")
+    run.progress = tqdm(total=args.max_steps, initial=run.global_step, desc=name, dynamic_ncols=True, disable=rank > 0)
+    return run
+
+
+def load_models(run, model_path, checkpoint_dir, reference_model, sentence):
+    """The policy (with --use-peft its LoRA adapters on a frozen bf16 base), on run.device, and with reference_model
+    the frozen initial model; compiled (--torch-compile), sharded (several ranks), and their log-probs checked."""
+    from transformers import AutoModelForCausalLM
+
+    args, device = run.args, run.device
+    remote = {"trust_remote_code": args.trust_remote_code}
     dtype = getattr(torch, args.param_dtype)  # --use-peft: the adapters'; the frozen base's is bf16 (no updates)
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.bfloat16 if args.use_peft else dtype, **remote)
     for module in model.modules():  # dropout would make two passes over the same tokens disagree (ratio != 1)
@@ -750,55 +841,20 @@ def set_up(args, rules, problems=(), reference_model=False, steps_per_generation
         run.ref_model = AutoModelForCausalLM.from_pretrained(args.model_name_or_path, dtype=dtype, **remote)
         run.ref_model.to(device).eval().requires_grad_(False)
     models = [model] + ([run.ref_model] if reference_model and not args.use_peft else [])
-    if args.torch_compile and not args.use_peft and device.type == "cuda" and args.use_vllm and world_size == 1:
+    if args.torch_compile and not args.use_peft and device.type == "cuda" and args.use_vllm and run.world_size == 1:
         for layer in (layer for each in models for layer in decoder_layers(each)):  # one graph per layer type
             layer.forward = torch.compile(layer.forward, dynamic=True)
-    if world_size > 1:  # FSDP2: every rank keeps 1/world_size of the weights, gradients and AdamW states
+    if run.world_size > 1:  # FSDP2: every rank keeps 1/world_size of the weights, gradients and AdamW states
         for each in models:
             shard_model(each, mixed_precision=args.bf16 and device.type == "cuda")
     # a forward that transforms its logits in a way the trainer does not model fails now, not after training on them.
     # LoRA under autocast only: its adapters (fp32) take their bf16 inputs as autocast casts them (add_lora)
     with torch.autocast(**{**run.autocast, "enabled": run.autocast["enabled"] and args.use_peft}):
-        check_logprobs(model, sentence, device, world_size)
-    run.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        check_logprobs(model, sentence, device, run.world_size)
+    run.pad_id = run.tokenizer.pad_token_id if run.tokenizer.pad_token_id is not None else run.tokenizer.eos_token_id
     eos_ids = model.generation_config.eos_token_id
-    run.eos_ids = sorted((set(eos_ids if isinstance(eos_ids, list) else [eos_ids]) | {tokenizer.eos_token_id}) - {None})
-
-    # optimizer and schedule; fused: one CUDA kernel for all parameters, without foreach's full-size temporaries
-    adamw = dict(lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2), weight_decay=args.weight_decay)
-    trained = [param for param in model.parameters() if param.requires_grad]  # --use-peft: the adapters only
-    run.optimizer = torch.optim.AdamW(trained, **adamw, fused=device.type == "cuda")
-    run.scheduler = get_scheduler(args.lr_scheduler_type, run.optimizer, args.warmup_steps, args.max_steps)
-    torch.manual_seed(args.seed + rank)  # from here on each rank samples its own completions
-    run.counters = load_checkpoint(run, checkpoint_dir) if checkpoint_dir else {}  # global_step, prompts_consumed, ...
-    run.global_step, run.prompts_consumed = run.counters.get("global_step", 0), run.counters.get("prompts_consumed", 0)
-    run.trained = {**run.counters, "global_step": run.global_step, "prompts_consumed": run.prompts_consumed}
-    if checkpoint_dir:
-        print(f"resumed from {checkpoint_dir} at step {run.global_step}")
-    run.prompts = prompt_stream(len(run.train_set.prompt_ids), args.seed, start=run.prompts_consumed)
-    run.weights_version = run.global_step  # the optimizer step whose weights the generator holds
-
-    # generator: Hugging Face generate, or vLLM (colocated engine or a `vllm serve` server)
-    longest = max(map(len, run.train_set.prompt_ids + (run.eval_set.prompt_ids if run.eval_set else [])))
-    run.engine = vllm_utils.start_with_weights(args, model, model_path, longest) if args.use_vllm else None
-
-    # logs: wandb (a resumed run continues its wandb run), metrics.jsonl (rank 0), the progress bar
-    run.wandb = None  # with --track, rank 0's wandb module
-    if args.track and run.is_main:
-        import wandb
-
-        identity = dict(name=run.identity["run_name"], id=run.identity["run_id"], resume="allow")
-        wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, config=asdict(args), **identity)
-        run.wandb = wandb
-    metrics_path = own_path(run.output_dir, "metrics.jsonl")
-    if checkpoint_dir and run.is_main and os.path.exists(metrics_path):  # steps logged after the checkpoint are redone
-        kept = [line for line in open(metrics_path) if json.loads(line)["step"] <= run.global_step]
-        with open(metrics_path, "w") as f:
-            f.writelines(kept)
-    run.metrics_file = None  # opened by the first log: a run stopped before it leaves a directory a new run may take
-    name = os.path.basename(__file__).removesuffix(".py")
-    run.progress = tqdm(total=args.max_steps, initial=run.global_step, desc=name, dynamic_ncols=True, disable=rank > 0)
-    return run
+    eos_ids = set(eos_ids if isinstance(eos_ids, list) else [eos_ids]) | {run.tokenizer.eos_token_id}
+    run.eos_ids = sorted(eos_ids - {None})
 
 
 def generate(run, prompt_ids, num_generations=None, temperature=None):
@@ -882,7 +938,7 @@ def push_weights(run, next_round, timing):
         return
     stream = None
     if run.device.type == "cuda":
-        run.push_stream = stream = getattr(run, "push_stream", None) or torch.cuda.Stream(run.device)
+        run.push_stream = stream = run.push_stream or torch.cuda.Stream(run.device)
         stream.wait_stream(torch.cuda.current_stream(run.device))  # it reads the weights after the optimizer step
 
     def push():
@@ -898,7 +954,8 @@ def weights_pushed(run):
     """Wait for push_weights' background push before the weights change or are sampled, and at the end: its timings,
     timing/weight_sync (the push) and timing/weight_sync_wait (what it cost the trainer), or {} if none was in flight."""
     if (push := run.push) is None:
-        return run.__dict__.pop("pushed", {})  # a push evaluation waited for: the next step logs it
+        pushed, run.pushed = run.pushed, {}  # a push evaluation waited for: the next step logs it
+        return pushed
     run.push, t0 = None, time.perf_counter()
     return {"timing/weight_sync": push.result(), "timing/weight_sync_wait": time.perf_counter() - t0}
 
@@ -1684,19 +1741,12 @@ def checkpoints(output_dir):
     return [own_path(output_dir, n) for n in sorted(complete, key=lambda n: int(n.split("-")[1]))]
 
 
-def run_info(checkpoint):
-    """A checkpoint's run.json: its run (run_id, run_name: wandb's), script and global_step; {} without one."""
-    with contextlib.suppress(OSError, ValueError), open(own_path(checkpoint, "run.json")) as f:
-        return json.load(f)
-    return {}
-
-
 def claim_run_dir(args):
     """Rank 0, before any model loads: (the run directory, the checkpoint to resume or None, the run's identity: new,
     or the checkpoint's run.json; the directory's lock). A new run takes --output-dir, or else a new
-    runs/{exp_name}__{seed}__{unix time} (without exist_ok: a collision appends __2), and refuses a directory that
-    holds files; a resume continues in its checkpoint's directory (`latest`: --output-dir's newest). Nothing is written
-    before every check passed; then a flock on DIR/.lock keeps a second live process out."""
+    runs/{exp_name}__{seed}__{unix time} (a collision appends __2), and refuses a directory that holds files; a resume
+    continues in its checkpoint's directory (`latest`: --output-dir's newest). Nothing is written before every check
+    passed; then a flock on DIR/.lock keeps a second live process out (the kernel drops it however the process ends)."""
     script, out, checkpoint = os.path.basename(__file__), args.output_dir, args.resume_from_checkpoint
     stamp = f"{args.exp_name}__{args.seed}__{int(time.time())}"
     if checkpoint == "latest" and out is None:
@@ -1710,32 +1760,20 @@ def claim_run_dir(args):
             )
         out = parent
     created = out is None or not os.path.isdir(out)
-    if out is None:  # a new run, nothing to check; the second of two started in the same second gets __2
-        for n in itertools.count(1):
-            out = os.path.join("runs", stamp + (f"__{n}" if n > 1 else ""))
-            with contextlib.suppress(FileExistsError):
-                os.makedirs(out)
-                break
-    # a live run holds its directory's flock (the kernel drops it however the process ends): in use, whatever it holds
+    for n in itertools.count(1) if out is None else ():  # a new run; the second of two in one second gets __2
+        with contextlib.suppress(FileExistsError):
+            os.makedirs(new := os.path.join("runs", stamp + (f"__{n}" if n > 1 else "")))
+            out = new
+            break
     lock_path, _ = own_path(out, ".lock"), own_path(out, "metrics.jsonl")  # (a link refused before models load)
-    with contextlib.suppress(OSError), os.fdopen(os.open(lock_path, os.O_RDONLY | os.O_NOFOLLOW), "rb") as lock:
-        try:
-            fcntl.flock(lock, fcntl.LOCK_SH | fcntl.LOCK_NB)  # (a free lock is released again as the file closes)
-        except BlockingIOError:
-            holder = lock.read(300).decode(errors="replace").strip() or "another process"
-            raise SystemExit(
-                f"error: --output-dir {out} is in use by a run that is still going ({holder}). Wait for it to end, "
-                f"or pass another --output-dir."
-            ) from None
-    if checkpoint == "latest":
-        checkpoint = (checkpoints(out) or [None])[-1]
-        if checkpoint is None:
-            raise SystemExit(
-                f"error: --resume-from-checkpoint latest: {out} holds no complete checkpoint-N to continue. Start a "
-                f"new run: the same command without --resume-from-checkpoint and with another --output-dir, or none"
-            )
-    files = sorted(set(os.listdir(out)) - {".lock"}) if os.path.isdir(out) else []
-    if checkpoint is None and files:
+    with contextlib.suppress(FileNotFoundError), os.fdopen(os.open(lock_path, os.O_RDONLY | os.O_NOFOLLOW)) as lock:
+        check_unlocked(out, lock.fileno())  # (a free lock is released again as the file closes)
+    if checkpoint == "latest" and not (checkpoint := (checkpoints(out) or [None])[-1]):
+        raise SystemExit(
+            f"error: --resume-from-checkpoint latest: {out} holds no complete checkpoint-N to continue. Start a "
+            f"new run: the same command without --resume-from-checkpoint and with another --output-dir, or none"
+        )
+    if checkpoint is None and (files := sorted(set(os.listdir(out)) - {".lock"}) if os.path.isdir(out) else []):
         listed = ", ".join(files[:5]) + (f" and {len(files) - 5} more" if len(files) > 5 else "")
         resume = ", or --resume-from-checkpoint latest to continue its run" if checkpoints(out) else ""
         raise SystemExit(
@@ -1744,54 +1782,49 @@ def claim_run_dir(args):
         )
     identity = {"run_id": uuid.uuid4().hex[:12], "run_name": stamp}  # a new run's, or else the checkpoint's
     if checkpoint is not None:
-        identity = run_info(checkpoint)
-        if not identity:
+        with contextlib.suppress(OSError, ValueError), open(own_path(checkpoint, "run.json")) as f:
+            identity = json.load(f)
+        if "script" not in identity:
             raise SystemExit(
                 f"error: --resume-from-checkpoint {checkpoint} has no run.json, so its script and run are unknown: "
                 f"start a new run from its weights with --model-name-or-path {checkpoint}"
             )
-        if identity.get("script") != script:
+        if identity["script"] != script:
             raise SystemExit(
-                f"error: --resume-from-checkpoint {checkpoint} is a checkpoint of {identity.get('script')}: "
-                f"continue that run with {identity.get('script')}, not {script}"
+                f"error: --resume-from-checkpoint {checkpoint} is a checkpoint of {identity['script']}: continue that "
+                f"run with {identity['script']}, not {script}"
             )
         if identity["global_step"] >= args.max_steps:
             raise SystemExit(
                 f"error: --resume-from-checkpoint {checkpoint} is at step {identity['global_step']} and --max-steps "
                 f"is {args.max_steps}: there is nothing left to train. Raise --max-steps, or load it as a model"
             )
-        if others := [c for c in checkpoints(out) if run_info(c).get("run_id") != identity["run_id"]]:
-            raise SystemExit(  # `latest`, --save-total-limit and a redone step's save would take or delete them
-                f"error: {out} also holds checkpoints of another run ({os.path.basename(others[0])}): copy "
-                f"{checkpoint} into a directory of its own and resume it from there"
-            )
     os.makedirs(out, exist_ok=True)
     lock = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
-    try:
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:  # a run that took the directory since the check above: start again, which says so
-        os.close(lock)
-        return claim_run_dir(args)
-    except OSError as error:  # a file system without flock (some network mounts): run, but say so
-        print(f"warning: cannot lock {out}/.lock ({error}): nothing keeps a second run out of this directory")
+    check_unlocked(out, lock, exclusive=True)  # (a run that took the directory since the check above)
     os.ftruncate(lock, 0)
     os.pwrite(lock, f"{script}, pid {os.getpid()} on {socket.gethostname()}, since {time.ctime()}".encode(), 0)
     for name in [n for n in os.listdir(out) if n.endswith(".tmp")]:  # what a crash of this run left half-written
         shutil.rmtree(own_path(out, name))
         print(f"{out}: removed {name}, left half-written by a crash")
-    if created:
-        atexit.register(remove_unstarted, os.path.abspath(out))
+    if created:  # a run that fails before its first log (metrics.jsonl opens then) removes the directory it made
+        path = os.path.abspath(out)
+        atexit.register(lambda: os.listdir(path) == [".lock"] and shutil.rmtree(path, ignore_errors=True))
     return out, checkpoint, identity, lock
 
 
-def remove_unstarted(output_dir):
-    """At exit: remove the run directory this run made if the run failed while starting (it holds only the lock and
-    an empty metrics.jsonl)."""
-    metrics = os.path.join(output_dir, "metrics.jsonl")
-    with contextlib.suppress(OSError):
-        unstarted = set(os.listdir(output_dir)) <= {".lock", "metrics.jsonl"}
-        if unstarted and not (os.path.exists(metrics) and os.path.getsize(metrics)):
-            shutil.rmtree(output_dir)
+def check_unlocked(out, lock, exclusive=False):
+    """Take the flock of out/.lock (`lock`, an open descriptor), or exit naming the live run that holds it."""
+    try:
+        fcntl.flock(lock, (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(lock, 300, 0).decode(errors="replace").strip() or "another process"
+        raise SystemExit(
+            f"error: --output-dir {out} is in use by a run that is still going ({holder}). Wait for it to end, or "
+            f"pass another --output-dir."
+        ) from None
+    except OSError as error:  # a file system without flock (some network mounts): run, but say so
+        print(f"warning: cannot lock {out}/.lock ({error}): nothing keeps a second run out of this directory")
 
 
 def on_stop_signal():
@@ -1841,11 +1874,7 @@ IGNORED = [  # (a regex of flags, true where they are read, what that takes): ty
 
 def parse_args(argv=None):
     """The flags: tyro's plain --help box of Args, every flag with its docstring; args.flags_given: the flags typed."""
-    if "--overwrite-output-dir" in (argv := sys.argv[1:] if argv is None else argv):
-        raise SystemExit(
-            "error: --overwrite-output-dir was removed: every run writes to a directory of its own (runs/{exp_name}__"
-            "{seed}__{unix time} by default). Pass another --output-dir, or --resume-from-checkpoint to continue a run."
-        )
+    argv = sys.argv[1:] if argv is None else argv
     args = tyro.cli(Args, args=argv, description="\n\n".join(__doc__.split("\n\n")[:3]))
     args.flags_given = {re.sub("^--no-", "--", a.split("=")[0].replace("_", "-")) for a in argv if a.startswith("--")}
     return args

@@ -142,8 +142,6 @@ BAD_INPUTS = [  # (script, extra arguments (a function of tmp_path), what the me
     ("online_dpo.py", lambda t: ["--learning-rate", -1, "--beta", 0], ["--learning-rate", "--beta"]),
     ("online_dpo.py", lambda t: ["--reward-funcs", "gsm8k_accuracy"], ["--answer-column"]),
     ("online_dpo.py", lambda t: ["--dataset-name", malformed_jsonl(t)], ["--dataset-name", "broken.jsonl, line 3"]),
-    ("grpo.py", lambda t: ["--overwrite-output-dir"], ["--overwrite-output-dir was removed", "another --output-dir"]),
-    ("rloo.py", lambda t: ["--overwrite-output-dir"], ["--overwrite-output-dir was removed"]),
     (
         "grpo.py",
         lambda t: ["--dataset-name", write_jsonl(t / "d.jsonl", [])],
@@ -302,13 +300,6 @@ def test_default_run_directories_are_new_for_every_run(monkeypatch, tmp_path):
     finally:
         for claim in claims:
             os.close(claim[3])
-    # at exit, a run that failed while starting (its directory holds only the lock, or the lock and an empty
-    # metrics.jsonl) removes the directory it made; a run that logged a step keeps it
-    (tmp_path / dirs[0] / "metrics.jsonl").write_text("")
-    (tmp_path / dirs[1] / "metrics.jsonl").write_text('{"step": 1}\n')
-    for d in dirs:
-        grpo.remove_unstarted(os.path.abspath(d))
-    assert not os.path.exists(dirs[0]) and sorted(os.listdir(dirs[1])) == [".lock", "metrics.jsonl"]
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
@@ -334,11 +325,6 @@ def test_reused_output_dir_is_refused(monkeypatch, earlier_run, stories_jsonl, s
             "latest",
         )
         assert "checkpoint-5 is a checkpoint of grpo.py: continue that run with grpo.py" in message, message
-    # what 26cd7f5's --overwrite-output-dir did to a finished run (it replaced its checkpoints): refused, in one line
-    message = run_without_models(
-        monkeypatch, script, *SMALL, "--output-dir", earlier_run, "--max-steps", 2, "--overwrite-output-dir"
-    )
-    assert message.startswith("error: --overwrite-output-dir was removed") and len(message.splitlines()) == 1
     assert snapshot(earlier_run) == before  # the earlier run is untouched
 
 
@@ -545,23 +531,6 @@ def test_online_dpo_with_a_reward_model_that_fails_to_load_leaves_no_directory(t
     args = [*small, "--dataset-name", stories_jsonl, "--output-dir", out, "--max-steps", 1]
     result = run_script("online_dpo.py", *args, "--reward-model-path", broken)
     assert result.returncode != 0 and not out.exists(), (sorted(os.listdir(out)), result.stderr[-2000:])
-
-
-def test_a_directory_holding_another_runs_checkpoints_is_not_resumed(monkeypatch, tmp_path, earlier_run, stories_jsonl):
-    """A 26cd7f5 directory that --overwrite-output-dir gave to a second run holds two runs' checkpoints: `latest`
-    would take the other run's and --save-total-limit delete it. The resume is refused and nothing is touched."""
-    out = tmp_path / "run"
-    shutil.copytree(earlier_run, out)
-    shutil.copytree(out / "checkpoint-4", out / "checkpoint-2")
-    identity = json.loads((out / "checkpoint-2" / "run.json").read_text())
-    (out / "checkpoint-2" / "run.json").write_text(json.dumps({**identity, "run_id": "another-run"}))
-    before = snapshot(out)
-    common = [*SMALL, "--dataset-name", stories_jsonl, "--save-steps", 1, "--max-steps", 8]
-    message = run_without_models(
-        monkeypatch, "grpo.py", *common, "--output-dir", out, "--resume-from-checkpoint", "latest"
-    )
-    assert "also holds checkpoints of another run (checkpoint-2)" in message, message
-    assert snapshot(out) == before
 
 
 # ----------------------------------------------------------------------------------------------------------------
