@@ -630,10 +630,9 @@ class Run:
 
 
 def set_up(args, rules, problems=(), reference_model=False, steps_per_generation=1, num_iterations=1):
-    """Everything before the first round: the checks of the flags (the shared ones, `rules`, `problems`) and of the
-    data, before anything loads or is written; the run directory; the seed; the models (load_models), the prompts, the
-    optimizer (and a resumed checkpoint's state), the generator, the logs. A round is steps_per_generation x
-    num_iterations optimizer steps (checkpoints between)."""
+    """The Run, in order: the checks of the flags (the shared ones, `rules`, `problems`) and of the data, before
+    anything loads or is written; the run directory; the seed; the prompts, models, optimizer (and a resumed
+    checkpoint's state), generator and logs. A round is steps_per_generation x num_iterations optimizer steps."""
     world_size, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
     run = Run(args, rank, world_size)
     # every mistake in the flags or the data stops the run here, before anything loads or is written
@@ -1034,10 +1033,8 @@ def eval_source(args):
 
 def read_dataset(args, reward_fns, evaluation=False):
     """The training dataset (with `evaluation`, eval_source's first --eval-max-samples rows) as {column: values}, the
-    answer column as `answer`: read with `datasets` (a hub dataset, or a local .json / .jsonl / .csv / .parquet file)
-    and checked (the flags' columns, prompts all strings or all chat messages, the reward functions' arguments) before
-    any model loads. A failure to read is one line naming the file and, in a .jsonl file, the first line that is not a
-    JSON object with the first line's keys (`datasets` reads one table: a missing value is null, not a missing key)."""
+    answer column as `answer`, read with `datasets` and checked (the flags' columns, prompts all strings or all chat
+    messages, the reward functions' arguments) before any model loads. A failure to read is one line."""
     from datasets import load_dataset
 
     training = args.dataset_name, args.dataset_config, args.dataset_split
@@ -1398,9 +1395,8 @@ def hf_generate(model, prompt_ids, args, eos_ids, pad_id, num_generations=None, 
 
 
 def future_of(fn, background, daemon=True):
-    """fn() as a Future: run in a daemon thread (--async-generation: the trainer trains meanwhile; a daemon never
-    holds up the exit after an error; daemon=False: one the exit must wait for), or right now. future.result() returns
-    the value or raises fn's error."""
+    """fn() as a Future, run right now or in a thread (a daemon unless the exit must wait for it): future.result()
+    returns its value or raises its error."""
     future = Future()
 
     def run():
@@ -1460,8 +1456,7 @@ def log_completions(run, prompt_ids, completion_ids, rewards, step):
 
 
 def load_checkpoint(run, checkpoint_dir):
-    """Restore a checkpoint's optimizer, schedule and this rank's RNG states (its weights were loaded as the model);
-    returns its counters (global_step, prompts_consumed and the script's own)."""
+    """Restore a checkpoint's optimizer, schedule and RNG states (its weights load as the model); returns its counters."""
     # mmap: pages of the full optimizer state are read as used, not all into every rank's memory (copy-on-write)
     try:  # weights_only: tensors, numbers, strings and containers of them; unpickling an object could run its code
         state = torch.load(os.path.join(checkpoint_dir, "trainer_state.pt"), weights_only=True, mmap=True)
@@ -1489,9 +1484,8 @@ def load_checkpoint(run, checkpoint_dir):
 
 def save_checkpoint(run, global_step, prompts_consumed, **counters):
     """output_dir/checkpoint-N: the full weights and tokenizer, trainer_state.pt (optimizer, schedule, every rank's RNG
-    states, the counters) and run.json (script, wandb run, step), written as checkpoint-N.tmp and renamed when complete;
-    then the run's checkpoints beyond --save-total-limit are deleted (the directory is this run's alone). Every rank
-    calls this (gathering the weights is a collective); rank 0 writes."""
+    states, the counters) and run.json, written as checkpoint-N.tmp and renamed when complete; then the checkpoints
+    beyond --save-total-limit go. Every rank calls it (gathering the weights is a collective); rank 0 writes."""
     args, cuda = run.args, run.device.type == "cuda"
     model_state, optimizer_state = full_state(run.model, run.optimizer)
     rng_states = gather_objects((torch.get_rng_state(), torch.cuda.get_rng_state() if cuda else None), run.world_size)
@@ -1567,9 +1561,9 @@ def finish(run):
     merged = {n: t.cpu() for n, t in vllm_utils.named_weights(run.model)} if run.args.save_merged_model else None
     if run.is_main:
         if run.args.max_steps:
-            save_final(run.output_dir, run.model, run.tokenizer_files, model_state)
+            save_model(run.output_dir, run.model, run.tokenizer_files, model_state)
             if merged:  # what vLLM got (gathered on every rank), which vLLM and from_pretrained load; a new folder
-                save_final(f"{run.output_dir}/merged", run.model.get_base_model(), run.tokenizer_files, merged)
+                save_model(f"{run.output_dir}/merged", run.model.get_base_model(), run.tokenizer_files, merged)
             print(f"saved the final {'adapter' if run.args.use_peft else 'model'} to {run.output_dir}")
         if run.metrics_file:
             run.metrics_file.close()
@@ -1593,17 +1587,6 @@ def full_state(model, optimizer):
     if optimizer is not None and optimizer.state:  # torch would fill an empty state with an AdamW step at lr 0
         optimizer_state = get_optimizer_state_dict(model, optimizer, options=options)
     return get_model_state_dict(model, options=options), optimizer_state
-
-
-def save_final(output_dir, model, tokenizer_files, state_dict=None):
-    """save_model into output_dir itself, next to checkpoints and metrics: the files are written to a temporary
-    folder, then each is moved in with an atomic rename, config.json last, so a config.json means a complete model."""
-    tmp = own_path(output_dir, ".final.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)  # (output_dir/merged's: a resume removes only the run directory's .tmp)
-    save_model(tmp, model, tokenizer_files, state_dict)
-    for name in sorted(os.listdir(tmp), key=lambda n: n == "config.json"):
-        os.replace(os.path.join(tmp, name), os.path.join(output_dir, name))
-    os.rmdir(tmp)
 
 
 def save_model(directory, model, tokenizer_files, state_dict=None):
@@ -1727,9 +1710,8 @@ def check_unlocked(out, lock, exclusive=False):
 
 
 def on_stop_signal():
-    """Preemption (a cluster scheduler sends SIGTERM, then SIGKILL after a grace period) and Ctrl-C (SIGINT) set the
-    returned event; the loop then writes a checkpoint at the end of the current step and exits (resume with the run's
-    --output-dir and --resume-from-checkpoint latest). A second SIGTERM, or Ctrl-C, ends the process at once."""
+    """SIGTERM (a cluster scheduler's preemption) and Ctrl-C set the returned event: the loop writes a checkpoint at
+    the end of the step and exits (end_step). A second SIGTERM or Ctrl-C ends the process at once."""
     requested, previous = threading.Event(), {}
 
     def handler(signum, frame):
@@ -1823,8 +1805,7 @@ def lora_problem(args):
 
 def check_args(args, world_size, rules=(), problems=(), steps_per_round=1, steps_per_generation=1):
     """Every check that needs neither a model nor the data: value ranges (the shared flags', the algorithm's `rules`,
-    vLLM's), flag combinations (and the algorithm's own `problems`) and that local paths exist (a missing local model
-    would otherwise surface later, as a hub error). Exits with one line per problem, each naming its flag."""
+    vLLM's), flag combinations (and `problems`) and paths. Exits with one line per problem, each naming its flag."""
     problems = list(problems)
     if args.micro_batch_tokens is None:  # the default, sized for the models each mode is for
         args.micro_batch_tokens = 8192 if args.use_peft else 16384
