@@ -1,5 +1,5 @@
 """Run a training script so that colocated vLLM engines sharing one GPU start one at a time, and all of them before any
-process trains (benchmarks/eval_phase.sh runs six such processes on one GPU).
+process trains (`benchmarks/one_gpu.sh eval` runs six such processes on one GPU, its `colocate` phase four).
 
     python3 benchmarks/engine_turns.py TURN_DIR INDEX COUNT SCRIPT [ARGS ...]
 
@@ -53,7 +53,7 @@ def main(argv):
             importlib.import_module(name)
     try:
         import vllm
-    except ImportError:  # no vLLM (eval_phase.sh's CPU dry run): no engines, no turns
+    except ImportError:  # no vLLM (one_gpu.sh eval's CPU dry run): no engines, no turns
         vllm = None
     if vllm is not None:
         start_engine = vllm.LLM.__init__

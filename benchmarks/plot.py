@@ -1,6 +1,8 @@
 """Plot training runs and speed benchmarks as PNG files.
 
     python benchmarks/plot.py runs/a runs/b --trl trl_bench_colocate.json --out plots/
+    python benchmarks/plot.py --summary benchmarks/results/addition_eval.json --out benchmarks/results/
+
 
 Each RUN is an --output-dir of grpo.py, rloo.py or online_dpo.py (or its metrics.jsonl), or of
 benchmarks/trl_addition.py (TRL's trainers, same row format); each --trl file is a JSON written by trl_bench.py
@@ -10,6 +12,9 @@ benchmarks/trl_addition.py (TRL's trainers, same row format); each --trl file is
                    mean sample reward) and every eval/... metric but eval/num_prompts; file names keep letters, digits, "_", "-" and "."
                    (eval/pass@1 -> eval_pass_at_1.png). Runs named trl_X are dashed, in the colour of ours_X or X.
   step_time.png    per-run median seconds per step over steps 3-8 (the TRL benchmark's window), TRL beside ours
+With --summary (a JSON of benchmarks/summarize.py runs --out: each run's reward curve, step 1 first), instead:
+  reward_vs_trl.png  reward per step, one panel per algorithm X: our run ours_X solid beside TRL's trl_X dashed
+                     (README.md's plot: benchmarks/results/addition_eval.json, the evaluation runs of 387eaf4)
 """
 
 import argparse
@@ -108,6 +113,26 @@ def plot_step_times(runs, trl):
     return fig, ax
 
 
+def plot_reward_vs_trl(summary):
+    """Reward per step of each ours_X beside trl_X of a summarize.py runs JSON, one panel per X: (figure, axes)."""
+    curves = {run["run"]: run["reward_curve"] for run in summary["runs"]}
+    algos = [name.removeprefix("ours_") for name in curves if name.startswith("ours_")]
+    fig, axes = plt.subplots(1, len(algos), figsize=(3.4 * len(algos) + 0.6, 3), sharey=True, squeeze=False)
+    for ax, algo in zip(axes[0], algos):
+        for name, label, style in ((f"ours_{algo}", f"{algo}.py", "-"), (f"trl_{algo}", "TRL 1.16", "--")):
+            if curves.get(name):
+                steps = range(1, len(curves[name]) + 1)
+                ax.plot(steps, curves[name], style, color="C1" if style == "--" else "C0", linewidth=1, label=label)
+        ax.set_title(algo, fontsize="medium")
+        ax.set_xlabel("optimizer step")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize="small", loc="lower right")
+    axes[0][0].set_ylabel("mean reward")
+    fig.suptitle(f"reward per step, commit {summary.get('commit')}", fontsize="medium")
+    fig.tight_layout()
+    return fig, axes[0]
+
+
 def plot_all(run_paths, trl_paths=(), out_dir="plots"):
     """Write every plot to out_dir; returns {png path: (figure, axes)} for the caller to inspect or close."""
     runs = {name: load_run(path) for name, path in zip(run_names(run_paths), run_paths)}
@@ -140,8 +165,20 @@ def main(argv=None):
     parser.add_argument(
         "--trl", nargs="+", action="extend", default=[], help="TRL benchmark JSONs written by trl_bench.py"
     )
+    parser.add_argument("--summary", default=None, help="a JSON of summarize.py runs: reward_vs_trl.png only")
     parser.add_argument("--out", default="plots", help="folder for the PNG files")
     args = parser.parse_args(argv)
+    if args.summary:
+        if args.runs or args.trl:
+            parser.error("--summary draws its own runs: give no run folder or --trl file with it")
+        with open(args.summary) as f:
+            fig, _ = plot_reward_vs_trl(json.load(f))
+        os.makedirs(args.out, exist_ok=True)
+        path = os.path.join(args.out, "reward_vs_trl.png")
+        fig.savefig(path, dpi=90)
+        plt.close(fig)
+        print(path)
+        return
     if not args.runs and not args.trl:
         parser.error("give at least one run folder or --trl file")
     for path, (fig, _) in plot_all(args.runs, args.trl, args.out).items():

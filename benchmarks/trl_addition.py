@@ -1,4 +1,4 @@
-"""TRL 1.16 on the addition task, for learning curves beside ours on the same host (benchmarks/eval_phase.sh).
+"""TRL 1.16 on the addition task, for learning curves beside ours on the same host (`benchmarks/one_gpu.sh eval`).
 
 Run on the GPU host after `source .gpu/setup.sh` (TRL 1.16 comes with .gpu/extra; /tmp/tasks from make_tasks.py):
     CUDA_VISIBLE_DEVICES=1 python3 benchmarks/trl_addition.py grpo|rloo|online_dpo OUT_DIR

@@ -1,6 +1,6 @@
 """benchmarks/engine_turns.py with a stand-in `vllm` package (an LLM whose start takes 0.3 s): three processes started
 at once, in reverse order, start their engines one at a time in index order, none trains before all are up, and a run
-that exits before its engine starts (its ready file written by the caller, as eval_phase.sh does) holds up nobody.
+that exits before its engine starts (its ready file written by the caller, as `one_gpu.sh eval` does) holds up nobody.
 The script runs as __main__ with its own argv, and its exit status is the process's."""
 
 import os

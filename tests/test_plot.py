@@ -100,7 +100,7 @@ def write_run(folder, rows):
 
 
 def test_plot_eval_runs_and_trl_runs(tmp_path):
-    """The runs of benchmarks/eval_phase.sh: ours with an evaluation before training (a step-0 row of its own, no
+    """The runs of `benchmarks/one_gpu.sh eval`: ours with an evaluation before training (a step-0 row of its own, no
     step_time), online_dpo.py's reward under objective/scores, and benchmarks/trl_addition.py's TRL runs (reward,
     time, step_time): one reward plot with all of them, TRL's dashed in the colour of ours, eval/pass@1 under a plain
     file name, no eval/num_prompts plot, and step-time bars over the rows that have a step_time."""
@@ -143,8 +143,9 @@ def test_plot_eval_runs_and_trl_runs(tmp_path):
 
 
 def test_plot_keeps_both_trl_runs_of_a_pair(tmp_path):
-    """benchmarks/vs_trl.sh writes TRL's pairs as trl_colocate_1/trl_bench_colocate.json and trl_colocate_2/...: two
-    files of one name, both bars drawn (labelled by their folders), not the second one in place of the first."""
+    """benchmarks/vs_trl.sh and one_gpu.sh write TRL's pairs as trl_colocate_1/trl_bench_colocate.json and
+    trl_colocate_2/...: two files of one name, both bars drawn (labelled by their folders), not the second one in place
+    of the first."""
     paths = []
     for i, median in ((1, 5.6), (2, 5.3)):
         (tmp_path / f"trl_colocate_{i}").mkdir()
@@ -154,3 +155,32 @@ def test_plot_keeps_both_trl_runs_of_a_pair(tmp_path):
     _, ax = plot.plot_all([], paths, str(tmp_path / "plots"))[str(tmp_path / "plots" / "step_time.png")]
     assert [bar.get_height() for bar in ax.patches] == [5.6, 5.3]
     assert [t.get_text() for t in ax.get_xticklabels()] == ["trl_colocate_1", "trl_colocate_2"]
+
+
+def test_reward_vs_trl_from_the_committed_summary(tmp_path, capsys):
+    """README.md's plot: plot.py --summary on the committed benchmarks/results/addition_eval.json draws each of our
+    runs' reward curve beside TRL's run of the same algorithm, step 1 first, into one PNG small enough to commit."""
+    summary = ROOT / "benchmarks" / "results" / "addition_eval.json"
+    curves = {run["run"]: run["reward_curve"] for run in json.loads(summary.read_text())["runs"]}
+
+    plot.main(["--summary", str(summary), "--out", str(tmp_path)])
+
+    png = tmp_path / "reward_vs_trl.png"
+    assert capsys.readouterr().out.split() == [str(png)]
+    import matplotlib.image
+
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and 20_000 < png.stat().st_size < 100_000
+    height, width, _ = matplotlib.image.imread(png).shape  # three panels side by side, a README's width
+    assert height >= 250 and width >= 900
+    fig, axes = plot.plot_reward_vs_trl(json.loads(summary.read_text()))
+    assert [ax.get_title() for ax in axes] == ["grpo", "rloo", "online_dpo"]
+    for ax in axes:
+        ours, trl = ax.get_lines()
+        algo = ax.get_title()
+        assert (ours.get_label(), ours.get_linestyle()) == (f"{algo}.py", "-")
+        assert (trl.get_label(), trl.get_linestyle()) == ("TRL 1.16", "--")
+        assert list(ours.get_ydata()) == curves[f"ours_{algo}"] and list(trl.get_ydata()) == curves[f"trl_{algo}"]
+        assert list(ours.get_xdata()) == list(range(1, len(curves[f"ours_{algo}"]) + 1))
+    plot.plt.close(fig)
+    with pytest.raises(SystemExit):
+        plot.main(["--summary", str(summary), "some_run"])  # the summary brings its own runs

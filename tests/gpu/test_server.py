@@ -24,7 +24,7 @@ PORT = int(os.environ.get("VLLM_TEST_PORT", "8011"))
 
 @pytest.fixture(scope="module")
 def server():
-    if os.environ.get("VLLM_TEST_SERVER_URL"):  # a server already started on other GPUs (benchmarks/gpu_phase.sh)
+    if os.environ.get("VLLM_TEST_SERVER_URL"):  # a server already started on other GPUs
         yield os.environ["VLLM_TEST_SERVER_URL"], float("nan")
         return
     if torch.cuda.device_count() < 2:
