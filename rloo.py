@@ -1184,8 +1184,8 @@ def softmax_grad(logits, lse, grad_logprobs, targets, temperature):
 
 
 def fused(fn, like):
-    """fn, torch.compile'd on CUDA: one kernel instead of ~8 passes over a chunk's logits (the LM head's forward and
-    backward of a bench step: 408 -> 180 ms, benchmarks/logprob_variants.py). TORCHDYNAMO_DISABLE=1 runs it eagerly."""
+    """fn, torch.compile'd on CUDA: one kernel instead of ~8 passes over a chunk's logits (measured in
+    benchmarks/results/README.md). TORCHDYNAMO_DISABLE=1 runs it eagerly."""
     return compiled(fn) if like.is_cuda else fn
 
 
