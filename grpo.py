@@ -28,9 +28,9 @@ More examples:
   python grpo.py --use-vllm --vllm-mode server
 
 Reading order: Args (the options), ALGO LOGIC (advantages, the loss, the KL and importance-sampling terms, each with
-its equation), train() (the loop: generate, score, advantages, loss, optimizer step, weight sync, log) and its metrics,
-then the PLUMBING block that all three scripts share (set-up, data, log-probs, FSDP2, generation, evaluation,
-checkpoints and run directories, start-up checks).
+its equation), train() (the loop: generate, score, advantages, loss, optimizer step, push, evaluate, log) and its
+metrics, then the PLUMBING block that all three scripts share (set-up, data, log-probs, FSDP2, generation,
+evaluation, checkpoints and run directories, start-up checks).
 """
 
 import atexit
@@ -89,9 +89,8 @@ class Args:
     model_name_or_path: str = "Qwen/Qwen2.5-0.5B-Instruct"
     """Hugging Face causal LM: a hub name or a local path"""
     trust_remote_code: bool = False
-    """allow the model's own Python code (its config's auto_map) for every load: the policy, its tokenizer, the
-    reference model and the served model's comparison; off: never run code from the model's directory or from a
-    server's answer"""
+    """allow the model's own Python code (its config's auto_map) for every load (policy, tokenizer, reference model,
+    served model's comparison); off: never run code from the model's directory or from a server's answer"""
     param_dtype: Literal["float32", "bfloat16"] = "float32"
     """dtype of the trained weights (float32 keeps small AdamW updates from rounding away; see --bf16)"""
     bf16: bool = True
@@ -99,8 +98,7 @@ class Args:
     gradient_checkpointing: bool = False
     """recompute activations in the backward pass to save memory"""
     torch_compile: bool = True
-    """torch.compile each decoder layer's forward (CUDA, with --use-vllm, one process): forward + backward of a
-    bench-0.5b step 1.15 -> 0.87 s on an H200; step 1 compiles (~30 s)"""
+    """torch.compile each decoder layer's forward (CUDA, with --use-vllm, one process); the first step compiles"""
     use_chat_template: bool = True
     """wrap plain-text prompts as a user message and apply the tokenizer's chat template (if it has one)"""
     system_prompt: str | None = None
@@ -114,12 +112,10 @@ class Args:
     lora_alpha: int = 32
     """LoRA alpha: the update is (alpha / r) B A"""
     lora_dropout: float = 0.0
-    """dropout on the adapters' input (TRL: 0.05; here 0: dropout makes two passes over the same tokens disagree, so
-    the ratio is not 1)"""
+    """dropout on the adapters' input (TRL: 0.05; here 0: with dropout two passes over the same tokens disagree)"""
     lora_target_modules: list[str] | None = None
     """names of the modules to adapt (None: every linear layer of the decoder, peft's all-linear; TRL's None is
-    peft's per-model default, q/v only for Qwen2). MoE experts kept as 3-D tensors are no Linear layers, yet peft 0.21
-    adapts them (target_parameters) and the vLLM push refuses that: for a MoE model name the attention layers"""
+    peft's per-model default, q/v only for Qwen2); for a MoE model name its attention and dense layers (docs/lora.md)"""
     save_merged_model: bool = False
     """with --use-peft: also write the merged model (base + adapter, bf16) to {output_dir}/merged at the end"""
 
@@ -173,7 +169,7 @@ class Args:
     """server: host of `vllm serve`"""
     vllm_server_port: list[int] = field(default_factory=lambda: [8000])
     """server: port of `vllm serve`; several (`--vllm-server-port 8000 8001`): servers of one model on this GPU
-    (CUDA IPC), each round shared by them, faster with log-probs than one (docs/vllm.md, "Several servers")"""
+    (CUDA IPC), each round shared by them (docs/vllm.md, "Several servers")"""
     vllm_server_timeout: float = 240.0
     """server: seconds to wait for the server to answer /health"""
     vllm_group_port: int | None = None
@@ -256,15 +252,13 @@ class Args:
     """total optimizer steps (0: only evaluate the model, see --eval-steps, and exit)"""
     micro_batch_tokens: int | None = None
     """token budget (rows x padded length) of one forward/backward micro-batch; gradients accumulate over them
-    (default 16384, or 8192 with --use-peft: LoRA is for large models, and a 7B shape's training pass held ~11 MB a
-    token on an H200 without gradient checkpointing, docs/lora.md)"""
+    (None: 16384, or 8192 with --use-peft: LoRA is for large models, docs/lora.md)"""
 
     # Logging and checkpoints
     logging_steps: int = 1
     """print a metrics line every this many optimizer steps"""
     log_completions: int = 0
-    """every logging step, print this many of the step's (prompt, completion, reward) rows and, with --track, log them
-    to wandb as a table (0 = off)"""
+    """every logging step, print this many (prompt, completion, reward) rows (--track: also a wandb table; 0 = off)"""
     save_steps: int = 0
     """write a resumable checkpoint every this many optimizer steps (0 = only the final model)"""
     save_total_limit: int | None = 2
@@ -348,6 +342,13 @@ def policy_loss(
     return -torch.min(unclipped, clipped), ratio.expand_as(logprobs)
 
 
+class Clipping(NamedTuple):  # policy_loss's clipping options, in its order: train() passes them as *clipping
+    epsilon_low: float
+    epsilon_high: float
+    delta: float | None
+    importance_sampling_level: str
+
+
 def policy_loss_weights(
     completion_mask, loss_type, max_completion_length, total_tokens=None, num_sequences=None, step_tokens=None
 ):
@@ -424,22 +425,28 @@ def problems(args):
     return []
 
 
+class Group(NamedTuple):  # one prompt kept for training (train(), step 1)
+    row: int  # the prompt's row in the training set
+    completion_ids: list  # its G completions' token ids
+    rewards: torch.Tensor  # (G,) their weighted total rewards, NaN where unscorable
+    sampling_logprobs: list | None  # vLLM's log-probs of their tokens (None without vLLM)
+
+
 def train(args):
-    """One generation round per iteration: generate -> score -> advantages -> (old / reference log-probs) -> loss and
-    optimizer steps -> sync the weights to the generator -> log (evaluate, checkpoint). The set-up and the plumbing
-    of each phase are in the PLUMBING block below."""
+    """One generation round per iteration: generate -> score -> advantages -> loss -> optimizer step -> push ->
+    evaluate -> log and checkpoint. The set-up, and each phase's plumbing, are in the PLUMBING block below."""
     if args.importance_sampling_level == "sequence" and args.loss_type != "grpo":
         print(
             f"warning: --importance-sampling-level sequence (GSPO) with --loss-type {args.loss_type} weights each "
             f"completion's sequence loss by its length; GSPO's objective (arXiv 2507.18071) is --loss-type grpo"
         )
-    # flags and data checked, run directory claimed, models, optimizer, resume, generator
+    # TRY NOT TO MODIFY: start-up (set_up): checks, then the run directory, models, optimizer, resume, generator
     steps = dict(steps_per_generation=args.steps_per_generation, num_iterations=args.num_iterations)
     run = set_up(args, RULES, problems(args), reference_model=args.beta > 0, **steps)
     model, optimizer, device, world_size, rank = run.model, run.optimizer, run.device, run.world_size, run.rank
     num_generations, global_step = args.num_generations, run.global_step
     epsilon_high = args.epsilon_high if args.epsilon_high is not None else args.epsilon
-    clipping = (args.epsilon, epsilon_high, args.delta, args.importance_sampling_level)  # policy_loss's options
+    clipping = Clipping(args.epsilon, epsilon_high, args.delta, args.importance_sampling_level)
     vllm_is = {k: getattr(args, f"vllm_importance_sampling_{k}") for k in ("mode", "clip_min", "clip_max")}
     steps_per_round = args.steps_per_generation * args.num_iterations  # optimizer steps per generation round
     next_round = None  # --async-generation: the round generating in the background while this one trains
@@ -453,12 +460,11 @@ def train(args):
     while global_step < args.max_steps:
         round_start = time.perf_counter()
         timing = defaultdict(float, {"timing/weight_sync": 0.0})
-        # ALGO LOGIC: 1. sample prompts, generate G completions each: once, or with --dynamic-sampling until all ranks
-        # together kept a full step's groups whose rewards differ (every rank samples the same number of rounds: they
-        # share the prompt stream). --async-generation: this step's round was generated during the last step, by the
-        # weights before it; the next round starts now, from the current weights, and generates while we train (with
-        # --dynamic-sampling after this step's refill rounds: the prompt stream's order is the order a resume repeats)
-        kept = []  # one (prompt row, its G completions, their rewards, their vLLM log-probs or None) per kept group
+        # ALGO LOGIC: 1. generate: sample prompts, G completions each: once, or with --dynamic-sampling until all ranks
+        # together kept a full step's groups whose rewards differ (all ranks sample as many rounds: they share the
+        # prompt stream). --async-generation: this round was generated during the last step, by the weights before it;
+        # the next starts now, from the current weights, while we train (after any refill rounds: a resume's order)
+        kept = []  # Groups
         all_scores, num_generation_rounds, staleness = [], 0, []
         max_rounds = args.dynamic_sampling_max_rounds if args.dynamic_sampling else 1
         while global_sum(len(kept), world_size, device) < args.prompts_per_step and num_generation_rounds < max_rounds:
@@ -476,14 +482,14 @@ def train(args):
             # 2. score: reward functions see the decoded completions and this row's dataset columns by name
             scores = score(run, run.train_set, rows, completion_ids, num_generations)  # (len(rows) * G, num_funcs)
             all_scores.append(scores)
-            total = (scores * run.reward_weights).nansum(-1).masked_fill(scores.isnan().all(-1), float("nan"))
+            rewards = (scores * run.reward_weights).nansum(-1).masked_fill(scores.isnan().all(-1), float("nan"))
             for g, row in enumerate(rows):
                 group = slice(g * num_generations, (g + 1) * num_generations)
-                if args.dynamic_sampling and not has_signal(total[group]):
+                if args.dynamic_sampling and not has_signal(rewards[group]):
                     continue  # every scorable completion of this prompt got the same reward: no signal
                 group_sampling_logprobs = None if sampling_logprobs is None else sampling_logprobs[group]
-                # a clone: a view would pickle all of `total`
-                kept.append((row, completion_ids[group], total[group].clone(), group_sampling_logprobs))
+                # a clone: a view would pickle all of `rewards`
+                kept.append(Group(row, completion_ids[group], rewards[group].clone(), group_sampling_logprobs))
             timing["timing/scoring"] += time.perf_counter() - t0
         if args.dynamic_sampling:
             next_round = prefetch()
@@ -504,110 +510,105 @@ def train(args):
             )
         kept = kept[:keep]
         N = keep * num_generations
-        prompt_ids = [
-            run.train_set.prompt_ids[row] for row, _, _, _ in kept for _ in range(num_generations)
-        ]  # (N,) rows
-        completion_ids = [c for _, completions, _, _ in kept for c in completions]
-        rewards = torch.cat([group_rewards for _, _, group_rewards, _ in kept])  # (N,)
+        prompt_ids = [run.train_set.prompt_ids[group.row] for group in kept for _ in range(num_generations)]  # (N,)
+        completion_ids = [c for group in kept for c in group.completion_ids]
+        rewards = torch.cat([group.rewards for group in kept])  # (N,)
 
         # 3. advantages: group-relative (over all ranks' rewards for --scale-rewards batch; each rank keeps its rows)
         all_rewards = torch.cat(gather_objects(rewards, world_size))  # (N * world_size,), in rank order
         advantages = group_advantages(all_rewards, num_generations, args.scale_rewards)[rank * N : (rank + 1) * N]
 
-        # 4. old and reference log-probs, before any update (no gradient). The old log-probs need a pass of their own
-        # only when the weights change before the batch's last use; else the training pass's own (detached) are the same
+        # 4. loss: first the old and reference log-probs, before any update (no gradient); the old ones need a pass of
+        # their own only if the weights change before the batch's last use (else: the training pass's, detached)
         t0 = clock(device)
         prompt_lengths, completion_lengths = [len(p) for p in prompt_ids], [len(c) for c in completion_ids]
         truncated = torch.tensor([not (c and c[-1] in run.eos_ids) for c in completion_ids])  # no EOS: cut off
         C = max(max(completion_lengths), 1)
-        loss_mask = (torch.arange(C)[None] < torch.tensor(completion_lengths)[:, None]).float()  # (N, C)
+        completion_mask = (torch.arange(C)[None] < torch.tensor(completion_lengths)[:, None]).float()  # (N, C)
         if args.mask_truncated_completions:  # DAPO overlong filtering: completions without EOS get no loss
-            loss_mask *= (~truncated[:, None]).float()
+            completion_mask *= (~truncated[:, None]).float()
         need_old = args.num_iterations > 1 or args.steps_per_generation > 1
         old_logprobs, ref_logprobs = old_and_ref_logprobs(run, prompt_ids, completion_ids, need_old)  # (N, C) or None
         # vLLM's log-probs of the sampled tokens, NaN where it gave none (N, C); None without the correction
-        vllm_logprobs = [lp for _, _, _, lps in kept if lps is not None for lp in lps]
+        vllm_logprobs = [lp for group in kept if group.sampling_logprobs is not None for lp in group.sampling_logprobs]
         use_vllm_is = args.use_vllm and args.vllm_importance_sampling_correction and len(vllm_logprobs) > 0
         sampling_logprobs = torch.zeros(N, C) if use_vllm_is else None
         for i, lp in enumerate(vllm_logprobs if use_vllm_is else []):
             sampling_logprobs[i, : len(lp)] = torch.tensor([float("nan") if v is None else v for v in lp])
         timing["timing/old_ref_logprobs"] = clock(device) - t0
 
-        # 5. optimise: num_iterations passes; each pass is steps_per_generation optimizer steps over whole groups
+        # then num_iterations passes, each of steps_per_generation optimizer steps over whole groups, in micro-batches
         model.train()
-        stats, is_stats = defaultdict(list), defaultdict(list)  # token means per micro-batch; IS values per token
-        step_size = keep // args.steps_per_generation * num_generations  # rows per optimizer step, whole groups
+        train_stats, is_stats = defaultdict(list), defaultdict(list)  # token means per micro-batch; IS values per token
+        rows_per_step = keep // args.steps_per_generation * num_generations  # whole groups
         # DAPO: tokens of the generated batch per optimizer step, over all ranks
-        total_tokens = global_sum(loss_mask.sum(), world_size, device) / args.steps_per_generation
-        num_sequences = step_size * world_size  # rows per optimizer step, over all ranks
-        for _iteration in range(args.num_iterations):
-            for s in range(args.steps_per_generation):
-                if global_step >= args.max_steps:
-                    break
-                step_rows = list(range(s * step_size, (s + 1) * step_size))
-                # normalisers count every rank's rows; FSDP averages gradients over ranks, hence the x world_size below
-                step_mask = loss_mask[step_rows]
-                step_tokens = global_sum(step_mask.sum(), world_size, device)
-                loss_weights = policy_loss_weights(
-                    step_mask, args.loss_type, args.max_completion_length, total_tokens, num_sequences, step_tokens
-                )
-                t0 = clock(device)
-                step_loss = 0.0
-                micro_batches = token_budget_batches(
-                    step_rows, prompt_lengths, completion_lengths, args.micro_batch_tokens
-                )
-                for mb in same_count_on_all_ranks(micro_batches, world_size, device):
-                    padding_pass = mb is None  # only to keep FSDP's collectives in step with the other ranks
-                    mb = [step_rows[0]] if padding_pass else mb
-                    batch = collate([prompt_ids[i] for i in mb], [completion_ids[i] for i in mb], device, run.pad_id)
-                    completion_mask = batch[3]  # collate: input ids, attention mask, positions, completion mask, P
-                    Cm = completion_mask.shape[1]
-                    with torch.autocast(**run.autocast):
-                        logprobs, entropy = per_token_logprobs(
-                            model, *batch, args.temperature, with_entropy=True, into_grad=True
-                        )
-                    old = old_logprobs[mb, :Cm].to(device) if need_old else logprobs.detach()
-                    A = advantages[mb].to(device)
-                    per_token_loss, ratio = policy_loss(logprobs, old, A, completion_mask, *clipping)
-                    if use_vllm_is:  # pi_old / pi_vllm: vLLM's numerics and, with --async-generation, the older weights
-                        sampled = sampling_logprobs[mb, :Cm].to(device)
-                        is_ratio, logp_difference = vllm_importance_ratio(old, sampled, completion_mask, **vllm_is)
-                        per_token_loss = per_token_loss * is_ratio
-                    if run.ref_model is not None:
-                        kl = k3_kl(logprobs, ref_logprobs[mb, :Cm].to(device))
-                        per_token_loss = per_token_loss + args.beta * kl
-                    local = [i - step_rows[0] for i in mb]  # step_rows is a contiguous range
-                    loss = (per_token_loss * loss_weights[local, :Cm].to(device)).sum()
-                    loss = loss * (0 if padding_pass else world_size)
-                    loss.backward()
-                    step_loss += loss.detach()  # summed on the device: no host sync per micro-batch
-                    if padding_pass:
-                        continue
-                    # metrics (TRL's definitions): clipped low with A < 0, high with A > 0, token means
-                    mask = completion_mask.bool()
-                    token_mean = lambda x: (x * completion_mask).sum().detach() / mask.sum().clamp(min=1)
-                    if use_vllm_is:
-                        is_stats["logp_difference"].append(logp_difference[mask])
-                        is_stats["ratio"].append(is_ratio[mask])
-                    if run.ref_model is not None:
-                        stats["kl/k3_token_mean"].append(token_mean(kl))
-                    low = ((ratio < 1 - args.epsilon) & (A[:, None] < 0)).float()
-                    high = ((ratio > 1 + epsilon_high) & (A[:, None] > 0)).float()
-                    stats["entropy"].append(token_mean(entropy))
-                    stats["clip_ratio/low_mean"].append(token_mean(low))
-                    stats["clip_ratio/high_mean"].append(token_mean(high))
-                    stats["clip_ratio/region_mean"].append(token_mean((low + high).clamp(max=1)))
-                t1 = clock(device)
-                grad_norm = clip_gradients(model, args.max_grad_norm)
-                timing.update(pushed := weights_pushed(run))  # --async-generation: the last push reads the weights
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)  # now: the weight sync and generation get the memory
-                learning_rate = run.scheduler.get_last_lr()[0]  # the rate this step used: the one logged
-                run.scheduler.step()
-                global_step += 1
-                run.progress.update(1)
-                timing["timing/forward_backward"] += t1 - t0
-                timing["timing/optimizer"] += clock(device) - t1 - pushed.get("timing/weight_sync_wait", 0.0)
+        total_tokens = global_sum(completion_mask.sum(), world_size, device) / args.steps_per_generation
+        num_sequences = rows_per_step * world_size  # rows per optimizer step, over all ranks
+        for _iteration, s in itertools.product(range(args.num_iterations), range(args.steps_per_generation)):
+            if global_step >= args.max_steps:
+                break
+            step_rows = list(range(s * rows_per_step, (s + 1) * rows_per_step))
+            # normalisers count every rank's rows; FSDP averages gradients over ranks, hence the x world_size below
+            step_mask = completion_mask[step_rows]
+            step_tokens = global_sum(step_mask.sum(), world_size, device)
+            loss_weights = policy_loss_weights(
+                step_mask, args.loss_type, args.max_completion_length, total_tokens, num_sequences, step_tokens
+            )
+            t0 = clock(device)
+            step_loss = 0.0
+            micro_batches = token_budget_batches(step_rows, prompt_lengths, completion_lengths, args.micro_batch_tokens)
+            for mb in same_count_on_all_ranks(micro_batches, world_size, device):
+                padding_pass = mb is None  # only to keep FSDP's collectives in step with the other ranks
+                mb = [step_rows[0]] if padding_pass else mb
+                batch = collate([prompt_ids[i] for i in mb], [completion_ids[i] for i in mb], device, run.pad_id)
+                Cm = batch.completion_mask.shape[1]
+                with torch.autocast(**run.autocast):
+                    logprobs, entropy = per_token_logprobs(
+                        model, *batch, args.temperature, with_entropy=True, into_grad=True
+                    )
+                old = old_logprobs[mb, :Cm].to(device) if need_old else logprobs.detach()
+                A = advantages[mb].to(device)
+                per_token_loss, ratio = policy_loss(logprobs, old, A, batch.completion_mask, *clipping)
+                if use_vllm_is:  # pi_old / pi_vllm: vLLM's numerics and, with --async-generation, the older weights
+                    sampled = sampling_logprobs[mb, :Cm].to(device)
+                    is_ratio, logp_difference = vllm_importance_ratio(old, sampled, batch.completion_mask, **vllm_is)
+                    per_token_loss = per_token_loss * is_ratio
+                if run.ref_model is not None:
+                    kl = k3_kl(logprobs, ref_logprobs[mb, :Cm].to(device))
+                    per_token_loss = per_token_loss + args.beta * kl
+                local = [i - step_rows[0] for i in mb]  # step_rows is a contiguous range
+                loss = (per_token_loss * loss_weights[local, :Cm].to(device)).sum()
+                loss = loss * (0 if padding_pass else world_size)
+                loss.backward()
+                step_loss += loss.detach()  # summed on the device: no host sync per micro-batch
+                if padding_pass:
+                    continue
+                # metrics (TRL's definitions): clipped low with A < 0, high with A > 0, token means
+                mask = batch.completion_mask.bool()
+                token_mean = lambda x: (x * batch.completion_mask).sum().detach() / mask.sum().clamp(min=1)
+                if use_vllm_is:
+                    is_stats["logp_difference"].append(logp_difference[mask])
+                    is_stats["ratio"].append(is_ratio[mask])
+                if run.ref_model is not None:
+                    train_stats["kl/k3_token_mean"].append(token_mean(kl))
+                low = ((ratio < 1 - args.epsilon) & (A[:, None] < 0)).float()
+                high = ((ratio > 1 + epsilon_high) & (A[:, None] > 0)).float()
+                train_stats["entropy"].append(token_mean(entropy))
+                train_stats["clip_ratio/low_mean"].append(token_mean(low))
+                train_stats["clip_ratio/high_mean"].append(token_mean(high))
+                train_stats["clip_ratio/region_mean"].append(token_mean((low + high).clamp(max=1)))
+            # 5. optimizer step: clip the gradients, step, schedule
+            t1 = clock(device)
+            grad_norm = clip_gradients(model, args.max_grad_norm)
+            timing.update(pushed := weights_pushed(run))  # --async-generation: the last push reads the weights
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)  # now: the weight sync and generation get the memory
+            learning_rate = run.scheduler.get_last_lr()[0]  # the rate this step used: the one logged
+            run.scheduler.step()
+            global_step += 1
+            run.progress.update(1)
+            timing["timing/forward_backward"] += t1 - t0
+            timing["timing/optimizer"] += clock(device) - t1 - pushed.get("timing/weight_sync_wait", 0.0)
 
         # 6. push the new weights to vLLM before the next generation round. --async-generation: once the round in
         # flight is complete, and in the background: the next round waits for the push, the next optimizer step too
@@ -616,14 +617,13 @@ def train(args):
         run.weights_version = global_step  # `generate` without vLLM samples from the trained model itself
 
         # 7. evaluate every --eval-steps steps and after the last one, once the push is in: the generator holds this
-        # step's weights and no request is in flight (--async-generation: step 6 waited for the next round before the
-        # push, and the round after it starts only at the top of the loop), so evaluation samples the current policy
+        # step's weights and no request is in flight (step 6 waited for the round in flight), so it samples this policy
         evaluated = args.eval_steps > 0 and (global_step % args.eval_steps == 0 or global_step >= args.max_steps)
         eval_results = evaluate(run) if evaluated else {}
 
-        # TRY NOT TO MODIFY: logging (TRL's metric names, over all ranks) and checkpoints
+        # TRY NOT TO MODIFY: 8. log (TRL's metric names, over all ranks) and checkpoint
         metrics = {"step": global_step}
-        metrics |= round_metrics(run, torch.cat(all_scores), completion_lengths, truncated, stats, step_loss)
+        metrics |= round_metrics(run, torch.cat(all_scores), completion_lengths, truncated, train_stats, step_loss)
         metrics |= {
             "grad_norm": grad_norm.item(),
             "learning_rate": learning_rate,
@@ -648,15 +648,15 @@ def train(args):
     finish(run)
 
 
-def round_metrics(run, scores, completion_lengths, truncated, stats, step_loss):
+def round_metrics(run, scores, completion_lengths, truncated, train_stats, step_loss):
     """The round's metrics over all ranks (TRL's names): rewards (scores: this rank's generated rows, num_funcs),
-    completion lengths, the last step's loss and the token means of the training passes (stats)."""
+    completion lengths, the last step's loss and the token means of the training passes (train_stats)."""
     lengths = torch.tensor(completion_lengths, dtype=torch.float)
-    means = {k: torch.stack(v).mean() for k, v in stats.items() if v}
+    train_means = {k: torch.stack(v).mean() for k, v in train_stats.items() if v}
     if run.world_size > 1:
         gathered = gather_objects((scores, lengths, truncated), run.world_size)
         scores, lengths, truncated = (torch.cat([g[i] for g in gathered]) for i in range(3))
-        for value in [step_loss, *means.values()]:
+        for value in [step_loss, *train_means.values()]:
             dist.all_reduce(value)
             value /= run.world_size
     total = (scores * run.reward_weights).nansum(-1)
@@ -674,7 +674,7 @@ def round_metrics(run, scores, completion_lengths, truncated, stats, step_loss):
         scored = scores[:, k][~scores[:, k].isnan()]
         metrics[f"rewards/{fn.__name__}/mean"] = scores[:, k].nanmean().item()
         metrics[f"rewards/{fn.__name__}/std"] = scored.std().item() if scored.numel() > 1 else 0.0
-    return metrics | {k: v.item() for k, v in means.items()}
+    return metrics | {k: v.item() for k, v in train_means.items()}
 
 
 # ==== PLUMBING: identical in grpo.py, rloo.py and online_dpo.py (tests/test_plumbing.py) ====
@@ -1002,7 +1002,7 @@ def old_and_ref_logprobs(run, prompt_ids, completion_ids, need_old):
             batch = collate([prompt_ids[i] for i in mb], [completion_ids[i] for i in mb], run.device, run.pad_id)
             for net, out in zip(nets, logprobs):
                 if net is not None:
-                    out[mb, : batch[3].shape[1]] = per_token_logprobs(net, *batch, args.temperature).cpu()
+                    out[mb, : batch.completion_mask.shape[1]] = per_token_logprobs(net, *batch, args.temperature).cpu()
     return logprobs
 
 
@@ -1192,9 +1192,16 @@ def read_dataset(args, reward_fns, evaluation=False):
 # Log-probabilities (chunked, at the sampling temperature, with the model's own logit transform)
 
 
+class Batch(NamedTuple):  # collate's output; per_token_logprobs(model, *batch) takes it in this order
+    input_ids: torch.Tensor  # (B, P + C)
+    attention_mask: torch.Tensor  # (B, P + C)
+    position_ids: torch.Tensor  # (B, P + C)
+    completion_mask: torch.Tensor  # (B, C): 1 on completion tokens, 0 on padding
+    prompt_length: int  # P: every row's completion starts at column P
+
+
 def collate(prompt_ids, completion_ids, device, pad_id):
-    """Left-pad prompts and right-pad completions into one batch: input_ids, attention_mask, position_ids (B, P + C),
-    completion_mask (B, C) and P."""
+    """Left-pad prompts and right-pad completions into one Batch."""
     P = max(len(p) for p in prompt_ids)
     C = max(max(len(c) for c in completion_ids), 1)
     input_ids = torch.full((len(prompt_ids), P + C), pad_id, dtype=torch.long)
@@ -1205,7 +1212,9 @@ def collate(prompt_ids, completion_ids, device, pad_id):
     # positions count from each prompt's first real token, as in generation
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
     completion_mask = attention_mask[:, P:].float()
-    return input_ids.to(device), attention_mask.to(device), position_ids.to(device), completion_mask.to(device), P
+    return Batch(
+        input_ids.to(device), attention_mask.to(device), position_ids.to(device), completion_mask.to(device), P
+    )
 
 
 def final_logits(logits, config):

@@ -20,8 +20,9 @@ More examples:
   # a stock `vllm serve` on the trainer's GPU or on others (docs/vllm.md), scored by a reward model
   python online_dpo.py --reward-model-path Skywork/Skywork-Reward-V2-Qwen3-0.6B --use-vllm --vllm-mode server
 
-Reading order: Args, ALGO LOGIC (pairs, the DPO / IPO loss), train() and the reward model's scoring, then the PLUMBING
-block that all three scripts share (grpo.py holds its master copy).
+Reading order: Args, ALGO LOGIC (pairs, the DPO / IPO loss), train() (the loop: generate, score, pairs, loss, optimizer
+step, push, evaluate, log) and the reward model's scoring, then the PLUMBING block that all three scripts share
+(grpo.py holds its master copy).
 """
 
 import atexit
@@ -82,9 +83,8 @@ class Args:
     model_name_or_path: str = "Qwen/Qwen2.5-0.5B-Instruct"
     """Hugging Face causal LM: a hub name or a local path (also the frozen reference model)"""
     trust_remote_code: bool = False
-    """allow the model's own Python code (its config's auto_map) for every load: the policy, its tokenizer, the
-    reference model and the served model's comparison; off: never run code from the model's directory or from a
-    server's answer"""
+    """allow the model's own Python code (its config's auto_map) for every load (policy, tokenizer, reference model,
+    served model's comparison); off: never run code from the model's directory or from a server's answer"""
     param_dtype: Literal["float32", "bfloat16"] = "float32"
     """dtype of the trained weights and of the reference model (float32 keeps small AdamW updates from rounding away)"""
     bf16: bool = True
@@ -92,8 +92,7 @@ class Args:
     gradient_checkpointing: bool = False
     """recompute activations in the backward pass to save memory"""
     torch_compile: bool = True
-    """torch.compile each decoder layer's forward (CUDA, with --use-vllm, one process): forward + backward of a
-    bench-0.5b step 1.15 -> 0.87 s on an H200; step 1 compiles (~30 s)"""
+    """torch.compile each decoder layer's forward (CUDA, with --use-vllm, one process); the first step compiles"""
     use_chat_template: bool = True
     """wrap plain-text prompts as a user message and apply the tokenizer's chat template (if it has one)"""
     system_prompt: str | None = None
@@ -107,12 +106,10 @@ class Args:
     lora_alpha: int = 32
     """LoRA alpha: the update is (alpha / r) B A"""
     lora_dropout: float = 0.0
-    """dropout on the adapters' input (TRL: 0.05; here 0: dropout makes two passes over the same tokens disagree, so
-    the ratio is not 1)"""
+    """dropout on the adapters' input (TRL: 0.05; here 0: with dropout two passes over the same tokens disagree)"""
     lora_target_modules: list[str] | None = None
     """names of the modules to adapt (None: every linear layer of the decoder, peft's all-linear; TRL's None is
-    peft's per-model default, q/v only for Qwen2). MoE experts kept as 3-D tensors are no Linear layers, yet peft 0.21
-    adapts them (target_parameters) and the vLLM push refuses that: for a MoE model name the attention layers"""
+    peft's per-model default, q/v only for Qwen2); for a MoE model name its attention and dense layers (docs/lora.md)"""
     save_merged_model: bool = False
     """with --use-peft: also write the merged model (base + adapter, bf16) to {output_dir}/merged at the end"""
 
@@ -166,7 +163,7 @@ class Args:
     """server: host of `vllm serve`"""
     vllm_server_port: list[int] = field(default_factory=lambda: [8000])
     """server: port of `vllm serve`; several (`--vllm-server-port 8000 8001`): servers of one model on this GPU
-    (CUDA IPC), each round shared by them, faster with log-probs than one (docs/vllm.md, "Several servers")"""
+    (CUDA IPC), each round shared by them (docs/vllm.md, "Several servers")"""
     vllm_server_timeout: float = 240.0
     """server: seconds to wait for the server to answer /health"""
     vllm_group_port: int | None = None
@@ -223,15 +220,13 @@ class Args:
     """total steps (generation rounds; a round with no pair takes no optimizer step but counts; 0: only evaluate)"""
     micro_batch_tokens: int | None = None
     """token budget (rows x padded length) of one forward/backward micro-batch; gradients accumulate over them
-    (default 16384, or 8192 with --use-peft: LoRA is for large models, and a 7B shape's training pass held ~11 MB a
-    token on an H200 without gradient checkpointing, docs/lora.md)"""
+    (None: 16384, or 8192 with --use-peft: LoRA is for large models, docs/lora.md)"""
 
     # Logging and checkpoints
     logging_steps: int = 1
     """print a metrics line every this many steps"""
     log_completions: int = 0
-    """every logging step, print this many of the step's (prompt, completion, reward) rows and, with --track, log them
-    to wandb as a table (0 = off)"""
+    """every logging step, print this many (prompt, completion, reward) rows (--track: also a wandb table; 0 = off)"""
     save_steps: int = 0
     """write a resumable checkpoint every this many steps (0 = only the final model)"""
     save_total_limit: int | None = 2
@@ -297,16 +292,16 @@ def select_pairs(rewards, num_generations):
 def sequence_logprobs(model, prompt_ids, completion_ids, temperature, device, pad_id):
     """log pi(completion | prompt) = sum_t log pi(c_t | prompt, c_<t) at the sampling temperature, (B,); a gradient
     through it comes from loss.backward() (into_grad)."""
-    batch = collate(prompt_ids, completion_ids, device, pad_id)  # ids, masks, positions and P
+    batch = collate(prompt_ids, completion_ids, device, pad_id)
     return per_token_logprobs(model, *batch, temperature, into_grad=True).sum(-1)  # (B, C) -> (B,): padding is 0
 
 
-def dpo_loss(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, beta, loss_type="sigmoid"):
+def dpo_loss(chosen_logprobs, rejected_logprobs, ref_chosen_logprobs, ref_rejected_logprobs, beta, loss_type="sigmoid"):
     """Per-pair loss, (num_pairs,), from sequence log-probs. With
     z = (log pi(chosen) - log pi(rejected)) - (log pi_ref(chosen) - log pi_ref(rejected)):
       sigmoid (DPO, arXiv 2305.18290 eq. 7):              -log sigmoid(beta * z)
       ipo     (IPO, arXiv 2310.12036 eq. 17, tau = beta):  (z - 1 / (2 * beta))^2"""
-    z = (chosen_logps - rejected_logps) - (ref_chosen_logps - ref_rejected_logps)
+    z = (chosen_logprobs - rejected_logprobs) - (ref_chosen_logprobs - ref_rejected_logprobs)
     if loss_type == "sigmoid":
         return -F.logsigmoid(beta * z)
     if loss_type == "ipo":
@@ -329,10 +324,10 @@ RULES = [
 
 
 def train(args):
-    """The run: start-up, then one round per step (generate -> score -> pair -> DPO loss and one optimizer step ->
-    weights to vLLM -> evaluate -> log and checkpoint), then the final model."""
-    # TRY NOT TO MODIFY: start-up (the PLUMBING block's set_up). A mistake in the flags or the data stops the run before
-    # any model loads or anything is written. With torchrun, each rank takes an equal share of every step's prompts
+    """One generation round per step: generate -> score -> pairs -> loss -> optimizer step -> push -> evaluate -> log
+    and checkpoint. The set-up, and each phase's plumbing, are in the PLUMBING block below. On several processes
+    (torchrun) each rank takes an equal share of every step's prompts."""
+    # TRY NOT TO MODIFY: start-up (set_up): checks, then the run directory, models, optimizer, resume, generator
     problems = [path_problem("--reward-model-path", args.reward_model_path)]
     if bool(args.reward_funcs) == bool(args.reward_model_path):
         problems.append(
@@ -346,12 +341,12 @@ def train(args):
             "--reward-model-path (a reward model's scores have no success threshold for pass@k)"
         )
     run = set_up(args, RULES, problems, reference_model=True)
-    model, ref_model, device, world_size, eos_ids = run.model, run.ref_model, run.device, run.world_size, run.eos_ids
+    model, device, world_size, eos_ids = run.model, run.device, run.world_size, run.eos_ids
     # (model, tokenizer) of --reward-model-path, which scores instead of reward functions
     reward_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     reward_model = load_reward_model(args.reward_model_path, device, reward_dtype) if args.reward_model_path else None
     global_step, skipped_steps = run.global_step, run.counters.get("skipped_steps", 0)
-    prompt_ids, num_generations = run.train_set.prompt_ids, args.num_generations
+    num_generations = args.num_generations
     next_round = None  # --async-generation: the round generating in the background while this one trains
     if run.eval_set is not None and (global_step == 0 or args.max_steps == 0):  # the model before training
         log_metrics(run, {"step": global_step, **evaluate(run)}, show=True)
@@ -359,10 +354,10 @@ def train(args):
         round_start = time.perf_counter()
         timing = {"timing/weight_sync": 0.0}
         # prompts of the rounds before this one (a round generating in the background is drawn but not trained yet)
-        epoch = (next_round.start if next_round else run.prompts_consumed) // len(prompt_ids)
+        epoch = (next_round.start if next_round else run.prompts_consumed) // len(run.train_set.prompt_ids)
         beta = beta_for_epoch(args.beta, epoch)
 
-        # ALGO LOGIC: 1. sample prompts, generate G completions each. --async-generation: this round was generated
+        # ALGO LOGIC: 1. generate: sample prompts, G completions each. --async-generation: this round was generated
         # during the last step, by the weights before it; the next starts now, from the current weights, while we train
         round = next_round or start_round(run)
         if args.async_generation:
@@ -374,9 +369,9 @@ def train(args):
         staleness = global_step - version  # optimizer steps between the sampling and the trained weights
         if args.use_vllm:
             vllm_utils.sleep(run.engine)  # sleep mode: vLLM's memory goes to training until the next generation
-        batch_prompt_ids = [prompt_ids[i] for i in rows for _ in range(num_generations)]
+        prompt_ids = [run.train_set.prompt_ids[i] for i in rows for _ in range(num_generations)]
 
-        # 2. score every completion: the reward functions (dataset columns by name), or the reward model
+        # 2. score: the reward functions (decoded completions, the rows' dataset columns by name) or the reward model
         t0 = clock(device)
         if reward_model is not None:
             rewards = reward_model_rewards(run, reward_model, rows, completion_ids)
@@ -388,43 +383,45 @@ def train(args):
             rewards = apply_missing_eos_penalty(rewards, completion_ids, eos_ids, args.missing_eos_penalty)
         timing["timing/scoring"] = clock(device) - t0
 
-        # 3. pair the best and the worst completion of each prompt
+        # 3. pairs: the best and the worst completion of each prompt
         chosen, rejected, num_tied, num_unscorable = select_pairs(rewards, num_generations)
         num_pairs = len(chosen)
         all_pairs = int(global_sum(num_pairs, world_size, device))  # every rank's pairs weigh the same in the loss
 
-        # 4. one optimizer step on the DPO loss, in micro-batches of whole pairs
+        # 4. loss: the DPO loss of the pairs, in micro-batches of whole pairs (no pair on any rank: no optimizer step)
         pair_logprobs = torch.zeros(num_pairs, 2, 2, device=device)  # (chosen, rejected) x (policy, reference)
         t0 = clock(device)
         if all_pairs:
             model.train()
             step_loss = 0.0
-            pair_prompt_lengths = [len(batch_prompt_ids[c]) for c in chosen]
+            pair_prompt_lengths = [len(prompt_ids[c]) for c in chosen]
             pair_lengths = [max(len(completion_ids[c]), len(completion_ids[r])) for c, r in zip(chosen, rejected)]
             budget = args.micro_batch_tokens // 2  # a micro-batch of k pairs is 2k rows
             micro_batches = token_budget_batches(range(num_pairs), pair_prompt_lengths, pair_lengths, budget)
             for mb in same_count_on_all_ranks(micro_batches, world_size, device):
                 padding_pass = mb is None  # only to keep FSDP's collectives in step with the other ranks
                 mb_rows = [0, 0] if padding_pass else [chosen[j] for j in mb] + [rejected[j] for j in mb]  # k + k
-                mb_prompts = [batch_prompt_ids[i] for i in mb_rows]
+                mb_prompts = [prompt_ids[i] for i in mb_rows]
                 mb_completions = [completion_ids[i] for i in mb_rows]
-                with torch.no_grad(), torch.autocast(**run.autocast), unsharded(ref_model, world_size):
-                    mb_ref = sequence_logprobs(
-                        ref_model, mb_prompts, mb_completions, args.temperature, device, run.pad_id
+                with torch.no_grad(), torch.autocast(**run.autocast), unsharded(run.ref_model, world_size):
+                    ref_logprobs = sequence_logprobs(
+                        run.ref_model, mb_prompts, mb_completions, args.temperature, device, run.pad_id
                     )
                 with torch.autocast(**run.autocast):
-                    mb_policy = sequence_logprobs(
+                    logprobs = sequence_logprobs(
                         model, mb_prompts, mb_completions, args.temperature, device, run.pad_id
                     )
-                mb_policy, mb_ref = mb_policy.view(2, -1), mb_ref.view(2, -1)  # (2k,) -> (2, k): chosen, rejected
-                losses = dpo_loss(mb_policy[0], mb_policy[1], mb_ref[0], mb_ref[1], beta, args.loss_type)  # (k,)
+                # (2k,) -> (2, k): chosen, rejected; then the loss of each pair, (k,)
+                logprobs, ref_logprobs = logprobs.view(2, -1), ref_logprobs.view(2, -1)
+                pair_loss = dpo_loss(logprobs[0], logprobs[1], ref_logprobs[0], ref_logprobs[1], beta, args.loss_type)
                 # every pair of every rank weighs 1 / all_pairs, however the pairs are micro-batched; FSDP averages
                 # gradients over ranks, hence x world_size
-                loss = losses.sum() / all_pairs * (0 if padding_pass else world_size)
+                loss = pair_loss.sum() / all_pairs * (0 if padding_pass else world_size)
                 loss.backward()
                 step_loss += loss.detach()  # summed on the device: no host sync per micro-batch
                 if not padding_pass:
-                    pair_logprobs[mb] = torch.stack([mb_policy.detach().T, mb_ref.T], -1)
+                    pair_logprobs[mb] = torch.stack([logprobs.detach().T, ref_logprobs.T], -1)
+            # 5. optimizer step: clip the gradients, step (and below, with or without a pair: schedule)
             t1 = clock(device)
             timing["timing/forward_backward"] = t1 - t0  # the reference model's log-probs included
             grad_norm = clip_gradients(model, args.max_grad_norm)
@@ -441,7 +438,7 @@ def train(args):
         global_step += 1
         run.progress.update(1)
 
-        # 5. push the new weights to vLLM before the next generation round. --async-generation: once the round in
+        # 6. push the new weights to vLLM before the next generation round. --async-generation: once the round in
         # flight is complete, and in the background: the next round waits for the push, the next optimizer step too
         if not args.use_vllm:
             run.weights_version = global_step  # `generate` samples from the trained model itself
@@ -449,13 +446,12 @@ def train(args):
             push_weights(run, next_round, timing)
             run.weights_version = global_step
 
-        # 6. evaluate every --eval-steps steps and after the last one, once the push is in: the generator holds this
-        # step's weights and no request is in flight (--async-generation: step 5 waited for the next round before the
-        # push, and the round after it starts only at the top of the loop), so evaluation samples the current policy
+        # 7. evaluate every --eval-steps steps and after the last one, once the push is in: the generator holds this
+        # step's weights and no request is in flight (step 6 waited for the round in flight), so it samples this policy
         evaluated = run.eval_set is not None and (global_step % args.eval_steps == 0 or global_step >= args.max_steps)
         eval_results = evaluate(run) if evaluated else {}
 
-        # TRY NOT TO MODIFY: logging (TRL's metric names, over all ranks) and checkpoints
+        # TRY NOT TO MODIFY: 8. log (TRL's metric names, over all ranks) and checkpoint
         lengths = torch.tensor([len(c) for c in completion_ids], dtype=torch.float)
         truncated = truncated_completions(completion_ids, eos_ids)  # (N,): 1 where no EOS ended the completion
         pair_rewards = torch.stack([rewards[chosen], rewards[rejected]], -1)  # (num_pairs, 2): chosen, rejected
@@ -505,7 +501,7 @@ def train(args):
         kl = {"kl": f"{metrics['kl/k1_sequence_sum']:.3f}"} if all_pairs else {}  # (no pair: none computed)
         run.progress.set_postfix(score=f"{metrics['objective/scores']:.3f}", **kl, pairs=all_pairs)
         if run.is_main and args.log_completions and global_step % args.logging_steps == 0:  # rank 0's rows
-            log_completions(run, batch_prompt_ids, completion_ids, rewards, global_step)
+            log_completions(run, prompt_ids, completion_ids, rewards, global_step)
         log_metrics(run, metrics, show=global_step % args.logging_steps == 0 or evaluated)
         # the checkpoint every --save-steps, or SIGTERM's, and the stop
         end_step(run, global_step, next_round, skipped_steps=skipped_steps)
@@ -575,8 +571,9 @@ def reward_model_scores(reward_model, input_ids, micro_batch_tokens, device):
     scores = torch.zeros(len(input_ids))
     for mb in token_budget_batches(range(len(input_ids)), [0] * len(input_ids), lengths, micro_batch_tokens):
         # (B, L): each row as a "completion" of an empty prompt, so collate right-pads it
-        ids, attention_mask, _, _, _ = collate([[]] * len(mb), [input_ids[i] for i in mb], device, pad_id)
-        scores[mb] = reward_model(input_ids=ids, attention_mask=attention_mask).logits[:, 0].float().cpu()
+        batch = collate([[]] * len(mb), [input_ids[i] for i in mb], device, pad_id)
+        logits = reward_model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits  # (B, 1)
+        scores[mb] = logits[:, 0].float().cpu()
     return scores
 
 
@@ -905,7 +902,7 @@ def old_and_ref_logprobs(run, prompt_ids, completion_ids, need_old):
             batch = collate([prompt_ids[i] for i in mb], [completion_ids[i] for i in mb], run.device, run.pad_id)
             for net, out in zip(nets, logprobs):
                 if net is not None:
-                    out[mb, : batch[3].shape[1]] = per_token_logprobs(net, *batch, args.temperature).cpu()
+                    out[mb, : batch.completion_mask.shape[1]] = per_token_logprobs(net, *batch, args.temperature).cpu()
     return logprobs
 
 
@@ -1095,9 +1092,16 @@ def read_dataset(args, reward_fns, evaluation=False):
 # Log-probabilities (chunked, at the sampling temperature, with the model's own logit transform)
 
 
+class Batch(NamedTuple):  # collate's output; per_token_logprobs(model, *batch) takes it in this order
+    input_ids: torch.Tensor  # (B, P + C)
+    attention_mask: torch.Tensor  # (B, P + C)
+    position_ids: torch.Tensor  # (B, P + C)
+    completion_mask: torch.Tensor  # (B, C): 1 on completion tokens, 0 on padding
+    prompt_length: int  # P: every row's completion starts at column P
+
+
 def collate(prompt_ids, completion_ids, device, pad_id):
-    """Left-pad prompts and right-pad completions into one batch: input_ids, attention_mask, position_ids (B, P + C),
-    completion_mask (B, C) and P."""
+    """Left-pad prompts and right-pad completions into one Batch."""
     P = max(len(p) for p in prompt_ids)
     C = max(max(len(c) for c in completion_ids), 1)
     input_ids = torch.full((len(prompt_ids), P + C), pad_id, dtype=torch.long)
@@ -1108,7 +1112,9 @@ def collate(prompt_ids, completion_ids, device, pad_id):
     # positions count from each prompt's first real token, as in generation
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
     completion_mask = attention_mask[:, P:].float()
-    return input_ids.to(device), attention_mask.to(device), position_ids.to(device), completion_mask.to(device), P
+    return Batch(
+        input_ids.to(device), attention_mask.to(device), position_ids.to(device), completion_mask.to(device), P
+    )
 
 
 def final_logits(logits, config):

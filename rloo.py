@@ -22,7 +22,8 @@ More examples:
   python rloo.py --use-vllm --vllm-mode server
 
 Reading order: Args, ALGO LOGIC (the leave-one-out advantages, the KL in the reward, the clipped sequence loss),
-train() and its metrics, then the PLUMBING block that all three scripts share (grpo.py holds its master copy).
+train() (the loop: generate, score, advantages, loss, optimizer step, push, evaluate, log) and its metrics, then the
+PLUMBING block that all three scripts share (grpo.py holds its master copy).
 """
 
 import atexit
@@ -81,9 +82,8 @@ class Args:
     model_name_or_path: str = "Qwen/Qwen2.5-0.5B-Instruct"
     """Hugging Face causal LM: a hub name or a local path"""
     trust_remote_code: bool = False
-    """allow the model's own Python code (its config's auto_map) for every load: the policy, its tokenizer, the
-    reference model and the served model's comparison; off: never run code from the model's directory or from a
-    server's answer"""
+    """allow the model's own Python code (its config's auto_map) for every load (policy, tokenizer, reference model,
+    served model's comparison); off: never run code from the model's directory or from a server's answer"""
     param_dtype: Literal["float32", "bfloat16"] = "float32"
     """dtype of the trained weights (float32 keeps small AdamW updates from rounding away; see --bf16)"""
     bf16: bool = True
@@ -91,8 +91,7 @@ class Args:
     gradient_checkpointing: bool = False
     """recompute activations in the backward pass to save memory"""
     torch_compile: bool = True
-    """torch.compile each decoder layer's forward (CUDA, with --use-vllm, one process): forward + backward of a
-    bench-0.5b step 1.15 -> 0.87 s on an H200; step 1 compiles (~30 s)"""
+    """torch.compile each decoder layer's forward (CUDA, with --use-vllm, one process); the first step compiles"""
     use_chat_template: bool = True
     """wrap plain-text prompts as a user message and apply the tokenizer's chat template (if it has one)"""
     system_prompt: str | None = None
@@ -106,12 +105,10 @@ class Args:
     lora_alpha: int = 32
     """LoRA alpha: the update is (alpha / r) B A"""
     lora_dropout: float = 0.0
-    """dropout on the adapters' input (TRL: 0.05; here 0: dropout makes two passes over the same tokens disagree, so
-    the ratio is not 1)"""
+    """dropout on the adapters' input (TRL: 0.05; here 0: with dropout two passes over the same tokens disagree)"""
     lora_target_modules: list[str] | None = None
     """names of the modules to adapt (None: every linear layer of the decoder, peft's all-linear; TRL's None is
-    peft's per-model default, q/v only for Qwen2). MoE experts kept as 3-D tensors are no Linear layers, yet peft 0.21
-    adapts them (target_parameters) and the vLLM push refuses that: for a MoE model name the attention layers"""
+    peft's per-model default, q/v only for Qwen2); for a MoE model name its attention and dense layers (docs/lora.md)"""
     save_merged_model: bool = False
     """with --use-peft: also write the merged model (base + adapter, bf16) to {output_dir}/merged at the end"""
 
@@ -165,7 +162,7 @@ class Args:
     """server: host of `vllm serve`"""
     vllm_server_port: list[int] = field(default_factory=lambda: [8000])
     """server: port of `vllm serve`; several (`--vllm-server-port 8000 8001`): servers of one model on this GPU
-    (CUDA IPC), each round shared by them, faster with log-probs than one (docs/vllm.md, "Several servers")"""
+    (CUDA IPC), each round shared by them (docs/vllm.md, "Several servers")"""
     vllm_server_timeout: float = 240.0
     """server: seconds to wait for the server to answer /health"""
     vllm_group_port: int | None = None
@@ -241,15 +238,13 @@ class Args:
     """total optimizer steps (0: only evaluate the model, see --eval-steps, and exit)"""
     micro_batch_tokens: int | None = None
     """token budget (rows x padded length) of one forward/backward micro-batch; gradients accumulate over them
-    (default 16384, or 8192 with --use-peft: LoRA is for large models, and a 7B shape's training pass held ~11 MB a
-    token on an H200 without gradient checkpointing, docs/lora.md)"""
+    (None: 16384, or 8192 with --use-peft: LoRA is for large models, docs/lora.md)"""
 
     # Logging and checkpoints
     logging_steps: int = 1
     """print a metrics line every this many optimizer steps"""
     log_completions: int = 0
-    """every logging step, print this many of the step's (prompt, completion, reward) rows and, with --track, log them
-    to wandb as a table (0 = off)"""
+    """every logging step, print this many (prompt, completion, reward) rows (--track: also a wandb table; 0 = off)"""
     save_steps: int = 0
     """write a resumable checkpoint every this many optimizer steps (0 = only the final model)"""
     save_total_limit: int | None = 2
@@ -378,21 +373,14 @@ RULES = [
 
 
 def train(args):
-    """One run: the start-up (every check before any model loads), then one generation round per pass of the loop:
-    generate -> score -> (old / reference log-probs) -> advantages -> loss and optimizer steps -> sync the weights
-    to vLLM -> evaluate, log, save. On several processes (torchrun) each rank takes an equal share of every round's
-    prompts, whole groups, and FSDP2 shards the weights."""
-    # TRY NOT TO MODIFY: start-up (the PLUMBING block's set_up): every mistake in the flags or the data stops the run
-    # before any model loads; then the run directory, the models, the prompts, the optimizer, a resume, the generator
+    """One generation round per iteration: generate -> score -> advantages -> loss -> optimizer step -> push ->
+    evaluate -> log and checkpoint. The set-up, and each phase's plumbing, are in the PLUMBING block below. On several
+    processes (torchrun) each rank takes an equal share of every round's prompts, whole groups, and FSDP2 shards the
+    weights."""
+    # TRY NOT TO MODIFY: start-up (set_up): checks, then the run directory, models, optimizer, resume, generator
     steps = dict(steps_per_generation=args.steps_per_generation, num_iterations=args.num_iterations)
     run = set_up(args, RULES, reference_model=args.beta > 0, **steps)
-    model, optimizer, device, world_size, ref_model = (
-        run.model,
-        run.optimizer,
-        run.device,
-        run.world_size,
-        run.ref_model,
-    )
+    model, optimizer, device, world_size = run.model, run.optimizer, run.device, run.world_size
     global_step, epsilon_high = run.global_step, args.epsilon_high if args.epsilon_high is not None else args.epsilon
     steps_per_round = args.steps_per_generation * args.num_iterations  # optimizer steps per generation round
     next_round = None  # --async-generation: the round generating in the background while this one trains
@@ -402,9 +390,8 @@ def train(args):
     while global_step < args.max_steps:
         round_start = time.perf_counter()
         metrics, timing = {}, defaultdict(float, {"timing/weight_sync": 0.0})
-        # ALGO LOGIC: 1. generate: sample prompts and num_generations completions each. --async-generation: this
-        # step's round was generated during the last step, by the weights before it; the next round starts now, from
-        # the current weights, and generates while we train
+        # ALGO LOGIC: 1. generate: sample prompts, k completions each. --async-generation: this round was generated
+        # during the last step, by the weights before it; the next starts now, from the current weights, while we train
         round, next_round = next_round or start_round(run), None
         if args.async_generation and global_step + steps_per_round < args.max_steps:
             next_round = start_round(run)
@@ -425,18 +412,18 @@ def train(args):
             rewards = rewards.clamp(*args.reward_clip_range)
         timing["timing/scoring"] = time.perf_counter() - t0
 
-        # 3. old and reference log-probs, before any update (no gradient). The old ones need their own pass only if the
-        # weights change before the batch's last use, or for the KL; else the training pass's (detached) are the same
+        # 3. advantages: first the old and reference log-probs, before any update (no gradient); the old ones need a
+        # pass of their own only if the weights change before the batch's last use, or for the KL (else: the training
+        # pass's, detached). Then the KL in the reward (k1 per token, once: for the penalty and the metric), then the
+        # leave-one-out advantages
         t0 = clock(device)
         prompt_lengths, completion_lengths = [len(p) for p in prompt_ids], [len(c) for c in completion_ids]
         truncated = torch.tensor([not (c and c[-1] in run.eos_ids) for c in completion_ids])  # no EOS: hit the limit
         C = max(max(completion_lengths), 1)
         completion_mask = (torch.arange(C)[None] < torch.tensor(completion_lengths)[:, None]).float()  # (N, C)
-        need_old = args.num_iterations > 1 or args.steps_per_generation > 1 or ref_model is not None
+        need_old = args.num_iterations > 1 or args.steps_per_generation > 1 or run.ref_model is not None
         old_logprobs, ref_logprobs = old_and_ref_logprobs(run, prompt_ids, completion_ids, need_old)  # (N, C) or None
-
-        # 4. the KL in the reward (k1 per token, once: for the penalty and the metric), then leave-one-out advantages
-        if ref_model is not None:
+        if run.ref_model is not None:
             penalised, token_kl = kl_penalised_rewards(rewards, old_logprobs, ref_logprobs, completion_mask, args.beta)
             tokens = global_sum(completion_mask.sum(), world_size, device)
             metrics["kl/k1_token_mean"] = global_sum(token_kl.sum(), world_size, device) / tokens
@@ -451,8 +438,8 @@ def train(args):
             )
         timing["timing/old_ref_logprobs"] = clock(device) - t0
 
-        # 5. loss and optimizer steps: num_iterations passes; each pass is steps_per_generation optimizer steps over
-        # whole groups. The loss is the mean over the step's sequences of all ranks: each weighs 1 / (rows_per_step x
+        # 4. loss: num_iterations passes, each of steps_per_generation optimizer steps over whole groups, in
+        # micro-batches. The loss is the mean over the step's sequences of all ranks: each weighs 1 / (rows_per_step x
         # world_size) (0 if masked), and FSDP averages gradients over ranks, hence the x world_size in the loss.
         model.train()
         train_stats, is_stats = defaultdict(list), defaultdict(list)  # per micro-batch; IS: valid tokens, sequences
@@ -470,34 +457,37 @@ def train(args):
             for mb in same_count_on_all_ranks(micro_batches, world_size, device):
                 padding_pass = mb is None  # only to keep FSDP's collectives in step with the other ranks
                 mb = [step_rows[0]] if padding_pass else mb
-                ids, attn, pos, cmask, P = collate(
-                    [prompt_ids[i] for i in mb], [completion_ids[i] for i in mb], device, run.pad_id
-                )
-                Cm = cmask.shape[1]
+                batch = collate([prompt_ids[i] for i in mb], [completion_ids[i] for i in mb], device, run.pad_id)
+                Cm = batch.completion_mask.shape[1]
                 with torch.autocast(**run.autocast):
                     logprobs, entropy = per_token_logprobs(
-                        model, ids, attn, pos, cmask, P, args.temperature, with_entropy=True, into_grad=True
+                        model, *batch, args.temperature, with_entropy=True, into_grad=True
                     )
                 A = advantages[mb].to(device)
                 old = old_logprobs[mb, :Cm].to(device) if need_old else logprobs.detach()
-                ref = ref_logprobs[mb, :Cm].to(device) if ref_model is not None else None
+                ref = ref_logprobs[mb, :Cm].to(device) if run.ref_model is not None else None
                 sampled = sampling_logprobs[mb, :Cm].to(device) if use_vllm_is else None
-                sequence_loss, ratio, is_ratio, logp_difference = rloo_loss(args, logprobs, old, ref, sampled, A, cmask)
+                sequence_loss, ratio, is_ratio, logp_difference = rloo_loss(
+                    args, logprobs, old, ref, sampled, A, batch.completion_mask
+                )
                 loss = (sequence_loss * sequence_weights[mb].to(device)).sum() * (0 if padding_pass else world_size)
                 loss.backward()
                 step_loss += loss.detach()  # summed on the device: no host sync per micro-batch
                 if padding_pass:
                     continue
-                if use_vllm_is:
-                    is_stats["logp_difference"].append(logp_difference[cmask.bool()])
-                    is_stats["ratio"].append(is_ratio)
                 # metrics: clipped ratios per sequence (low with A < 0, high with A > 0), token-mean entropy
+                mask = batch.completion_mask.bool()
+                token_mean = lambda x: (x * batch.completion_mask).sum().detach() / mask.sum().clamp(min=1)
+                if use_vllm_is:
+                    is_stats["logp_difference"].append(logp_difference[mask])
+                    is_stats["ratio"].append(is_ratio)
                 low = ((ratio < 1 - args.epsilon) & (A < 0)).float()
                 high = ((ratio > 1 + epsilon_high) & (A > 0)).float()
-                train_stats["entropy"].append(((entropy * cmask).sum() / cmask.sum().clamp(min=1)).detach())
+                train_stats["entropy"].append(token_mean(entropy))
                 train_stats["clip_ratio/low_mean"].append(low.mean())
                 train_stats["clip_ratio/high_mean"].append(high.mean())
                 train_stats["clip_ratio/region_mean"].append((low + high).clamp(max=1).mean())
+            # 5. optimizer step: clip the gradients, step, schedule
             t1 = clock(device)
             grad_norm = clip_gradients(model, args.max_grad_norm)
             timing.update(pushed := weights_pushed(run))  # --async-generation: the last push reads the weights
@@ -510,22 +500,21 @@ def train(args):
             timing["timing/forward_backward"] += t1 - t0
             timing["timing/optimizer"] += clock(device) - t1 - pushed.get("timing/weight_sync_wait", 0.0)
 
-        # 6. sync: push the new weights to vLLM before the next generation round. --async-generation: once the round
-        # in flight is complete, and in the background: the next round waits for the push, the next optimizer step too
+        # 6. push the new weights to vLLM before the next generation round. --async-generation: once the round in
+        # flight is complete, and in the background: the next round waits for the push, the next optimizer step too
         if args.use_vllm:
             push_weights(run, next_round, timing)
         run.weights_version = global_step  # (without vLLM, `generate` samples from the trained model itself)
 
         # 7. evaluate every --eval-steps steps and after the last one, once the push is in: the generator holds this
-        # step's weights and no request is in flight (--async-generation: step 6 waited for the next round before the
-        # push, and the round after it starts only at the top of the loop), so evaluation samples the current policy
+        # step's weights and no request is in flight (step 6 waited for the round in flight), so it samples this policy
         evaluated = run.eval_set is not None and (global_step % args.eval_steps == 0 or global_step >= args.max_steps)
         eval_results = evaluate(run) if evaluated else {}
 
-        # TRY NOT TO MODIFY: logging (TRL's metric names, over all ranks) and checkpoints
+        # TRY NOT TO MODIFY: 8. log (TRL's metric names, over all ranks) and checkpoint
         metrics.update(step=global_step, grad_norm=grad_norm.item(), learning_rate=learning_rate)
-        batch = (scores, prompt_lengths, completion_lengths, truncated, advantages)
-        metrics |= round_metrics(run, batch, step_loss, train_stats)
+        metrics |= round_metrics(run, scores, completion_lengths, truncated, advantages, train_stats, step_loss)
+        metrics["num_tokens"] = global_sum(sum(prompt_lengths) + sum(completion_lengths), world_size, device)
         metrics.update({**timing, "sampling/staleness": staleness, "step_time": time.perf_counter() - round_start})
         metrics |= sampling_metrics(run, is_stats) | eval_results
         kl = {"kl": f"{metrics['kl/k1_token_mean']:.4f}"} if "kl/k1_token_mean" in metrics else {}  # (--beta 0: none)
@@ -540,19 +529,16 @@ def train(args):
     finish(run)  # the final model + tokenizer, loadable with from_pretrained(output_dir)
 
 
-def round_metrics(run, batch, step_loss, train_stats):
-    """The round's metrics over every rank (TRL's names): rewards, completion lengths, advantages, loss, tokens, each
-    reward function's mean and std, and the micro-batches' entropy and clip ratios.
-    batch: (scores, prompt lengths, completion lengths, truncated, advantages) of this rank's rows."""
-    scores, prompt_lengths, completion_lengths, truncated, advantages = batch
+def round_metrics(run, scores, completion_lengths, truncated, advantages, train_stats, step_loss):
+    """The round's metrics over all ranks (TRL's names): rewards (scores: this rank's generated rows, num_funcs),
+    completion lengths, advantages, the last step's loss and the token means of the training passes (train_stats)."""
     world_size, reward_weights = run.world_size, run.reward_weights
-    num_tokens = global_sum(sum(prompt_lengths) + sum(completion_lengths), world_size, step_loss.device)
-    completion_lengths = torch.tensor(completion_lengths, dtype=torch.float)
+    lengths = torch.tensor(completion_lengths, dtype=torch.float)
     train_means = {k: torch.stack(v).mean() for k, v in train_stats.items() if v}
     abs_advantages = advantages.abs()
     if world_size > 1:
-        gathered = gather_objects((scores, completion_lengths, truncated, abs_advantages), world_size)
-        scores, completion_lengths, truncated, abs_advantages = (torch.cat([g[i] for g in gathered]) for i in range(4))
+        gathered = gather_objects((scores, lengths, truncated, abs_advantages), world_size)
+        scores, lengths, truncated, abs_advantages = (torch.cat([g[i] for g in gathered]) for i in range(4))
         for value in [step_loss, *train_means.values()]:
             dist.all_reduce(value)
             value /= world_size
@@ -561,13 +547,12 @@ def round_metrics(run, batch, step_loss, train_stats):
         "reward": total.mean().item(),
         "reward_std": total.std().item(),
         "frac_reward_zero_std": (total.view(-1, run.args.num_generations).std(1) < 1e-6).float().mean().item(),
-        "completions/mean_length": completion_lengths.mean().item(),
-        "completions/min_length": int(completion_lengths.min()),
-        "completions/max_length": int(completion_lengths.max()),
+        "completions/mean_length": lengths.mean().item(),
+        "completions/min_length": int(lengths.min()),
+        "completions/max_length": int(lengths.max()),
         "completions/clipped_ratio": truncated.float().mean().item(),  # TRL's name for the truncated share
         "advantages/mean_abs": abs_advantages.mean().item(),
         "loss": step_loss.item(),
-        "num_tokens": num_tokens,
     }
     for k, fn in enumerate(run.reward_fns):
         column = scores[:, k][~scores[:, k].isnan()]
@@ -901,7 +886,7 @@ def old_and_ref_logprobs(run, prompt_ids, completion_ids, need_old):
             batch = collate([prompt_ids[i] for i in mb], [completion_ids[i] for i in mb], run.device, run.pad_id)
             for net, out in zip(nets, logprobs):
                 if net is not None:
-                    out[mb, : batch[3].shape[1]] = per_token_logprobs(net, *batch, args.temperature).cpu()
+                    out[mb, : batch.completion_mask.shape[1]] = per_token_logprobs(net, *batch, args.temperature).cpu()
     return logprobs
 
 
@@ -1091,9 +1076,16 @@ def read_dataset(args, reward_fns, evaluation=False):
 # Log-probabilities (chunked, at the sampling temperature, with the model's own logit transform)
 
 
+class Batch(NamedTuple):  # collate's output; per_token_logprobs(model, *batch) takes it in this order
+    input_ids: torch.Tensor  # (B, P + C)
+    attention_mask: torch.Tensor  # (B, P + C)
+    position_ids: torch.Tensor  # (B, P + C)
+    completion_mask: torch.Tensor  # (B, C): 1 on completion tokens, 0 on padding
+    prompt_length: int  # P: every row's completion starts at column P
+
+
 def collate(prompt_ids, completion_ids, device, pad_id):
-    """Left-pad prompts and right-pad completions into one batch: input_ids, attention_mask, position_ids (B, P + C),
-    completion_mask (B, C) and P."""
+    """Left-pad prompts and right-pad completions into one Batch."""
     P = max(len(p) for p in prompt_ids)
     C = max(max(len(c) for c in completion_ids), 1)
     input_ids = torch.full((len(prompt_ids), P + C), pad_id, dtype=torch.long)
@@ -1104,7 +1096,9 @@ def collate(prompt_ids, completion_ids, device, pad_id):
     # positions count from each prompt's first real token, as in generation
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
     completion_mask = attention_mask[:, P:].float()
-    return input_ids.to(device), attention_mask.to(device), position_ids.to(device), completion_mask.to(device), P
+    return Batch(
+        input_ids.to(device), attention_mask.to(device), position_ids.to(device), completion_mask.to(device), P
+    )
 
 
 def final_logits(logits, config):
