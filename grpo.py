@@ -1377,6 +1377,11 @@ def add_lora(args, model, dtype, checkpoint_dir=None, autocast=False):
     autocast, no cast of their inputs to `dtype`: autocast casts them back, and autograd saved each copy (7B OOM)."""
     import peft
 
+    head = model.get_output_embeddings()  # trained through its weight alone: never adapted (TokenLogprobs reads it)
+    names = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and m is not head]
+    if missing := [t for t in args.lora_target_modules or () if not any(n == t or n.endswith(f".{t}") for n in names)]:
+        linear = ", ".join(sorted({n.rsplit(".", 1)[-1] for n in names}))  # (peft would ignore some of several)
+        raise SystemExit(f"error: --lora-target-modules {' '.join(missing)}: no linear layer is so named ({linear})")
     targets = args.lora_target_modules or "all-linear"
     lora = dict(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout, target_modules=targets)
     model = peft.get_peft_model(model, peft.LoraConfig(**lora), autocast_adapter_dtype=dtype == torch.float32)
@@ -1898,21 +1903,6 @@ def path_problem(flag, path, marker="config.json", kind="model"):
                 return f"{flag} {path} is not in the local Hugging Face cache and the hub cannot be reached: {error!r}"
 
 
-def lora_problem(args):
-    """A --lora-target-modules name that no Linear of the decoder has (read from the config of the model)."""
-    if args.use_peft and args.lora_target_modules:
-        from transformers import AutoConfig, AutoModelForCausalLM
-
-        config = AutoConfig.from_pretrained(args.model_name_or_path, trust_remote_code=args.trust_remote_code)
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config, trust_remote_code=args.trust_remote_code)
-        head = model.get_output_embeddings()  # trained through its weight alone: not adapted
-        names = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and m is not head]
-        if missing := [t for t in args.lora_target_modules if not any(n == t or n.endswith(f".{t}") for n in names)]:
-            linear = ", ".join(sorted({n.rsplit(".", 1)[-1] for n in names}))
-            return f"--lora-target-modules {' '.join(missing)}: no linear layer of the decoder is so named ({linear})"
-
-
 def check_args(args, world_size, rules=(), problems=(), steps_per_round=1, steps_per_generation=1):
     """Every check that needs neither a model nor the data: value ranges (the shared flags', the algorithm's `rules`,
     vLLM's), flag combinations (and `problems`) and paths. Exits with one line per problem, each naming its flag."""
@@ -1940,7 +1930,7 @@ def check_args(args, world_size, rules=(), problems=(), steps_per_round=1, steps
             f"--reward-weights has {len(args.reward_weights)} values for {len(args.reward_funcs)} --reward-funcs"
         )
     problems += vllm_utils.check_args(args)
-    problems.append(path_problem("--model-name-or-path", args.model_name_or_path) or lora_problem(args))
+    problems.append(path_problem("--model-name-or-path", args.model_name_or_path))
     resume = None if args.resume_from_checkpoint == "latest" else args.resume_from_checkpoint  # (latest: claim_run_dir)
     problems.append(path_problem("--resume-from-checkpoint", resume, "trainer_state.pt", "checkpoint"))
     for flag, name in (("--dataset-name", args.dataset_name), ("--eval-dataset", args.eval_dataset)):

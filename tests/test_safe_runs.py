@@ -157,15 +157,6 @@ BAD_INPUTS = [  # (script, extra arguments (a function of tmp_path), what the me
         lambda t: ["--reward-funcs", "gsm8k_accuracy"],
         ["gsm8k_accuracy", "reference answer", "--answer-column"],
     ),
-    # LoRA: a --lora-target-modules name that no linear layer of the decoder has is found from the config alone, and
-    # the error names the linear layers there are (the LM head is not one: it is never adapted)
-    (
-        "grpo.py",
-        lambda t: ["--use-peft", "--lora-target-modules", "q_proj", "qkv_proj", "lm_head"],
-        ["--lora-target-modules qkv_proj lm_head: no linear layer", "down_proj, gate_proj, k_proj, o_proj, q_proj"],
-    ),
-    ("rloo.py", lambda t: ["--use-peft", "--lora-target-modules", "c_attn"], ["--lora-target-modules c_attn: no"]),
-    ("online_dpo.py", lambda t: ["--use-peft", "--lora-target-modules", "wq"], ["--lora-target-modules wq: no"]),
     ("grpo.py", lambda t: ["--save-merged-model"], ["--save-merged-model is ignored without --use-peft"]),
     ("grpo.py", lambda t: ["--use-peft", "--lora-r", 0, "--lora-dropout", 1], ["--lora-r must be", "--lora-dropout"]),
 ]
@@ -189,6 +180,25 @@ def test_bad_input_is_rejected_before_any_model_loads(monkeypatch, tmp_path, sto
     for text in expected:
         assert text in message, message
     assert not out.exists()  # nothing written, not even an empty output directory
+
+
+@pytest.mark.parametrize(
+    "script, targets, expected",
+    [
+        ("grpo.py", ["q_proj", "qkv_proj", "lm_head"], ["qkv_proj lm_head: no linear layer", "k_proj, o_proj, q_proj"]),
+        ("rloo.py", ["c_attn"], ["--lora-target-modules c_attn: no linear layer"]),
+        ("online_dpo.py", ["wq"], ["--lora-target-modules wq: no linear layer"]),
+    ],
+)
+def test_a_lora_target_that_no_linear_layer_has_is_one_line(tmp_path, stories_jsonl, script, targets, expected):
+    """peft adapts the names it finds and ignores the others (and an LM head's adapter, which the log-probs would never
+    see): the run stops before its first step, naming them and the linear layers there are, and leaves no directory."""
+    out = tmp_path / "run"
+    flags = ["--dataset-name", stories_jsonl, "--output-dir", out, "--max-steps", 1, "--use-peft"]
+    result = run_script(script, *SMALL, *flags, "--lora-target-modules", *targets)
+    assert result.returncode == 1 and all(text in result.stderr for text in expected), result.stderr[-2000:]
+    assert len(result.stderr.strip().splitlines()[-1]) > 40 and "Traceback" not in result.stderr
+    assert not out.exists() and not (out.parent / "runs").exists()
 
 
 def test_a_run_that_fails_while_starting_leaves_no_directory(tmp_path, stories_jsonl):
@@ -654,8 +664,9 @@ def documented_commands(script):
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_ignored_flag_never_trips_on_flags_that_are_read(monkeypatch, script):
     module = importlib.import_module(script[:-3])
-    for name in ("path_problem", "lora_problem"):  # no hub look-ups for the documented commands' model names
-        monkeypatch.setattr(module, name, lambda *args, **kwargs: None)
+    monkeypatch.setattr(
+        module, "path_problem", lambda *args, **kwargs: None
+    )  # no hub look-ups for the commands' models
     read = [
         [*STARTS],  # nothing typed: the defaults
         ["--use-vllm", "--vllm-mode", "server", "--vllm-server-port", "9000", "--vllm-weight-sync-timeout=5"],
