@@ -589,6 +589,8 @@ class Run:
     args: "Args"  # the flags
     rank: int = 0  # this process's rank (torchrun); rank 0 alone writes the run directory's files and logs
     world_size: int = 1  # processes; each takes an equal share of every step's prompts, whole groups
+    is_main: bool = True  # rank 0
+    prompts_per_rank: int = None  # this rank's share of --prompts-per-step
     device: torch.device = None  # this rank's GPU, or the CPU
     output_dir: str = None  # the run directory (claim_run_dir)
     identity: dict = None  # run_id and run_name (wandb's): a new run's, or the resumed checkpoint's
@@ -621,21 +623,13 @@ class Run:
     metrics_file: object = None  # metrics.jsonl, opened by the first log
     progress: tqdm = None  # the progress bar (rank 0's)
 
-    @property
-    def is_main(self):
-        return self.rank == 0
-
-    @property
-    def prompts_per_rank(self):
-        return self.args.prompts_per_step // self.world_size
-
 
 def set_up(args, rules, problems=(), reference_model=False, steps_per_generation=1, num_iterations=1):
     """The Run, in order: the checks of the flags (the shared ones, `rules`, `problems`) and of the data, before
     anything loads or is written; the run directory; the seed; the prompts, models, optimizer (and a resumed
     checkpoint's state), generator and logs. A round is steps_per_generation x num_iterations optimizer steps."""
     world_size, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
-    run = Run(args, rank, world_size)
+    run = Run(args, rank, world_size, is_main=rank == 0, prompts_per_rank=args.prompts_per_step // world_size)
     # every mistake in the flags or the data stops the run here, before anything loads or is written
     check_args(args, world_size, rules, problems, steps_per_generation * num_iterations, steps_per_generation)
     run.reward_fns = rewards.functions(args.reward_funcs)
