@@ -12,9 +12,7 @@ import importlib.util
 import math
 import os
 import pickle
-import re
 import socket
-import subprocess
 import threading
 import time
 
@@ -28,7 +26,7 @@ from transformers.core_model_loading import revert_weight_conversion
 
 SUPPORTED_VLLM = ((0, 26), (0, 33))  # (major, minor), both ends tested as docs/vllm.md "Supported vLLM versions" says
 PACKED_NUM_BUFFERS = 2  # packed-broadcast chunks in flight on each side; both sides must agree
-# server-mode Args fields (docs/vllm.md, "Server flags") and their defaults, for a fork whose Args predate them
+# the server-mode Args fields an engine carries (docs/vllm.md, "Server flags"), with the Args' defaults (a test checks)
 SERVER_OPTIONS = dict(vllm_group_port=None, vllm_generation_chunk_size=8, vllm_generation_timeout=1800.0)
 SERVER_OPTIONS.update(vllm_weight_sync_timeout=300.0, vllm_weight_sync_buffer_mb=1024, vllm_server_timeout=240.0)
 _listed = lambda value: list(value) if isinstance(value, (list, tuple)) else [value]  # noqa: E731 - one or several
@@ -277,53 +275,19 @@ def check_same_model(server, model, model_path, trust_remote_code=False):
         raise RuntimeError(f"the server serves {name}, not {model_path} ({got}); nothing sent. {restart}")
 
 
-def _serves_port(pid, port):
-    """Whether process `pid` or one of its ancestors is a `vllm serve` listening on `port` (8000 if it names none):
-    a server's GPU process is its engine core, a child of `vllm serve` that renamed itself VLLM::EngineCore."""
-    with contextlib.suppress(psutil.Error):  # a process that ended, or that this user may not read
-        process = psutil.Process(pid)
-        for cmdline in (" ".join(p.cmdline()) + " " for p in [process, *process.parents()] if p.pid > 1):
-            if "vllm" in cmdline and " serve " in cmdline:
-                named = re.search(r"--port[= ](\d+)", cmdline)
-                return int(named.group(1)) == port if named else port == 8000
-    return False
-
-
-def server_gpus(port):
-    """UUIDs of the GPUs the local `vllm serve` on `port` computes on, from nvidia-smi; None when that cannot be told
-    (no nvidia-smi, or a container in which it lists no processes)."""
-    query = ["nvidia-smi", "--query-compute-apps=gpu_uuid,pid", "--format=csv,noheader"]
-    try:
-        out = subprocess.run(query, capture_output=True, text=True, timeout=30).stdout
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    apps = [line.replace(" ", "").split(",") for line in out.splitlines() if line.count(",") == 1]
-    return {gpu for gpu, pid in apps if pid.isdigit() and _serves_port(int(pid), port)} or None
-
-
 def check_transport(base_url, server, model):
-    """Before anything is sent, refuse a layout the server's weight transfer cannot serve, with the command that works:
-    IPC needs its one worker on trainer rank 0's GPU (the handles' tensors are there), on this host; NCCL cannot put
-    two ranks on one GPU (NVIDIA/nccl#418). Where the server's GPU cannot be told, its first IPC answer says so."""
-    host, port = base_url.split("//")[-1].rsplit(":", 1)
-    mine = f"GPU-{torch.cuda.get_device_properties(torch.cuda.current_device()).uuid}"
-    gpus = server_gpus(int(port)) if host in LOCAL_HOSTS else None
-    if server["backend"] == "nccl":
-        if gpus and mine in gpus:
-            raise RuntimeError(
-                f"the server at {base_url} runs on the trainer's GPU {mine} with NCCL weight transfer, and NCCL cannot "
-                f"put two ranks on one GPU. {_restart(model, None, base_url)}"
-            )
+    """Before anything is sent, refuse with the command that works a layout CUDA IPC cannot serve: it reaches one worker
+    on trainer rank 0's GPU, on this host, from memory that can be exported; warn where such a server answers beyond
+    loopback. A server on the wrong GPU is told by the first push: vLLM's or NCCL's refusal with its fix (_with_fix)."""
+    if server["backend"] != "ipc":
         return
+    host, port = base_url.split("//")[-1].rsplit(":", 1)
     if host not in LOCAL_HOSTS or server["workers"] > 1:
         where = f"on {host}" if host not in LOCAL_HOSTS else f"with {server['workers']} workers (tensor/data parallel)"
         raise RuntimeError(
-            f"the server at {base_url} runs {where}, and CUDA IPC reaches only one worker on trainer rank 0's GPU. "
-            "Restart it with NCCL weight transfer, on GPUs the trainer does not use:\n  "
-            + serve_command(model, port=port)
+            f"the server at {base_url} runs {where}, and CUDA IPC reaches only one worker on trainer rank 0's GPU: "
+            f"serve it with NCCL weight transfer, on GPUs the trainer does not use. {_restart(model, 'nccl', base_url)}"
         )
-    if gpus and mine not in gpus:
-        raise RuntimeError(_ipc_elsewhere(base_url, model, f"runs on {', '.join(sorted(gpus))}"))
     allocator = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "") + os.environ.get("PYTORCH_ALLOC_CONF", "")
     if "expandable_segments:true" in allocator.lower().replace(" ", ""):
         raise RuntimeError(
@@ -337,12 +301,6 @@ def check_transport(base_url, server, model):
                 f"warning: the server at {base_url} also answers on {address}:{port}, and it runs any code it is sent "
                 "(VLLM_ALLOW_INSECURE_SERIALIZATION=1): restart it with --host 127.0.0.1 (docs/vllm.md, Security)"
             )
-
-
-def _ipc_elsewhere(base_url, model, what):
-    mine = f"GPU-{torch.cuda.get_device_properties(torch.cuda.current_device()).uuid}"
-    where = f"the server at {base_url} {what}, not on trainer rank 0's GPU {mine}, which CUDA IPC weight transfer needs"
-    return f"{where}. {_restart(model, None, base_url)}"
 
 
 class ServerLost(ConnectionError):
@@ -394,16 +352,22 @@ def _run_beside(nccl_work, http_call, timeout):
     return result
 
 
-def server_init_weight_sync(base_url, port=None, address="127.0.0.1", version=None, buffer_bytes=1 << 30, timeout=300):
+def server_init_weight_sync(
+    base_url, port=None, address="127.0.0.1", version=None, buffer_bytes=1 << 30, timeout=300, name="MODEL"
+):
     """Form the NCCL group trainer (rank 0) + server workers, hosting the rendezvous at address:port (None: a free one).
-    `version`: the server's vLLM; vLLM's trainer_init and packed producer are the same on the wire from 0.26 to 0.33."""
+    `version`: the server's vLLM; vLLM's trainer_init and packed producer are the same on the wire from 0.26 to 0.33.
+    A refusal (NCCL's to put two ranks on one GPU: a server on the trainer's GPU) is raised with its fix."""
     from vllm.distributed.weight_transfer.nccl_common import trainer_init
 
     world_size = requests.get(f"{base_url}/get_world_size", timeout=30).json()["world_size"] + 1
     info = {"master_address": address, "master_port": port or free_port(), "rank_offset": 1, "world_size": world_size}
     info = weight_sync_messages(version, info, {}, buffer_bytes)[0]
     init = lambda: _post(base_url, "/init_weight_transfer_engine", timeout, json={"init_info": info})  # noqa: E731
-    return _run_beside(lambda: trainer_init(info), init, timeout)
+    try:
+        return _run_beside(lambda: trainer_init(info), init, timeout)
+    except RuntimeError as error:
+        raise RuntimeError(_with_fix(base_url, str(error), name)) from error
 
 
 def restore_after_failed_update(base_url, model, timeout=30.0, backend="nccl"):
@@ -420,95 +384,60 @@ def restore_after_failed_update(base_url, model, timeout=30.0, backend="nccl"):
     return "was restored: layers that received nothing keep their previous weights (the next sync sends all)."
 
 
+def _start_update(base_url, name, backend, timeout):
+    """POST /start_weight_update; an update a dead trainer left active is finished first (that repairs an engine that
+    still answers) and the start tried once more. A refusal is raised with the command that restarts the server."""
+    for retry in (True, False):
+        try:
+            return _post(base_url, "/start_weight_update", timeout, json={})
+        except RuntimeError as error:  # "already active" (0.26 to 0.33 v1/worker/gpu_worker.py): a trainer died
+            dead = "a previous trainer died inside a weight update: " if "already active" in str(error) else ""
+            if not (retry and dead):
+                raise RuntimeError(f"{dead}{error}\n{_restart(name, backend, base_url)}") from error
+            restore_after_failed_update(base_url, name, timeout, backend)  # finishing it repairs an engine that answers
+
+
+def _reset_prefix_cache(base_url, timeout):
+    """After an update, while paused: no request holds blocks, so a refused reset is an error, not one to retry."""
+    if not _post(base_url, "/reset_prefix_cache", timeout).get("success", True):
+        raise RuntimeError(f"the server at {base_url}: its prefix cache could not be reset after a weight update")
+
+
 def paused_update(base_url, send, name="MODEL", backend="nccl", timeout=300.0):
     """Probe -> /pause (wait: running requests end on the old weights) -> /start_weight_update -> send() -> finish ->
-    reset the prefix cache -> /resume. A failure restores what it can and resumes; the error names the fix."""
-    probe_server(base_url, name, backend=backend)  # a wedged engine is reported now, not after `timeout` s
-    try:
-        _post(base_url, "/pause", timeout, params={"mode": "wait"})  # (in the try: a pause that timed out is undone)
-        for retry in (True, False):
+    reset the prefix cache -> /resume, each request within `timeout` s, on one server or several (a list), each step on
+    all at once: send() runs once, all paused inside a started update. A failure restores each update it left open,
+    resumes every server and is raised once: the cause, then each restoration. A server's finished update stays."""
+    urls = _listed(base_url)
+    with concurrent.futures.ThreadPoolExecutor(len(urls)) as pool:
+
+        def each(step, among=urls):  # step(url) on the servers at once: {url: error} of those that raised
+            futures = {url: pool.submit(step, url) for url in among}
+            return {url: error for url, future in futures.items() if (error := future.exception()) is not None}
+
+        if stuck := each(lambda url: probe_server(url, name, backend=backend)):  # a wedged engine: nothing is paused
+            raise next(iter(stuck.values()))
+        errors, started, finished = each(lambda url: _post(url, "/pause", timeout, params={"mode": "wait"})), [], []
+        if not errors:
+            errors = each(lambda url: _start_update(url, name, backend, timeout))
+            started = [url for url in urls if not isinstance(errors.get(url), RuntimeError)]  # a refusal started none
+        if not errors:
             try:
-                _post(base_url, "/start_weight_update", 60, json={})
-                break
-            except RuntimeError as error:  # "already active" (0.26 to 0.33 v1/worker/gpu_worker.py): a trainer died
-                dead = "a previous trainer died inside a weight update: " if "already active" in str(error) else ""
-                if not (retry and dead):
-                    raise RuntimeError(f"{dead}{error}\n{_restart(name, backend, base_url)}") from error
-                with contextlib.suppress(RuntimeError, requests.RequestException):  # where its engine still answers,
-                    _post(base_url, "/finish_weight_update", 60, json={})  # finishing that update repairs it: retry
-        try:
-            send()
-            _post(base_url, "/finish_weight_update", 60, json={})
-        except BaseException as error:
-            restored = restore_after_failed_update(base_url, name, backend=backend)
-            cause = str(error).removeprefix("the weight update failed: ")  # one prefix when servers nest
-            raise RuntimeError(f"the weight update failed: {cause}\nThe server at {base_url} {restored}") from error
-        if not _post(base_url, "/reset_prefix_cache", 60).get("success", True):  # paused: no request holds blocks
-            raise RuntimeError("the server's prefix cache could not be reset after a weight update")
-    except BaseException:
-        with contextlib.suppress(RuntimeError, requests.RequestException):  # the error in flight is the one to report
-            _post(base_url, "/resume", 30)
-        raise
-    _post(base_url, "/resume", 60)
-
-
-def paused_updates(urls, send, name="MODEL", backend="nccl", timeout=300.0):
-    """paused_update on several servers at once, a thread each so that they overlap: send() runs once, when every server
-    is paused inside a started update; any failure restores and resumes all, raised once with each restoration."""
-    if len(urls) == 1:
-        return paused_update(urls[0], send, name, backend, timeout)
-    arrived, state, lock = {}, {"sent": False, "failed": False, "timed_out": False}, threading.Lock()
-
-    def send_once():  # run by the last server to be ready, before any is released
-        try:
-            send()
-        except BaseException:
-            state["failed"] = True  # before the barrier breaks: the others know it was not a timeout
-            raise
-        state["sent"] = True
-
-    barrier, errors = threading.Barrier(len(urls), action=send_once), {}
-    device = torch.cuda.current_device() if torch.cuda.is_initialized() else None
-    stream = torch.cuda.current_stream() if device is not None else None
-
-    def wait(url):
-        with lock:
-            arrived[url] = time.monotonic()
-        try:
-            barrier.wait(timeout)
-        except threading.BrokenBarrierError as error:
-            with lock:
-                if errors or state["failed"] or state["timed_out"]:
-                    raise
-                state["timed_out"] = True  # no server failed: the wait ran out. Name those it waited for
-                late = [u for u in urls if arrived.get(u, float("inf")) > arrived[url] + timeout / 2]
-            raise TimeoutError(
-                f"{', '.join(late) or 'the last server'} did not pause inside a started weight update within "
-                f"{timeout:g} s after {url} had (--vllm-weight-sync-timeout; no answer yet to /pause or "
-                f"/start_weight_update): nothing was sent"
-            ) from error
-
-    def one(url):
-        try:
-            if device is not None:  # the current device and stream are per thread: send() packs on the caller's
-                torch.cuda.set_device(device)
-            with torch.cuda.stream(stream):  # a no-op for None
-                paused_update(url, lambda: wait(url), name, backend, timeout)
-        except BaseException as error:  # noqa: BLE001 - raised below, after every server is resumed
-            errors[url] = error  # before the abort: a server that sees the barrier break knows it was not a timeout
-            if not state["sent"]:  # the others stop waiting: each restores and resumes its server. After the send
-                barrier.abort()  # none waits, and one just released would take the break for a failed send
-
-    threads = [threading.Thread(target=one, args=(url,), daemon=True) for url in urls]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    if errors:  # the cause once (a server that only saw the barrier break adds its restoration line)
-        broken = lambda error: isinstance(error.__cause__, threading.BrokenBarrierError)  # noqa: E731
-        cause = next((e for e in errors.values() if not broken(e)), next(iter(errors.values())))
-        said = [str(e).split("\n", 1)[-1] if broken(e) else str(e) for e in errors.values() if e is not cause]
-        raise RuntimeError("\n".join([str(cause), *said])) from cause
+                send()
+            except BaseException as error:  # noqa: BLE001 - raised below, once every server is restored and resumed
+                errors = {None: error}
+        if not errors:
+            errors = each(lambda url: _post(url, "/finish_weight_update", timeout, json={}))
+            finished = [url for url in urls if url not in errors]
+        left_open = [url for url in started if url not in finished]
+        said = [f"The server at {url} {restore_after_failed_update(url, name, backend=backend)}" for url in left_open]
+        errors |= each(lambda url: _reset_prefix_cache(url, timeout), finished)
+        resumed = each(lambda url: _post(url, "/resume", timeout))  # every server, also after a failure
+    if errors := errors or resumed:
+        cause = next(iter(errors.values()))
+        if said := [*said, *(str(error) for error in errors.values() if error is not cause)]:
+            raise RuntimeError("\n".join([f"the weight update failed: {cause}", *said])) from cause
+        raise cause
 
 
 def server_sync_weights(base_url, group, model, version=None, buffer_bytes=1 << 30, timeout=300.0, name="MODEL"):
@@ -565,7 +494,7 @@ def server_sync_weights_ipc(base_url, model, version=None, buffer_bytes=1 << 30,
     """CUDA IPC to a server on this GPU: named_weights in packed chunks of at most `buffer_bytes`, one /update_weights
     with its handle each (torchrun's other ranks iterate the weights too); 0.27+ learns `packed` from
     /init_weight_transfer_engine, sent at every sync (a restarted server has forgotten it). `base_url`: one URL, or the
-    servers of one run: each chunk goes to all at once, inside paused_updates, so that the weights are packed once."""
+    servers of one run: each chunk goes to all at once, inside one paused_update, so that it is packed once."""
     urls = _listed(base_url)
     total = sum(2 * math.prod(shape) for shape in weight_metadata(model)["shapes"])  # bf16 bytes
     for url in urls:
@@ -577,7 +506,7 @@ def server_sync_weights_ipc(base_url, model, version=None, buffer_bytes=1 << 30,
         try:
             _post(url, "/update_weights", timeout, json={"update_info": info})
         except RuntimeError as error:
-            raise RuntimeError(_ipc_problem(url, str(error), name)) from error
+            raise RuntimeError(_with_fix(url, str(error), name)) from error
 
     def send():
         with concurrent.futures.ThreadPoolExecutor(len(urls)) as pool:
@@ -588,19 +517,22 @@ def server_sync_weights_ipc(base_url, model, version=None, buffer_bytes=1 << 30,
                 list(pool.map(update, urls, handles, [chunk] * len(urls)))
 
     try:
-        paused_updates(urls, send, name, "ipc", timeout)
+        paused_update(urls, send, name, "ipc", timeout)
     finally:  # after /finish_weight_update, where a 0.28+ server releases its mapping of the last chunk
         if torch.cuda.is_initialized():
             torch.cuda.ipc_collect()  # the exported buffers the server has released go back to the allocator
 
 
-def _ipc_problem(base_url, error, model):
-    """A server's answer to an IPC update, with the fix where the cause is known."""
-    if "IPC handle not found for GPU UUID" in error:  # the server's worker is on another GPU than trainer rank 0
-        return _ipc_elsewhere(base_url, model, "answered 'IPC handle not found for GPU UUID': it runs elsewhere")
+def _with_fix(base_url, error, model):
+    """A refusal of a weight transfer (the server's answer, or NCCL's), with the fix where the cause is known."""
+    at, both = f"the server at {base_url}", _restart(model, None, base_url)
+    if "IPC handle not found for GPU UUID" in error:  # its worker is on another GPU than trainer rank 0's
+        mine = torch.cuda.get_device_properties(torch.cuda.current_device()).uuid
+        return f"{at} runs elsewhere, not on trainer rank 0's GPU GPU-{mine}, which CUDA IPC needs. {both}"
+    if "NCCL error: invalid usage" in error:  # vLLM's pynccl, as NCCL refuses two ranks on one GPU (NVIDIA/nccl#418)
+        return f"{at} likely runs on the trainer's GPU: NCCL refused the group ({error}). {both}"
     if "VLLM_ALLOW_INSECURE_SERIALIZATION" in error:
-        without = f"the server at {base_url} was started without VLLM_ALLOW_INSECURE_SERIALIZATION=1"
-        return f"{without}. {_restart(model, 'ipc', base_url)}"
+        return f"{at} was started without VLLM_ALLOW_INSECURE_SERIALIZATION=1. {_restart(model, 'ipc', base_url)}"
     return error
 
 
@@ -626,9 +558,8 @@ def parse_completions(response, num_prompts, n):
 def server_generate(base_url, model_id, prompt_ids, n, fields, chunk_size=8, timeout=1800.0, lost=None):
     """n completions per prompt on the server: (completion ids, log-probs) prompt-major, by concurrent requests of
     `chunk_size` prompts (vLLM batches them; no response holds a round), each within `timeout` s. `base_url`: one URL,
-    or servers of the same weights taking the chunks in turn (one EngineCore's CPU bounds a round with log-probs:
-    docs/vllm.md, "Several servers"); one that stops answering joins `lost` ({url: since}), its chunks go to the others;
-    ServerLost if none is left."""
+    or servers of the same weights taking the chunks in turn (docs/vllm.md, "Several servers"); one that stops
+    answering joins `lost` ({url: since}), its chunks go to the others; ServerLost if none is left."""
     urls, lost = _listed(base_url), {} if lost is None else lost
     first = int(os.environ.get("RANK", "0"))  # torchrun ranks start at different servers
 
@@ -673,7 +604,7 @@ def check_args(args):
     problems = setup_problems() if args.use_vllm else []
     floor = getattr(args, "vllm_importance_sampling_clip_min", None) or 0  # the clip max must exceed it
     ports = lambda v: 0 < len(set(_listed(v))) == len(_listed(v)) and all(0 < p < 65536 for p in _listed(v))
-    rules = [  # (field, true for a valid value, what it must be); None (an option left unset) is always valid
+    rules = [  # (field, true for a valid value, what it must be); None (left unset, or not a field) is always valid
         ("vllm_gpu_memory_utilization", lambda v: 0 < v <= 1, "in (0, 1]"),
         ("vllm_tensor_parallel_size", lambda v: v >= 1, "at least 1"),
         ("vllm_max_model_len", lambda v: v >= 1, "at least 1"),
@@ -691,7 +622,7 @@ def check_args(args):
             "--async-generation needs --use-vllm --vllm-mode server: only a server (on other GPUs or on the trainer's "
             "own) generates in another process, so that generation overlaps training"
         )
-    if args.use_vllm and getattr(args, "use_peft", False) and getattr(args, "torch_compile", False):
+    if args.use_vllm and args.use_peft and args.torch_compile:
         print("warning: --torch-compile is off with --use-peft: peft's LoRA layers are not compiled (not measured)")
     truncated = args.top_p < 1 or args.top_k > 0 or args.min_p > 0 or args.repetition_penalty != 1
     if args.use_vllm and getattr(args, "vllm_importance_sampling_correction", False) and truncated:
@@ -711,7 +642,7 @@ def start(args, model_path, max_prompt_length):
     global TRUST_REMOTE_CODE  # vLLM, the model comparison and the serve commands printed load the model alike
     vllm_version(None, who="this trainer")
     engine = {"mode": args.vllm_mode, "fields": sampling_fields(args), "n": args.num_generations, "model": model_path}
-    TRUST_REMOTE_CODE = engine["trust_remote_code"] = getattr(args, "trust_remote_code", False)
+    TRUST_REMOTE_CODE = engine["trust_remote_code"] = args.trust_remote_code
     max_len = max_prompt_length + args.max_completion_length
     if args.vllm_mode == "colocate":
         dtype, seqs = ("bfloat16" if args.bf16 else "auto"), args.prompts_per_step * engine["n"]
@@ -723,7 +654,7 @@ def start(args, model_path, max_prompt_length):
         engine["tp_group"] = tensor_parallel_group(args.vllm_tensor_parallel_size)
         return engine
     # serve the base model: a resume's checkpoint-N may be deleted, and start_with_weights sends this run's at once
-    engine["model"] = model_path = getattr(args, "model_name_or_path", model_path)
+    engine["model"] = model_path = args.model_name_or_path
     ports = _listed(args.vllm_server_port)  # several: servers of one model on this GPU, sharing each round
     engine["base_urls"] = urls = [f"http://{args.vllm_server_host}:{port}" for port in ports]
     for url in urls:
@@ -743,7 +674,7 @@ def start(args, model_path, max_prompt_length):
         if (limit := server["max_model_len"]) and max_len > limit:
             lengths = f"({max_prompt_length} tokens) + --max-completion-length {args.max_completion_length}"
             raise ValueError(f"the longest prompt {lengths} exceeds {server['url']}'s --max-model-len {limit}")
-    engine.update({key: getattr(args, key, default) for key, default in SERVER_OPTIONS.items()})
+    engine.update({key: getattr(args, key) for key in SERVER_OPTIONS})
     if os.environ.get("RANK", "0") == "0":  # with torchrun every rank generates over HTTP, rank 0 alone syncs
         for url, server in zip(urls, servers):
             check_transport(url, server, model_path)
@@ -758,7 +689,7 @@ def start_with_weights(args, model, model_path, max_prompt_length):
     """start(), then the trainer's weights at once, as every round must sample the trained policy: a server may hold
     others (an earlier run's, this one's before a resume); with --use-peft a colocated one too (it loaded the base)."""
     engine = start(args, model_path, max_prompt_length)
-    if args.vllm_mode == "server" or getattr(args, "use_peft", False):
+    if args.vllm_mode == "server" or args.use_peft:
         sync_weights(engine, model)
     return engine
 
@@ -801,12 +732,12 @@ def sleep(engine):
 def server_push(engine, model, urls):
     """One weight update of the servers at `urls` (all of them in full: a restarted server holds its start-up ones)."""
     sync = {"version": engine["server"]["version"], "timeout": engine["vllm_weight_sync_timeout"]}
-    sync["buffer_bytes"] = engine["vllm_weight_sync_buffer_mb"] << 20
+    sync.update(buffer_bytes=engine["vllm_weight_sync_buffer_mb"] << 20, name=engine["model"])
     if engine["server"]["backend"] == "ipc":  # no group: each chunk's handle goes over HTTP
-        return server_sync_weights_ipc(urls, model, name=engine["model"], **sync)
+        return server_sync_weights_ipc(urls, model, **sync)
     if (group := engine.pop("group", None)) is None:  # popped: a failed update leaves the group unusable
         group = server_init_weight_sync(engine["base_url"], engine["vllm_group_port"], engine["master_address"], **sync)
-    server_sync_weights(engine["base_url"], group, model, name=engine["model"], **sync)
+    server_sync_weights(engine["base_url"], group, model, **sync)
     engine["group"] = group
 
 

@@ -16,6 +16,13 @@ from transformers import LlamaConfig, LlamaForCausalLM
 import vllm_utils
 
 
+def _args(**fields):
+    """The scripts' Args (grpo.py's defaults), with `fields` changed: what vllm_utils.start and check_args read."""
+    import grpo
+
+    return SimpleNamespace(**{**vars(grpo.Args()), **fields})
+
+
 def test_completions_request_sends_every_sampling_field():
     args = SimpleNamespace(
         temperature=0.7, top_p=0.9, top_k=0, min_p=0.05, repetition_penalty=1.1, max_completion_length=64
@@ -393,7 +400,7 @@ def test_every_rank_generates_through_the_server_and_only_rank_0_joins_the_weigh
             sent.append((url, chunk, timeout)) or ([[1]], [[-0.1]])
         ),
     )
-    args = SimpleNamespace(
+    args = _args(
         model_name_or_path="m",
         vllm_mode="server",
         vllm_server_host="10.0.0.7",
@@ -401,13 +408,8 @@ def test_every_rank_generates_through_the_server_and_only_rank_0_joins_the_weigh
         vllm_server_timeout=1,
         num_generations=1,
         max_completion_length=8,
-        temperature=1.0,
-        top_p=1.0,
-        top_k=0,
-        min_p=0.0,
-        repetition_penalty=1.0,
         vllm_generation_chunk_size=3,
-    )  # an older Args: no vllm_group_port
+    )
     model = _tiny_llama()
     for rank in (1, 0):
         monkeypatch.setenv("RANK", str(rank))
@@ -417,18 +419,17 @@ def test_every_rank_generates_through_the_server_and_only_rank_0_joins_the_weigh
         vllm_utils.sync_weights(engine, model)
         vllm_utils.sync_weights(engine, model)
         assert ("group" in engine) == (rank == 0)
-    assert sent == [(["http://10.0.0.7:8001"], 3, 1800.0)] * 2  # chunk size from Args, the timeout's default
+    assert sent == [(["http://10.0.0.7:8001"], 3, 1800.0)] * 2  # chunk size and timeout from Args
     assert len(joined) == 1 and joined[0][0] == ("http://10.0.0.7:8001", None, "10.0.0.1")  # once, rank 0, free port
-    assert joined[0][1] == {"version": "0.26.0", "timeout": 300.0, "buffer_bytes": 1 << 30}
+    assert joined[0][1] == {"version": "0.26.0", "timeout": 300.0, "buffer_bytes": 1 << 30, "name": "m"}
     assert len(synced) == 2 and synced[0][0] == ("http://10.0.0.7:8001", "group", model)
 
 
 def test_a_resumed_run_tells_to_serve_its_base_model_not_its_checkpoint():
     """A full-model resume loads runs/.../checkpoint-N, but the server is told to serve --model-name-or-path: the
     checkpoint may be deleted by --save-total-limit, and the server gets the run's weights at once anyway."""
-    args = SimpleNamespace(model_name_or_path="base/model", vllm_mode="server", vllm_server_host="127.0.0.1")
-    args.__dict__.update(vllm_server_port=vllm_utils.free_port(), vllm_server_timeout=0.1, num_generations=2)
-    args.__dict__.update(max_completion_length=8, temperature=1.0, top_p=1.0, top_k=0, min_p=0.0, repetition_penalty=1)
+    args = _args(model_name_or_path="base/model", vllm_mode="server", vllm_server_host="127.0.0.1")
+    args.__dict__.update(vllm_server_port=vllm_utils.free_port(), vllm_server_timeout=0.1, max_completion_length=8)
     with pytest.raises(ConnectionError) as error:
         vllm_utils.start(args, "runs/grpo__1__1/checkpoint-3", max_prompt_length=10)
     assert "vllm serve base/model " in str(error.value) and "checkpoint-3" not in str(error.value)
@@ -1073,9 +1074,10 @@ def test_a_tensor_larger_than_the_buffer_goes_alone_as_a_copy():
 
 
 def test_a_failed_ipc_update_restores_the_server_and_names_the_fix(serve, monkeypatch):
-    """The server's answers to a wrong layout become the one-line fix; the server is restored and resumed."""
+    """The server's answers to a wrong layout become the one-line fix; the server is restored and resumed. A server on
+    another GPU (no GPU discovery at start-up: this answer tells) gets both layouts that work, each command in full."""
     FakeIPC(monkeypatch)
-    _layout(monkeypatch, None)
+    _layout(monkeypatch)
     answers = {
         "IPC handle not found for GPU UUID 1234. Available UUIDs: ['abcd']": "not on trainer rank 0's GPU GPU-abcd",
         "Refusing to deserialize `ipc_handles_pickled` without VLLM_ALLOW_INSECURE_SERIALIZATION=1": "started without",
@@ -1086,39 +1088,27 @@ def test_a_failed_ipc_update_restores_the_server_and_names_the_fix(serve, monkey
             vllm_utils.server_sync_weights_ipc(server.url, _tiny_llama(), "0.26.0", 1 << 20, timeout=5, name="my/m")
         assert fix in str(error.value) and "VLLM_ALLOW_INSECURE_SERIALIZATION=1 vllm serve my/m" in str(error.value)
         assert "CUDA_VISIBLE_DEVICES=3 " in str(error.value)  # the IPC command puts the server on the trainer's GPU
+        assert ('{"backend": "nccl"}' in str(error.value)) == ("GPU UUID" in answer)  # or NCCL, on other GPUs
         assert server.paths()[-2:] == ["/finish_weight_update", "/resume"]
 
 
-def _layout(monkeypatch, gpus, host="127.0.0.1", env=None):
-    """check_transport's view: trainer on GPU-abcd (CUDA_VISIBLE_DEVICES=3), the server's GPUs from nvidia-smi."""
+def _layout(monkeypatch, host="127.0.0.1", env=None):
+    """check_transport's view: trainer on GPU-abcd (CUDA_VISIBLE_DEVICES=3), the server at `host`:8001."""
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda *a: SimpleNamespace(uuid="abcd"))
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
-    monkeypatch.setattr(vllm_utils, "server_gpus", lambda port: gpus)
     for key, value in (env or {}).items():
         monkeypatch.setenv(key, value)
     return f"http://{host}:8001"
 
 
 @pytest.mark.parametrize(
-    "backend, gpus, host, workers, env, message, command",
+    "host, workers, env, message, command",
     [
-        ("nccl", {"GPU-abcd"}, "127.0.0.1", 1, None, "NCCL cannot put two ranks on one GPU", "CUDA_VISIBLE_DEVICES=3 "),
+        ("10.1.2.3", 1, None, "runs on 10.1.2.3", "CUDA_VISIBLE_DEVICES=1 VLLM_SERVER_DEV_MODE=1 vllm"),
+        ("127.0.0.1", 2, None, "with 2 workers", '{"backend": "nccl"}'),
         (
-            "ipc",
-            {"GPU-ef01"},
-            "127.0.0.1",
-            1,
-            None,
-            "runs on GPU-ef01, not on trainer rank 0's GPU",
-            "VISIBLE_DEVICES=3 ",
-        ),
-        ("ipc", None, "10.1.2.3", 1, None, "runs on 10.1.2.3", "CUDA_VISIBLE_DEVICES=1 VLLM_SERVER_DEV_MODE=1 vllm"),
-        ("ipc", {"GPU-abcd"}, "127.0.0.1", 2, None, "with 2 workers", '{"backend": "nccl"}'),
-        (
-            "ipc",
-            {"GPU-abcd"},
             "localhost",
             1,
             {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"},
@@ -1126,8 +1116,6 @@ def _layout(monkeypatch, gpus, host="127.0.0.1", env=None):
             "Unset it",
         ),
         (
-            "ipc",
-            {"GPU-abcd"},
             "localhost",
             1,
             {"PYTORCH_ALLOC_CONF": "expandable_segments:True"},  # torch 2.11's name for the same setting
@@ -1136,24 +1124,41 @@ def _layout(monkeypatch, gpus, host="127.0.0.1", env=None):
         ),
     ],
 )
-def test_a_layout_the_transport_cannot_serve_is_refused_with_the_command_that_works(
-    monkeypatch, backend, gpus, host, workers, env, message, command
+def test_a_layout_ipc_cannot_serve_is_refused_with_the_command_that_works(
+    monkeypatch, host, workers, env, message, command
 ):
-    url = _layout(monkeypatch, gpus, host, env)
+    url = _layout(monkeypatch, host, env)
     with pytest.raises(RuntimeError, match=message) as error:
-        vllm_utils.check_transport(url, {"backend": backend, "workers": workers}, "my/m")
+        vllm_utils.check_transport(url, {"backend": "ipc", "workers": workers}, "my/m")
     assert command in str(error.value)
-    if backend == "nccl" or gpus == {"GPU-ef01"}:  # both remedies, each a full command
-        assert '{"backend": "ipc"}' in str(error.value) and '{"backend": "nccl"}' in str(error.value)
 
 
 @pytest.mark.parametrize(
-    "backend, gpus", [("ipc", {"GPU-abcd"}), ("ipc", None), ("nccl", {"GPU-ef01"}), ("nccl", None)]
+    "backend, host, workers", [("ipc", "127.0.0.1", 1), ("nccl", "127.0.0.1", 1), ("nccl", "h", 2)]
 )
-def test_layouts_each_transport_serves_pass(monkeypatch, backend, gpus):
-    """IPC with the server seen on the trainer's GPU, or not seen at all (a container: its first answer decides);
-    NCCL with the server on another GPU or not seen."""
-    vllm_utils.check_transport(_layout(monkeypatch, gpus), {"backend": backend, "workers": 1}, "my/m")
+def test_layouts_each_transport_serves_pass(monkeypatch, backend, host, workers):
+    """IPC with one worker on this host (which GPU, its first answer tells); NCCL on any host and any number of workers
+    (two ranks on one GPU: NCCL's refusal at the first push tells)."""
+    vllm_utils.check_transport(_layout(monkeypatch, host), {"backend": backend, "workers": workers}, "my/m")
+
+
+def test_an_nccl_server_on_the_trainers_gpu_is_named_at_the_first_push_with_both_commands(serve, monkeypatch):
+    """No GPU discovery: NCCL refuses two ranks on one GPU with "invalid usage" (vLLM's pynccl raises it in the
+    trainer's group init), which the trainer turns into one line naming the likely cause, with the IPC command for this
+    GPU and the NCCL one for other GPUs."""
+    from vllm.distributed.weight_transfer import nccl_common
+
+    def refused(info):
+        raise RuntimeError("NCCL error: invalid usage (run with NCCL_DEBUG=WARN for details)")
+
+    monkeypatch.setattr(nccl_common, "trainer_init", refused)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")  # the trainer's GPU, which the IPC command names
+    server = serve({"/get_world_size": (200, {"world_size": 1}), "/init_weight_transfer_engine": (200, {})})
+    with pytest.raises(RuntimeError, match="likely runs on the trainer's GPU: NCCL refused the group") as error:
+        vllm_utils.server_init_weight_sync(server.url, None, version="0.26.0", timeout=5, name="my/m")
+    said, port = str(error.value), server.url.rsplit(":", 1)[1]
+    assert f"the server at {server.url} " in said and "invalid usage" in said and f"--port {port} " in said
+    assert '{"backend": "ipc"}' in said and '{"backend": "nccl"}' in said and "CUDA_VISIBLE_DEVICES=3 " in said
 
 
 def test_an_ipc_server_that_also_answers_beyond_loopback_is_warned_about(monkeypatch, capsys):
@@ -1168,44 +1173,10 @@ def test_an_ipc_server_that_also_answers_beyond_loopback_is_warned_about(monkeyp
         pytest.skip("this machine has no IPv4 address but loopback")
     for host, warned in (("127.0.0.1", False), ("0.0.0.0", True)):
         with socket.create_server((host, 0)) as listener:  # a port that answers: the kernel accepts for it
-            url = _layout(monkeypatch, {"GPU-abcd"}).replace(":8001", f":{listener.getsockname()[1]}")
+            url = _layout(monkeypatch).replace(":8001", f":{listener.getsockname()[1]}")
             vllm_utils.check_transport(url, {"backend": "ipc", "workers": 1}, "my/m")
         out = capsys.readouterr().out
         assert ("warning: " in out and "also answers on" in out and "--host 127.0.0.1" in out) == warned, out
-
-
-def test_the_server_gpus_are_found_through_the_vllm_serve_ancestor_and_its_port(monkeypatch):
-    """nvidia-smi lists the engine core (renamed VLLM::EngineCore): its parent `vllm serve ... --port 8001` says
-    which server it belongs to; another server's engine (port 8002), other processes and ones that ended are not."""
-    import psutil
-
-    procs = {  # pid: (cmdline, parent pid), as psutil reads them from /proc
-        10: (["vllm", "serve", "m", "--port", "8001"], 1),
-        11: (["VLLM::EngineCore"], 10),
-        20: (["python3", "-m", "vllm.entrypoints.cli.main", "serve", "m", "--port=8002"], 1),
-        21: (["VLLM::EngineCore"], 20),
-        30: (["python3", "train.py"], 1),
-        1: (["vllm", "serve", "m"], 0),  # init is never taken for a server
-    }
-
-    class Process:
-        def __init__(self, pid):
-            if pid not in procs:
-                raise psutil.NoSuchProcess(pid)
-            self.pid = pid
-
-        def cmdline(self):
-            return procs[self.pid][0]
-
-        def parents(self):
-            parent = procs[self.pid][1]
-            return [Process(parent), *Process(parent).parents()] if parent else []
-
-    monkeypatch.setattr(psutil, "Process", Process)
-    out = "GPU-aa, 11\nGPU-bb, 21\nGPU-cc, 30\nGPU-dd, 40\n"
-    monkeypatch.setattr(vllm_utils.subprocess, "run", lambda *a, **k: SimpleNamespace(stdout=out))
-    assert vllm_utils.server_gpus(8001) == {"GPU-aa"} and vllm_utils.server_gpus(8002) == {"GPU-bb"}
-    assert vllm_utils.server_gpus(8000) is None
 
 
 def test_a_sleeping_server_is_refused_at_start_up(serve):
@@ -1268,7 +1239,7 @@ def test_start_with_weights_pushes_the_trainers_weights_to_a_server_at_once(monk
     pushed = []
     monkeypatch.setattr(vllm_utils, "start", lambda args, path, longest: {"mode": args.vllm_mode, "path": path})
     monkeypatch.setattr(vllm_utils, "sync_weights", lambda engine, model: pushed.append((engine["path"], model)))
-    engine = vllm_utils.start_with_weights(SimpleNamespace(vllm_mode=mode), "MODEL", "m", 10)
+    engine = vllm_utils.start_with_weights(SimpleNamespace(vllm_mode=mode, use_peft=False), "MODEL", "m", 10)
     assert engine == {"mode": mode, "path": "m"}
     assert pushed == ([("m", "MODEL")] if mode == "server" else [])  # a colocated engine loads the checkpoint itself
 
@@ -1419,55 +1390,50 @@ def test_a_failed_push_to_either_server_leaves_both_restored_and_resumed(serve, 
 
 
 def test_a_server_too_slow_to_start_its_update_is_named_and_both_end_resumed(serve, monkeypatch):
-    """The other server waits `timeout` s for it at the barrier, then the error names the slow one (it was an empty
-    line: a timed-out barrier has no message), nothing is sent, and both end resumed."""
+    """Its /start_weight_update does not answer within the timeout: the error names it, nothing is sent, both updates
+    are finished (the slow one may have started after the trainer gave up) and both servers end resumed."""
     FakeIPC(monkeypatch)
-    slow_start = lambda body: time.sleep(1.5) or (200, {})  # noqa: E731 - answers, but after the others gave up
+    slow_start = lambda body: time.sleep(1.5) or (200, {})  # noqa: E731 - answers, but after the timeout
     servers = [serve(_sync_routes()), serve(_sync_routes(**{"/start_weight_update": slow_start}))]
     with pytest.raises(RuntimeError) as error:
         vllm_utils.server_sync_weights_ipc([s.url for s in servers], _tiny_llama(), "0.26.0", 1 << 20, 0.5, name="m")
     first, *rest = str(error.value).split("\n")
-    assert first == (
-        f"the weight update failed: {servers[1].url} did not pause inside a started weight update within 0.5 s after "
-        f"{servers[0].url} had (--vllm-weight-sync-timeout; no answer yet to /pause or /start_weight_update): nothing "
-        "was sent"
-    ), str(error.value)
+    assert first.startswith("the weight update failed: ") and "timed out" in first, first
+    assert f"port={servers[1].url.rsplit(':', 1)[1]}" in first, first  # the slow one
     for server in servers:
+        deadline = time.time() + 10
+        while server.paths()[-1:] != ["/resume"] and time.time() < deadline:  # (the slow start answers late)
+            time.sleep(0.05)
         paths = server.paths()
         assert "/update_weights" not in paths and paths.count("/pause") == 1 and paths[-1] == "/resume", paths
+        assert "/finish_weight_update" in paths, paths
         assert any(f"The server at {server.url} was restored" in line for line in rest), str(error.value)
+
+
+def test_a_stuck_server_among_several_is_reported_before_any_is_paused(serve, monkeypatch):
+    """Every server is probed first: one whose engine does not answer /is_paused stops the push before any /pause."""
+    FakeIPC(monkeypatch)
+    monkeypatch.setattr(vllm_utils.probe_server, "__defaults__", (1.0, "nccl"))
+    stuck = lambda body: time.sleep(20) or (200, {"is_paused": False})  # noqa: E731
+    servers = [serve(_sync_routes()), serve(_sync_routes(**{"/is_paused": stuck}))]
+    with pytest.raises(RuntimeError, match="answers /health but its engine not /is_paused"):
+        vllm_utils.server_sync_weights_ipc([s.url for s in servers], _tiny_llama(), "0.26.0", 1 << 20, 5, name="m")
+    assert [server.paths() for server in servers] == [["/is_paused"], ["/is_paused"]]
 
 
 def test_a_server_failing_after_the_send_leaves_the_others_updated(serve, monkeypatch):
     """Every server got the weights; the third's /finish_weight_update fails. The others finish, reset their prefix
-    caches and resume as after a good push, and the error names the third only. (They took the failure for a failed
-    send when it came as they left the barrier: skipped their cache reset and said they were restored. The third's
-    calls answer without a socket here, so that its failure comes before the others wake up.)"""
+    caches and resume as after a good push, and the error names the third only."""
     FakeIPC(monkeypatch)
-    post, started = vllm_utils._post, []
-
-    def fast_third(base_url, path, timeout, **kwargs):  # once started, the third answers without a socket
-        if base_url == servers[2].url and started:
-            if path == "/finish_weight_update":
-                raise RuntimeError(f"POST {base_url}{path} failed with 500: boom")
-            return {}
-        if base_url == servers[2].url and path == "/start_weight_update":
-            started.append(True)  # (this call itself still goes to the stand-in)
-        return post(base_url, path, timeout, **kwargs)
-
-    monkeypatch.setattr(vllm_utils, "_post", fast_third)
-    late_start = lambda body: time.sleep(0.1) or (200, {})  # noqa: E731 - the third is the last ready: it sends
-    for _ in range(10):
-        started.clear()
-        servers = [serve(_sync_routes()) for _ in range(2)] + [
-            serve(_sync_routes(**{"/start_weight_update": late_start}))
-        ]
-        with pytest.raises(RuntimeError, match="boom") as error:
-            vllm_utils.server_sync_weights_ipc([s.url for s in servers], _tiny_llama(), "0.26.0", 1 << 30, 5, name="m")
-        for server in servers[:2]:
-            assert server.paths()[-3:] == ["/finish_weight_update", "/reset_prefix_cache", "/resume"], server.paths()
-            assert server.url not in str(error.value), str(error.value)
-        assert f"The server at {servers[2].url} could not be restored" in str(error.value), str(error.value)
+    servers = [serve(_sync_routes()) for _ in range(2)]
+    servers.append(serve(_sync_routes(**{"/finish_weight_update": _vllm_error("boom")})))
+    with pytest.raises(RuntimeError, match="boom") as error:
+        vllm_utils.server_sync_weights_ipc([s.url for s in servers], _tiny_llama(), "0.26.0", 1 << 30, 5, name="m")
+    for server in servers[:2]:
+        assert server.paths()[-3:] == ["/finish_weight_update", "/reset_prefix_cache", "/resume"], server.paths()
+        assert server.url not in str(error.value), str(error.value)
+    assert f"The server at {servers[2].url} could not be restored" in str(error.value), str(error.value)
+    assert servers[2].paths()[-1] == "/resume" and "/reset_prefix_cache" not in servers[2].paths()
 
 
 def test_a_pause_that_times_out_is_undone(serve):
@@ -1492,10 +1458,8 @@ def _several(monkeypatch, servers, **extra):
     checked = []
     monkeypatch.setattr(vllm_utils, "check_transport", lambda url, server, model: checked.append(url))
     monkeypatch.setattr("vllm.utils.network_utils.get_ip", lambda: "10.0.0.1")
-    args = SimpleNamespace(model_name_or_path="my/m", vllm_mode="server", vllm_server_host="127.0.0.1")
-    args.__dict__.update(vllm_server_port=[8000 + i for i in range(len(servers))], vllm_server_timeout=1)
-    args.__dict__.update(num_generations=2, max_completion_length=8, temperature=1.0, top_p=1.0, top_k=0, min_p=0.0)
-    args.__dict__.update(repetition_penalty=1.0, **extra)
+    args = _args(model_name_or_path="my/m", vllm_mode="server", vllm_server_host="127.0.0.1", vllm_server_timeout=1)
+    args.__dict__.update(vllm_server_port=[8000 + i for i in range(len(servers))], max_completion_length=8, **extra)
     return (lambda: vllm_utils.start(args, "my/m", max_prompt_length=10)), checked
 
 

@@ -27,6 +27,7 @@ tokenizer = AutoTokenizer.from_pretrained(MODEL)
 model = AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32).cuda()
 args = SimpleNamespace(
     vllm_mode="colocate",
+    trust_remote_code=False,
     vllm_tensor_parallel_size=2,
     vllm_gpu_memory_utilization=0.3,
     vllm_max_model_len=512,

@@ -121,7 +121,6 @@ def main():
         if server["backend"] == "ipc":  # a server on this GPU: no group to form
             for u, each in zip(urls, servers):
                 vllm_utils.check_transport(u, each, model_path)
-            result["server_gpus_seen"] = sorted(vllm_utils.server_gpus(int(url.rsplit(":", 1)[1])) or [])
         group = (
             vllm_utils.server_init_weight_sync(url, None, version=server["version"])
             if result["backend"] == "nccl"

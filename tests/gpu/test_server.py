@@ -64,7 +64,7 @@ def test_server_sync_matches_trainer(server):
     torch.cuda.set_device(0)
     info = vllm_utils.check_server(url, MODEL)
     model_id = info["model_id"]
-    vllm_utils.check_transport(url, info, MODEL)  # NCCL: the server must not be on this GPU
+    vllm_utils.check_transport(url, info, MODEL)  # NCCL: a server on this GPU is refused as the group forms, below
     tokenizer = AutoTokenizer.from_pretrained(MODEL)
     model = AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32).cuda()  # as grpo.py: fp32 + bf16 autocast
     vllm_utils.check_same_model(info, model, MODEL)  # raises if the server serves something else
