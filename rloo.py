@@ -1554,9 +1554,9 @@ def finish(run):
     merged = {n: t.cpu() for n, t in vllm_utils.named_weights(run.model)} if run.args.save_merged_model else None
     if run.is_main:
         if run.args.max_steps:
-            save_model(run.output_dir, run.model, run.tokenizer_files, model_state)
+            save_final(run.output_dir, run.model, run.tokenizer_files, model_state)
             if merged:  # what vLLM got (gathered on every rank), which vLLM and from_pretrained load; a new folder
-                save_model(f"{run.output_dir}/merged", run.model.get_base_model(), run.tokenizer_files, merged)
+                save_final(f"{run.output_dir}/merged", run.model.get_base_model(), run.tokenizer_files, merged)
             print(f"saved the final {'adapter' if run.args.use_peft else 'model'} to {run.output_dir}")
         if run.metrics_file:
             run.metrics_file.close()
@@ -1580,6 +1580,17 @@ def full_state(model, optimizer):
     if optimizer is not None and optimizer.state:  # torch would fill an empty state with an AdamW step at lr 0
         optimizer_state = get_optimizer_state_dict(model, optimizer, options=options)
     return get_model_state_dict(model, options=options), optimizer_state
+
+
+def save_final(output_dir, model, tokenizer_files, state_dict=None):
+    """save_model into output_dir itself, next to checkpoints and metrics: the files are written to a temporary
+    folder, then each is moved in with an atomic rename, config.json last, so a config.json means a complete model."""
+    tmp = own_path(output_dir, ".final.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)  # (output_dir/merged's: a resume removes only the run directory's .tmp)
+    save_model(tmp, model, tokenizer_files, state_dict)
+    for name in sorted(os.listdir(tmp), key=lambda n: n == "config.json"):
+        os.replace(os.path.join(tmp, name), os.path.join(output_dir, name))
+    os.rmdir(tmp)
 
 
 def save_model(directory, model, tokenizer_files, state_dict=None):
@@ -1614,6 +1625,13 @@ def checkpoints(output_dir):
     names = os.listdir(output_dir) if os.path.isdir(output_dir) else []
     complete = [n for n in names if re.fullmatch(r"checkpoint-\d+", n)]
     return [own_path(output_dir, n) for n in sorted(complete, key=lambda n: int(n.split("-")[1]))]
+
+
+def run_info(checkpoint):
+    """A checkpoint's run.json: its run (run_id, run_name: wandb's), script and global_step; {} without one."""
+    with contextlib.suppress(OSError, ValueError), open(own_path(checkpoint, "run.json")) as f:
+        return json.load(f)
+    return {}
 
 
 def claim_run_dir(args):
@@ -1657,9 +1675,8 @@ def claim_run_dir(args):
         )
     identity = {"run_id": uuid.uuid4().hex[:12], "run_name": stamp}  # a new run's, or else the checkpoint's
     if checkpoint is not None:
-        with contextlib.suppress(OSError, ValueError), open(own_path(checkpoint, "run.json")) as f:
-            identity = json.load(f)
-        if "script" not in identity:
+        identity = run_info(checkpoint)
+        if not identity:
             raise SystemExit(
                 f"error: --resume-from-checkpoint {checkpoint} has no run.json, so its script and run are unknown: "
                 f"start a new run from its weights with --model-name-or-path {checkpoint}"
@@ -1674,6 +1691,11 @@ def claim_run_dir(args):
                 f"error: --resume-from-checkpoint {checkpoint} is at step {identity['global_step']} and --max-steps "
                 f"is {args.max_steps}: there is nothing left to train. Raise --max-steps, or load it as a model"
             )
+        if others := [c for c in checkpoints(out) if run_info(c).get("run_id") != identity["run_id"]]:
+            raise SystemExit(  # `latest`, --save-total-limit and a redone step's save would take or delete them
+                f"error: {out} also holds checkpoints of another run ({os.path.basename(others[0])}): copy "
+                f"{checkpoint} into a directory of its own and resume it from there"
+            )
     os.makedirs(out, exist_ok=True)
     lock = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
     check_unlocked(out, lock, exclusive=True)  # (a run that took the directory since the check above)
@@ -1684,7 +1706,7 @@ def claim_run_dir(args):
         print(f"{out}: removed {name}, left half-written by a crash")
     if created:  # a run that fails before its first log (metrics.jsonl opens then) removes the directory it made
         path = os.path.abspath(out)
-        atexit.register(lambda: os.listdir(path) == [".lock"] and shutil.rmtree(path, ignore_errors=True))
+        atexit.register(lambda: os.path.isdir(path) and os.listdir(path) == [".lock"] and shutil.rmtree(path, True))
     return out, checkpoint, identity, lock
 
 

@@ -404,10 +404,9 @@ def _reset_prefix_cache(base_url, timeout):
 
 
 def paused_update(base_url, send, name="MODEL", backend="nccl", timeout=300.0):
-    """Probe -> /pause (wait: running requests end on the old weights) -> /start_weight_update -> send() -> finish ->
-    reset the prefix cache -> /resume, each request within `timeout` s, on one server or several (a list), each step on
-    all at once: send() runs once, all paused inside a started update. A failure restores each update it left open,
-    resumes every server and is raised once: the cause, then each restoration. A server's finished update stays."""
+    """Probe -> /pause (running requests end on the old weights) -> /start_weight_update -> send() -> finish -> reset
+    the prefix cache -> /resume, on one server or several (a list), each step on all at once: send() runs once. A
+    failure restores the updates left open (a finished one stays), resumes every server, and is raised once."""
     urls = _listed(base_url)
     with concurrent.futures.ThreadPoolExecutor(len(urls)) as pool:
 
@@ -430,9 +429,10 @@ def paused_update(base_url, send, name="MODEL", backend="nccl", timeout=300.0):
             errors = each(lambda url: _post(url, "/finish_weight_update", timeout, json={}))
             finished = [url for url in urls if url not in errors]
         left_open = [url for url in started if url not in finished]
-        said = [f"The server at {url} {restore_after_failed_update(url, name, backend=backend)}" for url in left_open]
+        restored = pool.map(lambda url: restore_after_failed_update(url, name, backend=backend), left_open)  # at once
+        said = [f"The server at {url} {text}" for url, text in zip(left_open, restored)]
         errors |= each(lambda url: _reset_prefix_cache(url, timeout), finished)
-        resumed = each(lambda url: _post(url, "/resume", timeout))  # every server, also after a failure
+        resumed = each(lambda url: _post(url, "/resume", 30 if errors else timeout))  # every one, after a failure too
     if errors := errors or resumed:
         cause = next(iter(errors.values()))
         if said := [*said, *(str(error) for error in errors.values() if error is not cause)]:

@@ -543,6 +543,23 @@ def test_online_dpo_with_a_reward_model_that_fails_to_load_leaves_no_directory(t
     assert result.returncode != 0 and not out.exists(), (sorted(os.listdir(out)), result.stderr[-2000:])
 
 
+def test_a_directory_holding_another_runs_checkpoints_is_not_resumed(monkeypatch, tmp_path, earlier_run, stories_jsonl):
+    """A directory that holds two runs' checkpoints (26cd7f5's --overwrite-output-dir made them; so does a checkpoint
+    copied in): `latest` would take the other run's and --save-total-limit delete it. Refused, nothing touched."""
+    out = tmp_path / "run"
+    shutil.copytree(earlier_run, out)
+    shutil.copytree(out / "checkpoint-4", out / "checkpoint-2")
+    identity = json.loads((out / "checkpoint-2" / "run.json").read_text())
+    (out / "checkpoint-2" / "run.json").write_text(json.dumps({**identity, "run_id": "another-run"}))
+    before = snapshot(out)
+    common = [*SMALL, "--dataset-name", stories_jsonl, "--save-steps", 1, "--max-steps", 8]
+    message = run_without_models(
+        monkeypatch, "grpo.py", *common, "--output-dir", out, "--resume-from-checkpoint", "latest"
+    )
+    assert "also holds checkpoints of another run (checkpoint-2)" in message, message
+    assert snapshot(out) == before
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # untrusted files: the run's own files are never written through a symbolic link; a checkpoint never runs code
 
@@ -587,6 +604,21 @@ def test_untrusted_run_file_symlinks(tmp_path, name):
         grpo.claim_run_dir(grpo.Args(output_dir=str(out), resume_from_checkpoint="latest", max_steps=8))
     assert str(exited.value.code) == f"error: {link} is a symbolic link: {LINK_REFUSED}"
     assert snapshot(elsewhere) == before and elsewhere.exists()
+
+
+def test_untrusted_final_model_links(tmp_path, earlier_run, stories_jsonl):
+    """The final model's files are moved into the run directory by rename, config.json last: links there (to files of
+    elsewhere) are replaced, never written through, and a config.json means a complete model."""
+    out, victim = tmp_path / "run", tmp_path / "victim.json"
+    shutil.copytree(earlier_run, out)
+    victim.write_text("{}")
+    for name in ("config.json", "tokenizer_config.json"):
+        (out / name).unlink()
+        (out / name).symlink_to(victim)
+    common = [*SMALL, "--dataset-name", stories_jsonl, "--output-dir", out, "--save-steps", 1]
+    check(run_script("grpo.py", *common, "--max-steps", 6, "--resume-from-checkpoint", "latest"))
+    assert victim.read_text() == "{}"
+    assert not (out / "config.json").is_symlink() and json.loads((out / "config.json").read_text())["model_type"]
 
 
 def test_untrusted_checkpoint_pickle(tmp_path):

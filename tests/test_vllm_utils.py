@@ -1436,6 +1436,23 @@ def test_a_server_failing_after_the_send_leaves_the_others_updated(serve, monkey
     assert servers[2].paths()[-1] == "/resume" and "/reset_prefix_cache" not in servers[2].paths()
 
 
+def test_a_failed_push_restores_its_servers_at_once(serve):
+    """The send fails with both servers paused inside the update: both are restored (finish) at the same time, each
+    waiting here for the other's call, so that neither keeps the healthy one paused; both then resume."""
+    both = threading.Barrier(2, timeout=5)
+    finish = lambda body: both.wait() and None or (200, {})  # noqa: E731 - returns once both servers are inside
+    servers = [serve(_sync_routes(**{"/finish_weight_update": finish})) for _ in range(2)]
+
+    def send():
+        raise RuntimeError("the send broke")
+
+    with pytest.raises(RuntimeError, match="the send broke") as error:
+        vllm_utils.paused_update([s.url for s in servers], send, "m", "ipc", timeout=10)
+    for server in servers:
+        assert f"The server at {server.url} was restored" in str(error.value), str(error.value)
+        assert server.paths()[-2:] == ["/finish_weight_update", "/resume"], server.paths()
+
+
 def test_a_pause_that_times_out_is_undone(serve):
     """A /pause that does not answer within the timeout: the error says so and the server is asked to resume (it was
     left paused, serving nothing, until another trainer's check resumed it)."""
