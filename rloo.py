@@ -1720,8 +1720,9 @@ def check_unlocked(out, lock, exclusive=False):
             f"error: --output-dir {out} is in use by a run that is still going ({holder}). Wait for it to end, or "
             f"pass another --output-dir."
         ) from None
-    except OSError as error:  # a file system without flock (some network mounts): run, but say so
-        print(f"warning: cannot lock {out}/.lock ({error}): nothing keeps a second run out of this directory")
+    except OSError as error:  # a file system without flock (some network mounts): run, but say so (once)
+        if exclusive:
+            print(f"warning: cannot lock {out}/.lock ({error}): nothing keeps a second run out of this directory")
 
 
 def on_stop_signal():

@@ -508,6 +508,22 @@ def test_sigterm_under_torchrun_stops_both_ranks_at_one_checkpoint(sigterm_under
 # found in review: a lost lock race, a reward model that fails after the directory is made, a directory of two runs
 
 
+def test_a_file_system_without_flock_is_warned_about_once(monkeypatch, tmp_path, capsys):
+    """Where flock fails (some network mounts) the run goes on, saying once that nothing keeps a second run out."""
+    import grpo
+
+    def no_flock(*_):
+        raise OSError("flock not supported")
+
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / ".lock").write_text("")  # the earlier run's lock file: the shared look and the exclusive lock both fail
+    monkeypatch.setattr(grpo.fcntl, "flock", no_flock)
+    lock = grpo.claim_run_dir(grpo.Args(output_dir=str(out)))[3]
+    os.close(lock)
+    assert capsys.readouterr().out.count("warning: cannot lock") == 1
+
+
 def test_a_run_that_loses_the_lock_race_leaves_the_winners_directory_alone(monkeypatch, tmp_path):
     """Run B checks for DIR/.lock before run A creates and locks it; B then fails to lock. B must not remove A's lock
     file or A's (still empty) directory on its way out."""
