@@ -49,7 +49,7 @@
 #   ab:    issue 44's speed check, bench-0.5b: the grpo.py of $OLD_DIR (an older commit's grpo.py, vllm_utils.py and
 #          rewards.py: `git show C:F > bench_old/F` for each; bench_old/ is git-ignored, so carry it; OLD_COMMIT or
 #          OLD_DIR/COMMIT names C) against this tree's, with the bench phase's flags. PAIR=1: old then new; PAIR=2:
-#          new then old. MODE=colocate (the default; bench's colocate side) or MODE=async (bench's async side:
+#          new then old; PAIR=3 and 4 (a third and fourth pair) as 1 and 2. MODE=colocate (the default; bench's colocate side) or MODE=async (bench's async side:
 #          --vllm-mode server --async-generation against the SERVERS=2 servers of `serve`, ports 8001 and 8011, started
 #          here unless they run). Writes OUT_DIR/{old,new}_MODE_PAIR.metrics.jsonl and .log, then OUT_DIR/ab.json
 #          (summarize.py ab: the median of steps 3-8 of each run, new / old per pair and both pairs pooled, per mode).
@@ -221,7 +221,7 @@ if [ "$PHASE" = ab ]; then  # bench-0.5b, OLD_DIR's grpo.py against this tree's,
   MODE=${MODE:-colocate}; P=${PAIR:-1}
   [ -f "${OLD_DIR:-}/grpo.py" ] || { echo "ab: OLD_DIR must hold an older commit's grpo.py, vllm_utils.py and \
 rewards.py (git show C:grpo.py > bench_old/grpo.py, ...)" >&2; exit 2; }
-  [ "$P" = 1 ] || [ "$P" = 2 ] || { echo "ab: PAIR=1 (old first) or PAIR=2 (new first), not $P" >&2; exit 2; }
+  case $P in 1|2|3|4) ;; *) echo "ab: PAIR=1 or 3 (old first), 2 or 4 (new first), not $P" >&2; exit 2 ;; esac
   OLD_SCRIPT=$(cd "$OLD_DIR" && pwd)/grpo.py  # imports the vllm_utils.py and rewards.py beside it
   case $MODE in
     colocate) FLAGS="--vllm-mode colocate"; LIMIT=${COLOCATE_LIMIT:-250}; AB_ENV="" ;;
@@ -237,7 +237,7 @@ rewards.py (git show C:grpo.py > bench_old/grpo.py, ...)" >&2; exit 2; }
     RUN_ENV=$AB_ENV ours "$name" "$LIMIT" "$script" $BENCH $FLAGS
     mv "$OUT/$name/metrics.jsonl" "$OUT/$name.metrics.jsonl" 2> /dev/null; rmdir "$OUT/$name" 2> /dev/null
   }
-  if [ "$P" = 1 ]; then ab_run old; ab_run new; else ab_run new; ab_run old; fi
+  if [ $((P % 2)) = 1 ]; then ab_run old; ab_run new; else ab_run new; ab_run old; fi
   OLD_COMMIT=${OLD_COMMIT:-$(cat "$OLD_DIR/COMMIT" 2> /dev/null || echo unknown)}
   timeout 60 python3 benchmarks/summarize.py ab "$OUT" --commit "${COMMIT:-unknown}" --old-commit "$OLD_COMMIT"
 fi

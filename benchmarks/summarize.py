@@ -204,7 +204,7 @@ def ab(args):
     result = {"commit": args.commit, "old_commit": args.old_commit, "window": "steps 3-8", "modes": {}}
     for mode in ("colocate", "async"):
         pairs, pooled = [], {"old": [], "new": []}
-        for pair in (1, 2):
+        for pair in (1, 2, 3, 4):
             paths = {side: os.path.join(args.out_dir, f"{side}_{mode}_{pair}.metrics.jsonl") for side in pooled}
             if not all(os.path.exists(p) for p in paths.values()):
                 continue
@@ -214,7 +214,7 @@ def ab(args):
                 print(f"ab {mode} pair {pair}: no step 3 in " + " and ".join(s for s in times if not times[s]))
                 continue
             old, new = statistics.median(times["old"]), statistics.median(times["new"])
-            order = "old first" if pair == 1 else "new first"
+            order = "old first" if pair % 2 else "new first"
             pairs.append(
                 {
                     "pair": pair,
