@@ -669,6 +669,9 @@ def set_up(args, rules, problems=(), reference_model=False, steps_per_generation
     model_path = checkpoint_dir or args.model_name_or_path
     run.tokenizer = tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=args.trust_remote_code)
     run.tokenizer_files = tokenizer_files(model_path, tokenizer)
+    has_images = "images" in dataset or "images" in (eval_dataset or {})  # (read_dataset's name for the image column)
+    if has_images:  # (a checkpoint's, a LoRA checkpoint's too)
+        run.processor = AutoProcessor.from_pretrained(model_path, trust_remote_code=args.trust_remote_code)
     sentence = tokenizer("The quick brown fox jumps over the lazy dog, and then it ran away.")["input_ids"]
     if len(sentence) < 5:  # a tokenizer that lost its vocabulary knows only special tokens
         raise SystemExit(
@@ -678,11 +681,8 @@ def set_up(args, rules, problems=(), reference_model=False, steps_per_generation
     model_path = args.model_name_or_path if args.use_peft else model_path  # a LoRA checkpoint holds only the adapter
     config = AutoConfig.from_pretrained(model_path, trust_remote_code=args.trust_remote_code)
     max_context = getattr(config.get_text_config(), "max_position_embeddings", None) or 10**9
-    if "images" in dataset or "images" in (eval_dataset or {}):  # (read_dataset's name for the image column)
-        if getattr(config, "vision_config", None) is None:
-            raise SystemExit(f"error: the dataset has images but {model_path} is a text-only model (no vision_config)")
-        path = checkpoint_dir or args.model_name_or_path  # (a LoRA checkpoint's too)
-        run.processor = AutoProcessor.from_pretrained(path, trust_remote_code=args.trust_remote_code)
+    if has_images and getattr(config, "vision_config", None) is None:
+        raise SystemExit(f"error: the dataset has images but {model_path} is a text-only model (no vision_config)")
     run.train_set = load_prompts(args, dataset, tokenizer, max_context, processor=run.processor)
     run.eval_set = eval_dataset and load_prompts(args, eval_dataset, tokenizer, max_context, True, run.processor)
     if args.prompts_per_step > (count := len(run.train_set.prompt_ids)):
@@ -769,14 +769,14 @@ def load_models(run, model_path, checkpoint_dir, reference_model, sentence):
     run.eos_ids = sorted(eos_ids - {None})
 
 
-def generate(run, prompt_ids, num_generations=None, temperature=None, images=None):
+def generate(run, prompt_ids, n=None, temperature=None, images=None):
     """(completion ids, vLLM log-probs or None), prompt-major; None: training's G / temperature (0: greedy); images:
-    image_inputs of the prompts (Hugging Face generate only: vLLM's image path is not built yet). In the
-    training thread a lost server is waited for and given the current weights, then asked again; when none comes back
-    (or the colocated engine died) the run stops with a checkpoint (stop_lost). A background round raises."""
+    the prompts' image_inputs (Hugging Face's generate only, for now). In the training thread a lost server is waited
+    for and given the current weights, then asked again; when none comes back (or the colocated engine died) the run
+    stops with a checkpoint (stop_lost). A background round raises."""
     while run.engine is not None:
         try:
-            return vllm_utils.generate(run.engine, prompt_ids, num_generations, temperature)
+            return vllm_utils.generate(run.engine, prompt_ids, n, temperature)
         except vllm_utils.ServerLost:
             if threading.current_thread() is not threading.main_thread() or run.world_size > 1:
                 raise
@@ -790,9 +790,7 @@ def generate(run, prompt_ids, num_generations=None, temperature=None, images=Non
                 raise
             stop_lost(run, error)
     with unsharded(run.model, run.world_size):  # FSDP2: full weights while decoding, ranks stop at different steps
-        return hf_generate(
-            run.model, prompt_ids, run.args, run.eos_ids, run.pad_id, num_generations, temperature, images
-        )
+        return hf_generate(run.model, prompt_ids, run.args, run.eos_ids, run.pad_id, n, temperature, images)
 
 
 class Round(NamedTuple):
@@ -903,8 +901,7 @@ def score(run, prompt_set, rows, completion_ids, num_generations):
 
 def old_and_ref_logprobs(run, prompt_ids, completion_ids, need_old, prompt_rows=None):
     """The policy's log-probs before any update (if need_old) and the reference model's (if there is one), (N, C) on
-    the CPU or None, in token-budget micro-batches without gradient. prompt_rows: each completion's row in the
-    training set (for its images)."""
+    the CPU or None, in token-budget micro-batches without gradient; prompt_rows: each one's training row (images)."""
     args, model, ref_model, world_size = run.args, run.model, run.ref_model, run.world_size
     nets = [model if need_old else None, ref_model]  # (None: not asked for)
     if all(net is None for net in nets):
@@ -1005,8 +1002,7 @@ class PromptSet(NamedTuple):
 def load_prompts(args, dataset, tokenizer, max_context, evaluation=False, processor=None):
     """Tokenize the prompts of `dataset` ({column: values}, from read_dataset): a PromptSet. A plain-text prompt is
     wrapped as a user message when the chat template is applied, but prompts_are_messages stays False: only the
-    dataset's own chat messages make the reward functions' completions messages (TRL's rule). Prompts with images
-    (chat messages, read_dataset checked) are the processor's: its template, each image's tokens expanded."""
+    dataset's own chat messages make the reward functions' completions messages (TRL's rule). Images: the processor's."""
     raw, images = dataset[args.prompt_column], dataset.get("images")
     prompts_are_messages = isinstance(raw[0], list)
     use_template = prompts_are_messages or (args.use_chat_template and tokenizer.chat_template is not None)
@@ -1114,31 +1110,23 @@ def read_dataset(args, reward_fns, evaluation=False):
             f"prompt: every row holds a string, or every row a list of chat messages"
         )
     if image_column and args.use_vllm:
-        raise SystemExit(
-            f"error: {source} has images (--image-column): vLLM's image path is not built yet (docs/vision.md)"
-        )
-    if image_column:  # as `images`: each row's list, a path relative to a local dataset file resolved, then checked
+        raise SystemExit(f"error: {source} has images, and vLLM's image path is not built yet: drop --use-vllm")
+    if image_column:  # as `images`: each row's list, paths relative to a local dataset file resolved, then checked
         folder = os.path.dirname(os.path.abspath(name)) if os.path.isfile(name) else ""
         resolve = lambda x: os.path.join(folder, x) if isinstance(x, str) else x
         listed = lambda v: v if isinstance(v, list) else [] if v is None else [v]
         dataset["images"] = [list(map(resolve, listed(v))) for v in dataset.pop(image_column)]
+        is_image = lambda part: isinstance(part, dict) and part.get("type") == "image"  # (not a string's letters)
         for row, (images, prompt) in enumerate(zip(dataset["images"], prompts)):
-            parts = [
-                c for m in (prompt if kind is list else []) if isinstance(m["content"], list) for c in m["content"]
-            ]
-            count = sum(part.get("type") == "image" for part in parts)
-            found = next((f"no image file {x}" for x in images if isinstance(x, str) and not os.path.isfile(x)), None)
-            if found or len(images) != count:
-                found = found or f'{len(images)} image(s) but {count} {{"type": "image"}} part(s) in its messages'
-                raise SystemExit(f"error: {source}, row {row}: {found}")
+            count = sum(is_image(part) for message in (prompt if kind is list else []) for part in message["content"])
+            found = [f"no image file {x}" for x in images if isinstance(x, str) and not os.path.isfile(x)]
+            found += [f'{len(images)} image(s), {count} {{"type": "image"}} part(s)'] if len(images) != count else []
+            if found:
+                raise SystemExit(f"error: {source}, row {row}: {found[0]} (one part per image in its messages)")
     rewards.check_arguments(reward_fns, list(dataset), source, args)
     if args.answer_column:  # reward functions get the answer column as `answer`
         dataset["answer"] = dataset.pop(args.answer_column)
     return dataset
-
-
-# ------------------------------------------------------------------------------------------------------------------
-# Images (docs/vision.md): the processor's inputs of each prompt; the vision encoder runs once per prompt
 
 
 class Images(NamedTuple):  # image_inputs' output: the images of a batch's prompts, each prompt's once
@@ -1154,8 +1142,7 @@ def open_image(image):
 
 
 def process_prompt(processor, messages, images):
-    """The processor's inputs (tensors) of one prompt: its chat template renders the messages (any BOS is the
-    template's), each {"type": "image"} part becomes its image's tokens."""
+    """The processor's inputs of a prompt: its chat template's text (with its BOS), each image part its image's tokens."""
     text, images = processor.apply_chat_template(messages, add_generation_prompt=True), [list(map(open_image, images))]
     return processor(text=[text], images=images, add_special_tokens=False, return_tensors="pt")
 
@@ -1169,20 +1156,13 @@ def image_inputs(run, prompt_set, rows):
     return Images([process(row).to(run.device) for row in place], [place[row] for row in rows])
 
 
-def own_positions(model):
-    """Whether the model computes position ids from its image grids itself (M-RoPE: get_rope_index, Qwen2-VL's)."""
-    return any(hasattr(module, "get_rope_index") for module in model.modules())
-
-
 @contextmanager
 def images_in(model, images, P, length):
-    """The inputs, besides input_ids, attention_mask and pixels, of a forward of a batch with `images` (image_inputs'; {}
-    without) whose rows of `length` tokens have their prompts end at column P: the processor's per-token ones (Qwen2-VL's
-    mm_token_type_ids) padded as collate pads, its per-image ones (image_grid_thw) for each row, and no position ids if
-    the model has its own. Within it, a hook on the input embeddings puts in place of each prompt's image tokens its
-    image features, computed once per prompt (the model's own forward encodes the images of every row: of each of the G
-    completions); inside the model's forward, where FSDP2 holds the weights. Decoding steps, and image tokens that a
-    completion sampled, keep their embeddings (as in vLLM)."""
+    """A batch's inputs besides ids, mask and pixels ({} without images), its prompts ending at column P of `length`:
+    the processor's per-token ones (mm_token_type_ids) padded as collate pads, its per-image ones (image_grid_thw) per
+    row, no position ids for M-RoPE. Within it a hook in the model's forward (where FSDP2 holds the weights) puts each
+    prompt's image features, computed once per prompt and not per completion, in place of its image tokens; decoding
+    steps, and image tokens that a completion sampled, keep their embeddings (as in vLLM)."""
     if images is None:
         yield {}
         return
@@ -1193,7 +1173,7 @@ def images_in(model, images, P, length):
         for b, u in enumerate(images.index):
             kwargs[key][b, P - images.inputs[u][key].shape[1] : P] = images.inputs[u][key][0]
     kwargs |= {k: torch.cat([images.inputs[u][k] for u in images.index]) for k in per_image if "pixel" not in k}
-    kwargs |= {"position_ids": None} if own_positions(model) else {}
+    kwargs |= {"position_ids": None} if any(hasattr(m, "get_rope_index") for m in model.modules()) else {}  # M-RoPE
 
     def put_features(module, args, embeds):
         if args[0].shape[1] < P:  # a decoding step
@@ -1340,15 +1320,13 @@ def add_matmul(out, a, b):
 def per_token_logprobs(
     model, ids, attn, pos, cmask, P, temperature=1, chunk_tokens=1024, with_entropy=False, into_grad=False, images=None
 ):
-    """log pi(token) of each completion token at the sampling temperature, (B, C), 0 on padding, from a collate batch
-    (and its prompts' Images). The fp32 logits of a 150k vocabulary would be the memory peak: the LM head runs on
-    `chunk_tokens` tokens at a time (TokenLogprobs). into_grad: the caller runs loss.backward(), so the LM head's
-    gradient may go straight to .grad."""
+    """log pi(token) of each completion token at the sampling temperature, (B, C), 0 on padding, from a collate batch.
+    The fp32 logits of a 150k vocabulary would be the memory peak: the LM head runs on `chunk_tokens` tokens at a time
+    (TokenLogprobs). into_grad: the caller runs loss.backward(), so the LM head's gradient may go straight to .grad."""
     # the whole model's forward, so that FSDP2 gathers every parameter: logits of one position, the final normed states
     inputs = dict(input_ids=ids, attention_mask=attn, position_ids=pos)
-    with images_in(model, images, P, ids.shape[1]) as image_kwargs:
-        hidden = model(**inputs | image_kwargs, use_cache=False, logits_to_keep=1, output_hidden_states=True)
-    hidden = hidden.hidden_states[-1]
+    with images_in(model, images, P, ids.shape[1]) as extra:  # (the prompts' Images, or None)
+        hidden = model(**inputs | extra, use_cache=False, logits_to_keep=1, output_hidden_states=True).hidden_states[-1]
     mask = cmask.bool()  # position t predicts completion token t: (n_tokens, H) and (n_tokens,)
     hidden, targets = hidden[:, P - 1 : -1][mask], ids[:, P:][mask]
     lm_head = model.get_output_embeddings()
@@ -1362,14 +1340,14 @@ def per_token_logprobs(
 def check_logprobs(model, input_ids, device, world_size, images=None):
     """Raise unless per_token_logprobs of one short sequence match log_softmax of the model's own logits, which the
     sampler uses: an architecture whose forward transforms its logits in a way final_logits does not know would
-    otherwise train on wrong log-probs. Every rank calls it: `unsharded` gathers the FSDP2 shards, a collective. With
-    images (of one prompt, the first tokens of input_ids), the model's own forward encodes them and sets positions."""
+    otherwise train on wrong log-probs. Every rank calls it: `unsharded` gathers the FSDP2 shards, a collective. images:
+    a prompt's, that input_ids begins with; the model's own forward encodes them (and computes M-RoPE's positions)."""
     prompt = {} if images is None else images.inputs[0]  # the processor's inputs (text: the first token is the prompt)
     P = prompt["input_ids"].shape[1] if prompt else 1
     ids, attn, pos, cmask, P = collate([input_ids[:P]], [input_ids[P:]], device, 0)
     pad = lambda v: torch.nn.functional.pad(v, (0, ids.shape[1] - P)) if v.shape == prompt["input_ids"].shape else v
     own = {k: pad(v) for k, v in prompt.items() if k not in ("input_ids", "attention_mask")}  # the pixels too
-    own |= {"position_ids": None} if prompt and own_positions(model) else {}
+    own |= {"position_ids": None} if prompt and any(hasattr(m, "get_rope_index") for m in model.modules()) else {}
     with torch.no_grad(), unsharded(model, world_size):
         ours = per_token_logprobs(model, ids, attn, pos, cmask, P, images=images)
         inputs = dict(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=False) | own
@@ -1413,15 +1391,14 @@ def add_lora(args, model, dtype, checkpoint_dir=None, autocast=False):
     import peft
 
     head = model.get_output_embeddings()  # trained through its weight alone: never adapted (TokenLogprobs reads it)
-    vision = getattr(model.config, "vision_config", None) is not None  # adapt its language model only
-    language = set(model.get_decoder().modules()) if vision else None
-    adaptable = lambda m: isinstance(m, torch.nn.Linear) and m is not head and (language is None or m in language)
-    names = [n for n, m in model.named_modules() if adaptable(m)]
+    vlm = getattr(model.config, "vision_config", None) is not None
+    language = set((model.get_decoder() if vlm else model).modules())  # a VLM's LoRA adapts its language model only
+    names = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and m is not head and m in language]
     if missing := [t for t in args.lora_target_modules or () if not any(n == t or n.endswith(f".{t}") for n in names)]:
         linear = ", ".join(sorted({n.rsplit(".", 1)[-1] for n in names}))  # (peft would ignore some of several)
         raise SystemExit(f"error: --lora-target-modules {' '.join(missing)}: no linear layer is so named ({linear})")
     targets = args.lora_target_modules or "all-linear"
-    if vision:  # by full name: peft would also adapt the vision tower's layers of a short name
+    if vlm:  # full names: peft would also adapt the vision tower's layers of the same short names
         targets = [n for n in names if targets == "all-linear" or any(n == t or n.endswith(f".{t}") for t in targets)]
     lora = dict(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout, target_modules=targets)
     model = peft.get_peft_model(model, peft.LoraConfig(**lora), autocast_adapter_dtype=dtype == torch.float32)
@@ -1524,8 +1501,7 @@ def global_sum(value, world_size, device):
 @torch.no_grad()
 def hf_generate(model, prompt_ids, args, eos_ids, pad_id, num_generations=None, temperature=None, images=None):
     """num_generations completions per prompt (None: --num-generations) at `temperature` (None: the training one; 0:
-    greedy), as token ids, prompt-major, each cut after its first EOS (kept), and None (no sampler log-probs). images:
-    the prompts' Images (their features computed once per prompt)."""
+    greedy), as token ids, prompt-major, each cut after its first EOS (kept), and None (no sampler log-probs)."""
     from transformers import GenerationConfig
 
     num_generations = num_generations or args.num_generations

@@ -40,6 +40,7 @@ BACKGROUND_FIXTURES = [
     "sigterm_under_torchrun_run",
     "lora_learning_run",
     "lora_same_steps_run",
+    "vision_learning_runs",
 ]
 
 
@@ -156,3 +157,13 @@ def lora_same_steps_run(background, tmp_path_factory):
 
     path = tmp_path_factory.mktemp("same_steps_lora")
     return background.submit(run_on_one_and_two_ranks, path, "grpo.py", False, ["--use-peft"])
+
+
+@pytest.fixture(scope="session")
+def vision_learning_runs(background, tmp_path_factory):
+    """{script: job}: test_vision.py's colour-task run of each script (test_vision.learn), in the background."""
+    from test_vision import LEARN, learn
+
+    return {
+        script: background.submit(learn, tmp_path_factory.mktemp(f"vision_{script[:-3]}"), script) for script in LEARN
+    }
