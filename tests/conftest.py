@@ -161,9 +161,10 @@ def lora_same_steps_run(background, tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def vision_learning_runs(background, tmp_path_factory):
-    """{script: job}: test_vision.py's colour-task run of each script (test_vision.learn), in the background."""
-    from test_vision import LEARN, learn
+    """{script: job}: test_vision.py's colour-task run of each script (test_vision.learn), in the background. The tiny
+    VLM and its data are built first, here: in the jobs' threads, torch's one global generator would be shared."""
+    from test_vision import LEARN, colour_task, learn
 
-    return {
-        script: background.submit(learn, tmp_path_factory.mktemp(f"vision_{script[:-3]}"), script) for script in LEARN
-    }
+    task = colour_task(tmp_path_factory.mktemp("vision_task"))
+    root = tmp_path_factory.mktemp("vision_runs")
+    return {script: background.submit(learn, task, root / script[:-3], script) for script in LEARN}
