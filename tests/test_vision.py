@@ -10,6 +10,7 @@ import types
 import pytest
 import torch
 from PIL import Image
+from safetensors.torch import load_file
 
 import grpo
 import rewards
@@ -349,6 +350,7 @@ def test_vision_logprobs_and_generate_match_the_models_own_forward(task, tmp_pat
         logits = model(**own, position_ids=positions).logits[:, P - 1 : -1].log_softmax(-1)
     theirs = logits.gather(-1, batch.input_ids[:, P:, None]).squeeze(-1) * batch.completion_mask
     torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=0)
+    grpo.check_logprobs(model, prompt_ids[1] + [5, 6, 7], "cpu", 1, grpo.Images(distinct[1:], [0]))  # start-up's
     # greedy generation with the images of 2 prompts x 2 completions, against the model's own generate
     args = parse("--model-name-or-path", path, *TASK)
     args.max_completion_length = 5
@@ -371,7 +373,7 @@ def test_vision_logprobs_and_generate_match_the_models_own_forward(task, tmp_pat
 def test_vision_freeze_vision_tower_trains_the_language_model_and_projector(task, tmp_path):
     """Two steps at a high learning rate leave the vision encoder as it was and change the connector (the projector)
     and the language model; --no-freeze-vision-tower trains the encoder too. The run evaluates on images, and its
-    checkpoints and final model carry the processor's files."""
+    checkpoints and final model carry the processor's files. With --use-peft, the adapters are the language model's."""
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
     vlm, train, held_out = task
@@ -399,6 +401,10 @@ def test_vision_freeze_vision_tower_trains_the_language_model_and_projector(task
     assert (out / "checkpoint-1" / "processor_config.json").is_file()  # checkpoints carry the processor's files too
     evaluated = [m for m in read_metrics(out) if "eval/reward" in m]
     assert [m["step"] for m in evaluated] == [0, 2] and evaluated[0]["eval/num_prompts"] == 8
+    # LoRA adapts the language model only
+    check(run_grpo(*flags, "--use-peft", "--output-dir", tmp_path / "lora"))
+    adapted = load_file(tmp_path / "lora" / "adapter_model.safetensors")
+    assert adapted and all(".text_model.layers." in name for name in adapted), sorted(adapted)
 
 
 @pytest.mark.parametrize("script", list(LEARN))
