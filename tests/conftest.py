@@ -161,10 +161,11 @@ def lora_same_steps_run(background, tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def vision_learning_runs(background, tmp_path_factory):
-    """{script: job}: test_vision.py's colour-task run of each script (test_vision.learn), in the background. The tiny
-    VLM and its data are built first, here: in the jobs' threads, torch's one global generator would be shared."""
+    """{script: job}: test_vision.py's colour-task run of each script (test_vision.learn), in the background. The
+    warm-started tiny VLM and its data are built first, here: in the jobs' threads, torch's one global generator would
+    be shared."""
     from test_vision import LEARN, colour_task, learn
 
-    task = colour_task(tmp_path_factory.mktemp("vision_task"))
+    task = colour_task(tmp_path_factory.mktemp("vision_task"), warm=True)
     root = tmp_path_factory.mktemp("vision_runs")
     return {script: background.submit(learn, task, root / script[:-3], script) for script in LEARN}
