@@ -103,6 +103,8 @@ class Args:
     """wrap plain-text prompts as a user message and apply the tokenizer's chat template (if it has one)"""
     system_prompt: str | None = None
     """optional system message put before every prompt"""
+    freeze_vision_tower: bool = True
+    """with images: train the language model and the projector, not the vision encoder (docs/vision.md)"""
 
     # LoRA (peft): a frozen bf16 base, adapters in --param-dtype; vLLM gets the merged weights (docs/grpo.md)
     use_peft: bool = False
@@ -130,6 +132,9 @@ class Args:
     """column holding the prompt: a string, or a list of chat messages"""
     answer_column: str = "answer"
     """column holding the reference answer, passed to rewards as `answer` ("" if there is none)"""
+    image_column: str = "image"
+    """column holding each prompt's image, or a list of them (untyped: `image`, else `images`, if there; "" = none): a
+    path relative to the dataset file, or datasets' Image; a reward naming `images` gets them (docs/vision.md)"""
     max_prompt_length: int | None = None
     """drop prompts with more tokens than this (None = keep all, and an over-long prompt is an error)"""
 
@@ -510,7 +515,8 @@ def train(args):
             )
         kept = kept[:keep]
         N = keep * num_generations
-        prompt_ids = [run.train_set.prompt_ids[group.row] for group in kept for _ in range(num_generations)]  # (N,)
+        prompt_rows = [group.row for group in kept for _ in range(num_generations)]  # (N,) each completion's prompt
+        prompt_ids = [run.train_set.prompt_ids[row] for row in prompt_rows]
         completion_ids = [c for group in kept for c in group.completion_ids]
         rewards = torch.cat([group.rewards for group in kept])  # (N,)
 
@@ -528,7 +534,7 @@ def train(args):
         if args.mask_truncated_completions:  # DAPO overlong filtering: completions without EOS get no loss
             completion_mask *= (~truncated[:, None]).float()
         need_old = args.num_iterations > 1 or args.steps_per_generation > 1
-        old_logprobs, ref_logprobs = old_and_ref_logprobs(run, prompt_ids, completion_ids, need_old)  # (N, C) or None
+        old_logprobs, ref_logprobs = old_and_ref_logprobs(run, prompt_ids, completion_ids, need_old, prompt_rows)
         # vLLM's log-probs of the sampled tokens, NaN where it gave none (N, C); None without the correction
         vllm_logprobs = [lp for group in kept if group.sampling_logprobs is not None for lp in group.sampling_logprobs]
         use_vllm_is = args.use_vllm and args.vllm_importance_sampling_correction and len(vllm_logprobs) > 0
@@ -561,10 +567,11 @@ def train(args):
                 padding_pass = mb is None  # only to keep FSDP's collectives in step with the other ranks
                 mb = [step_rows[0]] if padding_pass else mb
                 batch = collate([prompt_ids[i] for i in mb], [completion_ids[i] for i in mb], device, run.pad_id)
+                images = image_inputs(run, run.train_set, [prompt_rows[i] for i in mb])  # None: a text dataset
                 Cm = batch.completion_mask.shape[1]
                 with torch.autocast(**run.autocast):
                     logprobs, entropy = per_token_logprobs(
-                        model, *batch, args.temperature, with_entropy=True, into_grad=True
+                        model, *batch, args.temperature, with_entropy=True, into_grad=True, images=images
                     )
                 old = old_logprobs[mb, :Cm].to(device) if need_old else logprobs.detach()
                 A = advantages[mb].to(device)
@@ -699,6 +706,7 @@ class Run:
     reward_fns: list = None  # the --reward-funcs
     reward_weights: torch.Tensor = None  # (num_funcs,) the --reward-weights
     tokenizer: object = None
+    processor: object = None  # the AutoProcessor when a dataset has images (docs/vision.md), else None
     tokenizer_files: dict = None  # {name: bytes}: the tokenizer's files, saved with every model (tokenizer_files)
     train_set: "PromptSet" = None  # the training prompts
     eval_set: "PromptSet" = None  # the eval prompts, or None
@@ -751,7 +759,7 @@ def set_up(args, rules, problems=(), reference_model=False, steps_per_generation
     run.preemption = on_stop_signal()  # SIGTERM or Ctrl-C (SIGINT): a checkpoint at the end of the step, then exit
 
     # seeding (random, numpy, torch): the same on every rank until sampling, so that all ranks hold the same weights
-    from transformers import AutoConfig, AutoTokenizer, get_scheduler, set_seed
+    from transformers import AutoConfig, AutoProcessor, AutoTokenizer, get_scheduler, set_seed
 
     set_seed(args.seed)
     # no weight cache: each weight is cast once per forward anyway, and the cache would outlive gradient checkpointing
@@ -762,6 +770,9 @@ def set_up(args, rules, problems=(), reference_model=False, steps_per_generation
     model_path = checkpoint_dir or args.model_name_or_path
     run.tokenizer = tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=args.trust_remote_code)
     run.tokenizer_files = tokenizer_files(model_path, tokenizer)
+    has_images = "images" in dataset or "images" in (eval_dataset or {})  # (read_dataset's name for the image column)
+    if has_images:  # (a checkpoint's, a LoRA checkpoint's too)
+        run.processor = AutoProcessor.from_pretrained(model_path, trust_remote_code=args.trust_remote_code)
     sentence = tokenizer("The quick brown fox jumps over the lazy dog, and then it ran away.")["input_ids"]
     if len(sentence) < 5:  # a tokenizer that lost its vocabulary knows only special tokens
         raise SystemExit(
@@ -770,9 +781,11 @@ def set_up(args, rules, problems=(), reference_model=False, steps_per_generation
         )
     model_path = args.model_name_or_path if args.use_peft else model_path  # a LoRA checkpoint holds only the adapter
     config = AutoConfig.from_pretrained(model_path, trust_remote_code=args.trust_remote_code)
-    max_context = getattr(config, "max_position_embeddings", None) or 10**9
-    run.train_set = load_prompts(args, dataset, tokenizer, max_context)
-    run.eval_set = None if eval_dataset is None else load_prompts(args, eval_dataset, tokenizer, max_context, True)
+    max_context = getattr(config.get_text_config(), "max_position_embeddings", None) or 10**9
+    if has_images and getattr(config, "vision_config", None) is None:
+        raise SystemExit(f"error: the dataset has images but {model_path} is a text-only model (no vision_config)")
+    run.train_set = load_prompts(args, dataset, tokenizer, max_context, processor=run.processor)
+    run.eval_set = eval_dataset and load_prompts(args, eval_dataset, tokenizer, max_context, True, run.processor)
     if args.prompts_per_step > (count := len(run.train_set.prompt_ids)):
         print(f"warning: --prompts-per-step {args.prompts_per_step} > the {count} prompts kept: steps repeat prompts")
     load_models(run, model_path, checkpoint_dir, reference_model, sentence)
@@ -815,12 +828,16 @@ def set_up(args, rules, problems=(), reference_model=False, steps_per_generation
 def load_models(run, model_path, checkpoint_dir, reference_model, sentence):
     """The policy (with --use-peft its LoRA adapters on a frozen bf16 base), on run.device, and with reference_model
     the frozen initial model; compiled (--torch-compile), sharded (several ranks), and their log-probs checked."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     args, device = run.args, run.device
     remote = {"trust_remote_code": args.trust_remote_code}
     dtype = getattr(torch, args.param_dtype)  # --use-peft: the adapters'; the frozen base's is bf16 (no updates)
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.bfloat16 if args.use_peft else dtype, **remote)
+    auto = AutoModelForCausalLM if run.processor is None else AutoModelForImageTextToText
+    model = auto.from_pretrained(model_path, dtype=torch.bfloat16 if args.use_peft else dtype, **remote)
+    if run.processor is not None and args.freeze_vision_tower:  # the language model and the projector train
+        for name, param in model.get_encoder("image").named_parameters():  # (Qwen2-VL's projector, merger, is in it)
+            param.requires_grad_(name.startswith("merger."))
     for module in model.modules():  # dropout would make two passes over the same tokens disagree (ratio != 1)
         if isinstance(module, torch.nn.Dropout):
             module.p = 0.0
@@ -831,7 +848,7 @@ def load_models(run, model_path, checkpoint_dir, reference_model, sentence):
     run.model = model = model.to(device)
     run.ref_model = WithoutAdapters(model) if reference_model and args.use_peft else None  # the base: no copy
     if reference_model and not args.use_peft:  # the initial model, also when resuming, in the policy's dtype: KL 0
-        run.ref_model = AutoModelForCausalLM.from_pretrained(args.model_name_or_path, dtype=dtype, **remote)
+        run.ref_model = auto.from_pretrained(args.model_name_or_path, dtype=dtype, **remote)
         run.ref_model.to(device).eval().requires_grad_(False)
     models = [model] + ([run.ref_model] if reference_model and not args.use_peft else [])
     if args.torch_compile and not args.use_peft and device.type == "cuda" and args.use_vllm and run.world_size == 1:
@@ -844,19 +861,23 @@ def load_models(run, model_path, checkpoint_dir, reference_model, sentence):
     # LoRA under autocast only: its adapters (fp32) take their bf16 inputs as autocast casts them (add_lora)
     with torch.autocast(**{**run.autocast, "enabled": run.autocast["enabled"] and args.use_peft}):
         check_logprobs(model, sentence, device, run.world_size)
+        if run.train_set.images is not None:  # and with the first prompt's images: the features' path, the positions
+            images = image_inputs(run, run.train_set, [0])
+            check_logprobs(model, run.train_set.prompt_ids[0] + sentence, device, run.world_size, images)
     run.pad_id = run.tokenizer.pad_token_id if run.tokenizer.pad_token_id is not None else run.tokenizer.eos_token_id
     eos_ids = model.generation_config.eos_token_id
     eos_ids = set(eos_ids if isinstance(eos_ids, list) else [eos_ids]) | {run.tokenizer.eos_token_id}
     run.eos_ids = sorted(eos_ids - {None})
 
 
-def generate(run, prompt_ids, num_generations=None, temperature=None):
-    """(completion ids, vLLM log-probs or None), prompt-major; None: training's G / temperature (0: greedy). In the
-    training thread a lost server is waited for and given the current weights, then asked again; when none comes back
-    (or the colocated engine died) the run stops with a checkpoint (stop_lost). A background round raises."""
+def generate(run, prompt_ids, n=None, temperature=None, images=None):
+    """(completion ids, vLLM log-probs or None), prompt-major; None: training's G / temperature (0: greedy); images:
+    the prompts' image_inputs (Hugging Face's generate only, for now). In the training thread a lost server is waited
+    for and given the current weights, then asked again; when none comes back (or the colocated engine died) the run
+    stops with a checkpoint (stop_lost). A background round raises."""
     while run.engine is not None:
         try:
-            return vllm_utils.generate(run.engine, prompt_ids, num_generations, temperature)
+            return vllm_utils.generate(run.engine, prompt_ids, n, temperature)
         except vllm_utils.ServerLost:
             if threading.current_thread() is not threading.main_thread() or run.world_size > 1:
                 raise
@@ -870,7 +891,7 @@ def generate(run, prompt_ids, num_generations=None, temperature=None):
                 raise
             stop_lost(run, error)
     with unsharded(run.model, run.world_size):  # FSDP2: full weights while decoding, ranks stop at different steps
-        return hf_generate(run.model, prompt_ids, run.args, run.eos_ids, run.pad_id, num_generations, temperature)
+        return hf_generate(run.model, prompt_ids, run.args, run.eos_ids, run.pad_id, n, temperature, images)
 
 
 class Round(NamedTuple):
@@ -892,7 +913,8 @@ def start_round(run):
         if push is not None:
             push.result()
         t0 = time.perf_counter()
-        return generate(run, [run.train_set.prompt_ids[i] for i in rows]), time.perf_counter() - t0
+        images = image_inputs(run, run.train_set, rows)
+        return generate(run, [run.train_set.prompt_ids[i] for i in rows], images=images), time.perf_counter() - t0
 
     return Round(rows, start, run.weights_version, future_of(work, background=args.async_generation))
 
@@ -908,7 +930,8 @@ def round_output(run, round):
         if run.push is not None:  # the push in flight first: one push at a time, and the round samples its weights
             run.push.result()
         t0 = time.perf_counter()
-        output = generate(run, [run.train_set.prompt_ids[i] for i in round.rows])
+        images = image_inputs(run, run.train_set, round.rows)
+        output = generate(run, [run.train_set.prompt_ids[i] for i in round.rows], images=images)
         return output, time.perf_counter() - t0, run.weights_version
 
 
@@ -972,12 +995,14 @@ def score(run, prompt_set, rows, completion_ids, num_generations):
     prompts = repeated({i: run.tokenizer.decode(prompt_set.prompt_ids[i]) for i in rows})
     passed = dict(prompts=prompts, completion_ids=completion_ids, max_completion_length=run.args.max_completion_length)
     columns.update(**passed, **run.args.reward_kwargs)  # read_dataset: no --reward-kwargs key repeats one
+    if prompt_set.images is not None and any(map(rewards.takes_images, run.reward_fns)):  # opened only if asked for
+        columns["images"] = repeated({i: [open_image(image) for image in prompt_set.images[i]] for i in rows})
     return rewards.score(run.reward_fns, completions, columns)
 
 
-def old_and_ref_logprobs(run, prompt_ids, completion_ids, need_old):
+def old_and_ref_logprobs(run, prompt_ids, completion_ids, need_old, prompt_rows=None):
     """The policy's log-probs before any update (if need_old) and the reference model's (if there is one), (N, C) on
-    the CPU or None, in token-budget micro-batches without gradient."""
+    the CPU or None, in token-budget micro-batches without gradient; prompt_rows: each one's training row (images)."""
     args, model, ref_model, world_size = run.args, run.model, run.ref_model, run.world_size
     nets = [model if need_old else None, ref_model]  # (None: not asked for)
     if all(net is None for net in nets):
@@ -994,9 +1019,11 @@ def old_and_ref_logprobs(run, prompt_ids, completion_ids, need_old):
     ):
         for mb in token_budget_batches(range(shape[0]), prompt_lengths, completion_lengths, args.micro_batch_tokens):
             batch = collate([prompt_ids[i] for i in mb], [completion_ids[i] for i in mb], run.device, run.pad_id)
+            images = image_inputs(run, run.train_set, [prompt_rows[i] for i in mb]) if prompt_rows else None
             for net, out in zip(nets, logprobs):
                 if net is not None:
-                    out[mb, : batch.completion_mask.shape[1]] = per_token_logprobs(net, *batch, args.temperature).cpu()
+                    logprobs_mb = per_token_logprobs(net, *batch, args.temperature, images=images)
+                    out[mb, : batch.completion_mask.shape[1]] = logprobs_mb.cpu()
     return logprobs
 
 
@@ -1026,9 +1053,9 @@ def evaluate(run):
 
     def complete(n, temperature):  # this rank's rows, n completions each, prompt-major
         size, ids = max(1, round_size // n), []
-        for start in range(0, len(rows), size):
-            batch = [run.eval_set.prompt_ids[i] for i in rows[start : start + size]]
-            ids += generate(run, batch, n, temperature)[0]
+        for batch in (rows[start : start + size] for start in range(0, len(rows), size)):
+            images = image_inputs(run, run.eval_set, batch)
+            ids += generate(run, [run.eval_set.prompt_ids[i] for i in batch], n, temperature, images)[0]
         return ids
 
     # HF sampling draws from the global RNG: fork it, so that training samples what it would without evaluation; the
@@ -1070,20 +1097,24 @@ class PromptSet(NamedTuple):
     prompts: list  # each prompt as chat messages (when a chat template was applied) or text
     columns: dict  # the other columns (the answer column renamed to `answer`) that reward functions receive by name
     prompts_are_messages: bool  # the dataset's prompts are chat messages (then so are the completions rewards get)
+    images: list = None  # per row, its images (paths or PIL images: open_image), or None: a text dataset
 
 
-def load_prompts(args, dataset, tokenizer, max_context, evaluation=False):
+def load_prompts(args, dataset, tokenizer, max_context, evaluation=False, processor=None):
     """Tokenize the prompts of `dataset` ({column: values}, from read_dataset): a PromptSet. A plain-text prompt is
     wrapped as a user message when the chat template is applied, but prompts_are_messages stays False: only the
-    dataset's own chat messages make the reward functions' completions messages (TRL's rule)."""
-    raw = dataset[args.prompt_column]
+    dataset's own chat messages make the reward functions' completions messages (TRL's rule). Images: the processor's."""
+    raw, images = dataset[args.prompt_column], dataset.get("images")
     prompts_are_messages = isinstance(raw[0], list)
     use_template = prompts_are_messages or (args.use_chat_template and tokenizer.chat_template is not None)
     if use_template:
         system = [{"role": "system", "content": args.system_prompt}] if args.system_prompt else []
         prompts = [system + (p if prompts_are_messages else [{"role": "user", "content": p}]) for p in raw]
         chat = dict(add_generation_prompt=True, return_dict=True)
-        prompt_ids = [list(tokenizer.apply_chat_template(messages, **chat)["input_ids"]) for messages in prompts]
+        if images is None:
+            prompt_ids = [list(tokenizer.apply_chat_template(messages, **chat)["input_ids"]) for messages in prompts]
+        else:
+            prompt_ids = [process_prompt(processor, p, row)["input_ids"][0].tolist() for p, row in zip(prompts, images)]
     else:
         prompts = [f"{args.system_prompt}\n\n{p}" if args.system_prompt else p for p in raw]
         prompt_ids = [list(tokenizer(text)["input_ids"]) for text in prompts]
@@ -1106,8 +1137,8 @@ def load_prompts(args, dataset, tokenizer, max_context, evaluation=False):
             f"lower --max-completion-length."
         )
     pick = lambda values: [values[i] for i in keep]
-    columns = {c: pick(values) for c, values in dataset.items() if c != args.prompt_column}
-    return PromptSet(pick(prompt_ids), pick(prompts), columns, prompts_are_messages)
+    columns = {c: pick(values) for c, values in dataset.items() if c not in (args.prompt_column, "images")}
+    return PromptSet(pick(prompt_ids), pick(prompts), columns, prompts_are_messages, images and pick(images))
 
 
 def prompt_stream(num_prompts, seed, start=0):
@@ -1140,9 +1171,9 @@ def read_dataset(args, reward_fns, evaluation=False):
             dataset = {}  # (`datasets` fails on an empty file)
         elif name.endswith((".json", ".jsonl", ".csv", ".parquet")):
             builder = {".csv": "csv", ".parquet": "parquet"}.get(os.path.splitext(name)[1], "json")
-            dataset = load_dataset(builder, data_files=name, split="train").to_dict()
+            dataset = load_dataset(builder, data_files=name, split="train")[:]
         else:  # a local directory gets no --dataset-config (its default, gsm8k's "main", is not a builder config)
-            dataset = load_dataset(name, None if os.path.isdir(name) else config, split=split).to_dict()
+            dataset = load_dataset(name, None if os.path.isdir(name) else config, split=split)[:]
     except Exception as error:  # noqa: BLE001 - any failure to read the data is the flag's problem
         where, message, keys = ("" if is_local(name) else f", split {split}"), repr(error), None
         if os.path.isdir(name):
@@ -1162,9 +1193,12 @@ def read_dataset(args, reward_fns, evaluation=False):
     if not dataset or not next(iter(dataset.values())):
         raise SystemExit(f"error: {source} holds no records")
     dataset = {c: v[: args.eval_max_samples] for c, v in dataset.items()} if evaluation else dataset
-    for option, column in (("--prompt-column", args.prompt_column), ("--answer-column", args.answer_column)):
+    typed = "--image-column" in getattr(args, "flags_given", ())  # if not, `image` or else `images` where there is one
+    image_column = next((c for c in [args.image_column, *["images"] * (not typed)] if c and c in dataset), None)
+    options = ("--prompt-column", args.prompt_column), ("--answer-column", args.answer_column)
+    for option, column in (*options, ("--image-column", args.image_column if typed else "")):
         if (column or option == "--prompt-column") and column not in dataset:
-            none = ', or --answer-column "" if it has none' if "answer" in option else ""
+            none = f', or {option} "" if it has none' if option != "--prompt-column" else ""
             raise SystemExit(
                 f"error: {source} has no column '{column}' (its columns: {list(dataset)}): pass {option} with one of "
                 f"those{none}"
@@ -1176,10 +1210,88 @@ def read_dataset(args, reward_fns, evaluation=False):
             f"error: {source}, row {row}: --prompt-column '{args.prompt_column}' holds {prompts[row]!r}, not a "
             f"prompt: every row holds a string, or every row a list of chat messages"
         )
+    if image_column and args.use_vllm:
+        raise SystemExit(f"error: {source} has images, and vLLM's image path is not built yet: drop --use-vllm")
+    if image_column:  # as `images`: each row's list, paths relative to a local dataset file resolved, then checked
+        folder = os.path.dirname(os.path.abspath(name)) if os.path.isfile(name) else ""
+        resolve = lambda x: os.path.join(folder, x) if isinstance(x, str) else x
+        listed = lambda v: v if isinstance(v, list) else [] if v is None else [v]
+        dataset["images"] = [list(map(resolve, listed(v))) for v in dataset.pop(image_column)]
+        is_image = lambda part: isinstance(part, dict) and part.get("type") == "image"  # (not a string's letters)
+        for row, (images, prompt) in enumerate(zip(dataset["images"], prompts)):
+            count = sum(is_image(part) for message in (prompt if kind is list else []) for part in message["content"])
+            found = [f"no image file {x}" for x in images if isinstance(x, str) and not os.path.isfile(x)]
+            found += [f'{len(images)} image(s), {count} {{"type": "image"}} part(s)'] if len(images) != count else []
+            if found:
+                raise SystemExit(f"error: {source}, row {row}: {found[0]} (one part per image in its messages)")
     rewards.check_arguments(reward_fns, list(dataset), source, args)
     if args.answer_column:  # reward functions get the answer column as `answer`
         dataset["answer"] = dataset.pop(args.answer_column)
     return dataset
+
+
+class Images(NamedTuple):  # image_inputs' output: the images of a batch's prompts, each prompt's once
+    inputs: list  # per distinct prompt, the processor's output (input_ids, pixel_values, ...) on the model's device
+    index: list  # per batch row, its prompt's place in `inputs`
+
+
+def open_image(image):
+    """A dataset's image (a path, or a PIL image from datasets' Image feature) as a PIL image in RGB."""
+    from PIL import Image
+
+    return (image if isinstance(image, Image.Image) else Image.open(image)).convert("RGB")
+
+
+def process_prompt(processor, messages, images):
+    """The processor's inputs of a prompt: its chat template's text (with its BOS), each image part its image's tokens."""
+    text, images = processor.apply_chat_template(messages, add_generation_prompt=True), [list(map(open_image, images))]
+    return processor(text=[text], images=images, add_special_tokens=False, return_tensors="pt")
+
+
+def image_inputs(run, prompt_set, rows):
+    """The Images of a batch whose row b is (a completion of) prompt_set's prompt rows[b], or None for a text set."""
+    if prompt_set.images is None:
+        return None
+    place = {row: i for i, row in enumerate(dict.fromkeys(rows))}  # distinct prompts, in order
+    process = lambda row: process_prompt(run.processor, prompt_set.prompts[row], prompt_set.images[row])
+    return Images([process(row).to(run.device) for row in place], [place[row] for row in rows])
+
+
+@contextmanager
+def images_in(model, images, P, length):
+    """A batch's inputs besides ids, mask and pixels ({} without images), its prompts ending at column P of `length`:
+    the processor's per-token ones (mm_token_type_ids) padded as collate pads, its per-image ones (image_grid_thw) per
+    row, no position ids for M-RoPE. Within it a hook in the model's forward (where FSDP2 holds the weights) puts each
+    prompt's image features, computed once per prompt and not per completion, in place of its image tokens; decoding
+    steps, and image tokens that a completion sampled, keep their embeddings (as in vLLM)."""
+    if images is None:
+        yield {}
+        return
+    first, kwargs = images.inputs[0], {}
+    per_image = [key for key, value in first.items() if value.shape != first["input_ids"].shape]
+    for key in first.keys() - {*per_image, "input_ids", "attention_mask"}:  # per token
+        kwargs[key] = torch.zeros(len(images.index), length, dtype=first[key].dtype, device=first[key].device)
+        for b, u in enumerate(images.index):
+            kwargs[key][b, P - images.inputs[u][key].shape[1] : P] = images.inputs[u][key][0]
+    kwargs |= {k: torch.cat([images.inputs[u][k] for u in images.index]) for k in per_image if "pixel" not in k}
+    kwargs |= {"position_ids": None} if any(hasattr(m, "get_rope_index") for m in model.modules()) else {}  # M-RoPE
+
+    def put_features(module, args, embeds):
+        if args[0].shape[1] < P:  # a decoding step
+            return None
+        pooled = [model.get_image_features(**{k: x[k] for k in per_image}).pooler_output for x in images.inputs]
+        # per prompt, (image tokens, hidden) from (tiles, tokens, hidden) or, Qwen2-VL's, one tensor per image
+        features = [torch.cat([f.flatten(0, -2) for f in (p if isinstance(p, tuple) else [p])]) for p in pooled]
+        rows, is_image = torch.cat([features[u] for u in images.index]), args[0][:, :P] == model.config.image_token_id
+        if len(rows) != is_image.sum():
+            raise ValueError(f"{int(is_image.sum())} image tokens in the prompts but {len(rows)} image features")
+        return torch.cat([embeds[:, :P].masked_scatter(is_image[..., None], rows.to(embeds.dtype)), embeds[:, P:]], 1)
+
+    handle = model.get_input_embeddings().register_forward_hook(put_features)
+    try:
+        yield kwargs
+    finally:
+        handle.remove()
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -1307,14 +1419,15 @@ def add_matmul(out, a, b):
 
 
 def per_token_logprobs(
-    model, ids, attn, pos, cmask, P, temperature=1.0, chunk_tokens=1024, with_entropy=False, into_grad=False
+    model, ids, attn, pos, cmask, P, temperature=1, chunk_tokens=1024, with_entropy=False, into_grad=False, images=None
 ):
     """log pi(token) of each completion token at the sampling temperature, (B, C), 0 on padding, from a collate batch.
     The fp32 logits of a 150k vocabulary would be the memory peak: the LM head runs on `chunk_tokens` tokens at a time
     (TokenLogprobs). into_grad: the caller runs loss.backward(), so the LM head's gradient may go straight to .grad."""
     # the whole model's forward, so that FSDP2 gathers every parameter: logits of one position, the final normed states
     inputs = dict(input_ids=ids, attention_mask=attn, position_ids=pos)
-    hidden = model(**inputs, use_cache=False, logits_to_keep=1, output_hidden_states=True).hidden_states[-1]
+    with images_in(model, images, P, ids.shape[1]) as extra:  # (the prompts' Images, or None)
+        hidden = model(**inputs | extra, use_cache=False, logits_to_keep=1, output_hidden_states=True).hidden_states[-1]
     mask = cmask.bool()  # position t predicts completion token t: (n_tokens, H) and (n_tokens,)
     hidden, targets = hidden[:, P - 1 : -1][mask], ids[:, P:][mask]
     lm_head = model.get_output_embeddings()
@@ -1325,14 +1438,21 @@ def per_token_logprobs(
     return (logprobs, torch.zeros_like(logprobs).masked_scatter(mask, entropy)) if with_entropy else logprobs
 
 
-def check_logprobs(model, input_ids, device, world_size):
+def check_logprobs(model, input_ids, device, world_size, images=None):
     """Raise unless per_token_logprobs of one short sequence match log_softmax of the model's own logits, which the
     sampler uses: an architecture whose forward transforms its logits in a way final_logits does not know would
-    otherwise train on wrong log-probs. Every rank calls it: `unsharded` gathers the FSDP2 shards, a collective."""
-    ids, attn, pos, cmask, P = collate([input_ids[:1]], [input_ids[1:]], device, 0)
+    otherwise train on wrong log-probs. Every rank calls it: `unsharded` gathers the FSDP2 shards, a collective. images:
+    a prompt's, that input_ids begins with; the model's own forward encodes them (and computes M-RoPE's positions)."""
+    prompt = {} if images is None else images.inputs[0]  # the processor's inputs (text: the first token is the prompt)
+    P = prompt["input_ids"].shape[1] if prompt else 1
+    ids, attn, pos, cmask, P = collate([input_ids[:P]], [input_ids[P:]], device, 0)
+    pad = lambda v: torch.nn.functional.pad(v, (0, ids.shape[1] - P)) if v.shape == prompt["input_ids"].shape else v
+    own = {k: pad(v) for k, v in prompt.items() if k not in ("input_ids", "attention_mask")}  # the pixels too
+    own |= {"position_ids": None} if prompt and any(hasattr(m, "get_rope_index") for m in model.modules()) else {}
     with torch.no_grad(), unsharded(model, world_size):
-        ours = per_token_logprobs(model, ids, attn, pos, cmask, P)
-        logits = model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=False).logits[:, P - 1 : -1]
+        ours = per_token_logprobs(model, ids, attn, pos, cmask, P, images=images)
+        inputs = dict(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=False) | own
+        logits = model(**inputs).logits[:, P - 1 : -1]
     theirs = logits.float().log_softmax(-1).gather(-1, ids[:, P:, None]).squeeze(-1)
     error = (ours - theirs).abs().mean().item()
     # in bf16 the LM head's GEMM on other shapes may round a logit of ~20 differently, by 0.125 (some forwards
@@ -1372,11 +1492,15 @@ def add_lora(args, model, dtype, checkpoint_dir=None, autocast=False):
     import peft
 
     head = model.get_output_embeddings()  # trained through its weight alone: never adapted (TokenLogprobs reads it)
-    names = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and m is not head]
+    vlm = getattr(model.config, "vision_config", None) is not None
+    language = set((model.get_decoder() if vlm else model).modules())  # a VLM's LoRA adapts its language model only
+    names = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and m is not head and m in language]
     if missing := [t for t in args.lora_target_modules or () if not any(n == t or n.endswith(f".{t}") for n in names)]:
         linear = ", ".join(sorted({n.rsplit(".", 1)[-1] for n in names}))  # (peft would ignore some of several)
         raise SystemExit(f"error: --lora-target-modules {' '.join(missing)}: no linear layer is so named ({linear})")
     targets = args.lora_target_modules or "all-linear"
+    if vlm:  # full names: peft would also adapt the vision tower's layers of the same short names
+        targets = [n for n in names if targets == "all-linear" or any(n == t or n.endswith(f".{t}") for t in targets)]
     lora = dict(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout, target_modules=targets)
     model = peft.get_peft_model(model, peft.LoraConfig(**lora), autocast_adapter_dtype=dtype == torch.float32)
     for layer in model.modules() if autocast else ():
@@ -1476,7 +1600,7 @@ def global_sum(value, world_size, device):
 
 
 @torch.no_grad()
-def hf_generate(model, prompt_ids, args, eos_ids, pad_id, num_generations=None, temperature=None):
+def hf_generate(model, prompt_ids, args, eos_ids, pad_id, num_generations=None, temperature=None, images=None):
     """num_generations completions per prompt (None: --num-generations) at `temperature` (None: the training one; 0:
     greedy), as token ids, prompt-major, each cut after its first EOS (kept), and None (no sampler log-probs)."""
     from transformers import GenerationConfig
@@ -1486,6 +1610,7 @@ def hf_generate(model, prompt_ids, args, eos_ids, pad_id, num_generations=None, 
     repeated = [p for p in prompt_ids for _ in range(num_generations)]
     input_ids, attention_mask, _, _, P = collate(repeated, [[]] * len(repeated), model.device, pad_id)  # left-padded
     input_ids, attention_mask = input_ids[:, :P], attention_mask[:, :P]
+    images = images and Images(images.inputs, [u for u in images.index for _ in range(num_generations)])
     sampling = dict(do_sample=True, temperature=temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p)
     decoding = sampling if temperature > 0 else dict(do_sample=False)  # temperature 0: greedy
     stopping = dict(max_new_tokens=args.max_completion_length, eos_token_id=eos_ids, pad_token_id=pad_id)
@@ -1494,9 +1619,10 @@ def hf_generate(model, prompt_ids, args, eos_ids, pad_id, num_generations=None, 
     # generate fills every field left None from model.generation_config (generation_config.json: suppress_tokens, ...),
     # which neither the trainer's log-probs nor vLLM model; as the model's own, this one gets neutral defaults only
     model_config, model.generation_config = model.generation_config, config
+    autocast = torch.autocast(model.device.type, torch.bfloat16, enabled=args.bf16 and model.device.type == "cuda")
     try:
-        with torch.autocast(model.device.type, torch.bfloat16, enabled=args.bf16 and model.device.type == "cuda"):
-            out = model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=config)
+        with autocast, images_in(model, images, P, P) as kwargs:
+            out = model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=config, **kwargs)
     finally:
         model.generation_config = model_config
     cut_after_eos = lambda row: row[: next((t + 1 for t, token in enumerate(row) if token in eos_ids), len(row))]
@@ -1718,10 +1844,11 @@ def save_model(directory, model, tokenizer_files, state_dict=None):
 
 
 def tokenizer_files(model_path, tokenizer):
-    """{name: bytes}: model_path's tokenizer files, saved as they are (save_pretrained drops `legacy`, ...)."""
+    """{name: bytes}: model_path's tokenizer (and processor) files, saved as they are (save_pretrained drops `legacy`)."""
     from transformers.utils import cached_file
 
     names = {"tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "chat_template.jinja"}
+    names |= {"processor_config.json", "preprocessor_config.json", "chat_template.json"}  # a VLM's processor
     # tokenizer.json too: transformers 5 loads it whatever the class lists (SmolLM2's GPT2Tokenizer: vocab.json, ...)
     names |= set(tokenizer.vocab_files_names.values()) | {"tokenizer.json"}  # tokenizer.model, vocab.json, ...
     missing_ok = dict(_raise_exceptions_for_missing_entries=False, _raise_exceptions_for_connection_errors=False)

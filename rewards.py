@@ -137,6 +137,18 @@ def keyword_reward(completions, keyword, **kwargs) -> list[float]:
     return rewards
 
 
+def first_word_reward(completions, answer, partial=0.5, **kwargs) -> list[float]:
+    """1.0 if the completion's first word is the one-word `answer` (case and punctuation aside), else partial credit:
+    `partial` times the share of the answer's letters that the word starts with, so that RL has a way towards an answer
+    the model never says yet (the colour of an image in docs/vision.md's recipe)."""
+    rewards = []
+    for completion, gold in zip(completions, _column(completions, "answer", answer)):
+        word, gold = (_text(completion).split() or [""])[0].strip(".,!?;:\"'").lower(), str(gold).strip().lower()
+        prefix = next((i for i, (a, b) in enumerate(zip(word, gold)) if a != b), min(len(word), len(gold)))
+        rewards.append(1.0 if word == gold else float(partial) * prefix / max(len(gold), 1))
+    return rewards
+
+
 # ------------------------------------------------------------------------------------------------------------------
 # The trainer's side: the reward functions that --reward-funcs names, their arguments, their scores
 
@@ -190,13 +202,19 @@ def check_arguments(reward_fns, columns, source, args):
         raise SystemExit(f"error: reward function '{fn}' (--reward-funcs) needs {what} (its columns: {columns}): {fix}")
 
 
+def takes_images(fn) -> bool:
+    """Whether a reward function names an `images` parameter: only such functions get the prompts' images."""
+    return "images" in inspect.signature(fn).parameters
+
+
 def score(reward_fns, completions, columns):
-    """Call each reward function with the completions and, by name, the keyword `columns`; returns the scores
-    (num_completions, num_funcs) with NaN where a function gave None."""
+    """Call each reward function with the completions and, by name, the keyword `columns` (`images` only if it names
+    them); returns the scores (num_completions, num_funcs) with NaN where a function gave None."""
     scores = torch.full((len(completions), len(reward_fns)), float("nan"))
     for k, fn in enumerate(reward_fns):
         try:
-            values = fn(completions=completions, **columns)
+            given = columns if takes_images(fn) else {c: v for c, v in columns.items() if c != "images"}
+            values = fn(completions=completions, **given)
         except Exception as error:
             raise RuntimeError(
                 f"reward function '{fn.__name__}' raised {type(error).__name__}: {error}. It receives completions and "

@@ -40,6 +40,7 @@ BACKGROUND_FIXTURES = [
     "sigterm_under_torchrun_run",
     "lora_learning_run",
     "lora_same_steps_run",
+    "vision_learning_runs",
 ]
 
 
@@ -156,3 +157,15 @@ def lora_same_steps_run(background, tmp_path_factory):
 
     path = tmp_path_factory.mktemp("same_steps_lora")
     return background.submit(run_on_one_and_two_ranks, path, "grpo.py", False, ["--use-peft"])
+
+
+@pytest.fixture(scope="session")
+def vision_learning_runs(background, tmp_path_factory):
+    """{script: job}: test_vision.py's colour-task run of each script (test_vision.learn), in the background. The
+    warm-started tiny VLM and its data are built first, here: in the jobs' threads, torch's one global generator would
+    be shared."""
+    from test_vision import LEARN, colour_task, learn
+
+    task = colour_task(tmp_path_factory.mktemp("vision_task"), warm=True)
+    root = tmp_path_factory.mktemp("vision_runs")
+    return {script: background.submit(learn, task, root / script[:-3], script) for script in LEARN}

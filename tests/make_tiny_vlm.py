@@ -22,12 +22,21 @@ message holding an {"type": "image"} part then a text part; plain-string content
 the processor on the rendered text with add_special_tokens=False (its default adds a second BOS), or let
 processor.apply_chat_template(..., tokenize=True) do it with the image in the part ({"type": "image", "image": PIL}).
 
+`--warm` (make_tiny_vlm(..., warm=True)): a warm start (`warm_start`, deterministic, ~8 s on one CPU core) fits the
+language model only, for 40 AdamW steps, to answer the colour question with one of the 4 colour words then EOS, each
+word equally likely (~1/4) whatever the image: its training images are random solid colours each paired with every
+colour word, so the image carries no information about the target. It teaches the answer's format (a colour word,
+spelled right, its first token deciding which) and NOT which colour an image is: before RL, the greedy answer is right
+on about 1/4 of held-out images (chance; tests/test_tiny_vlm.py asserts <= 1/4 + 15%). The vision tower and connector
+are the random ones of the plain build, byte for byte. tests/test_vision.py's learning runs start from it: RL then has
+only the image -> colour mapping to learn, from the reward.
+
 The dataset (`make_colour_dataset`): solid-colour 32x32 PNGs (each colour's RGB jittered) and a JSONL file whose rows
 hold `prompt` (chat messages with an image part), `image` (the PNG's path relative to the JSONL file) and `answer` (the
 colour word). `load_colour_dataset` reads it back as a `datasets.Dataset` whose `image` column holds PIL images (TRL's
 convention for a one-image-per-row dataset).
 
-Usage: python tests/make_tiny_vlm.py OUT_DIR [--text HIDDEN/HEADS] [--seed 0] [--colours DIR --rows 64]"""
+Usage: python tests/make_tiny_vlm.py OUT_DIR [--text HIDDEN/HEADS] [--seed 0] [--warm] [--colours DIR --rows 64]"""
 
 import argparse
 import json
@@ -73,6 +82,8 @@ CHAT_TEMPLATE = """{{- bos_token -}}
 COLOURS = {"red": (220, 30, 30), "green": (30, 180, 40), "blue": (30, 50, 220), "yellow": (230, 220, 40)}
 JITTER = 30
 QUESTION = "What colour is this?"
+WARM_PROMPT = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": QUESTION}]}]
+WARM_STEPS, WARM_IMAGES, WARM_LR = 40, 64, 3e-3  # warm_start's optimizer steps (8 images x 4 answers each), images, lr
 
 
 def parse_text(text):
@@ -116,9 +127,71 @@ def text_model(tokenizer, text):
     return LlamaForCausalLM(config)
 
 
-def make_tiny_vlm(out_dir, text=None, seed=0):
+def warm_start(model, processor, steps=WARM_STEPS, images=WARM_IMAGES, seed=0):
+    """A short supervised fit of the language model only (vision tower and connector untouched) that makes it answer
+    the colour question with one of the colour words (then EOS), each about as likely as the others, whatever the
+    image. Each step shows 8 random solid-colour images (uniform over the RGB cube, not the dataset's colours), each
+    with every colour word as its target: the cross-entropy's minimum is then the uniform choice, so the fit carries no
+    information from the image to the word. It does NOT teach which colour an image is: that is left to RL (the
+    held-out greedy accuracy stays near chance, 1 / len(COLOURS); tests/test_tiny_vlm.py checks it). Deterministic
+    (its own generators, one thread); a few seconds on a CPU. Returns the last loss."""
+    from PIL import Image
+
+    tokenizer = processor.tokenizer
+    rng = random.Random(seed)
+    pictures = [Image.new("RGB", (TILE, TILE), tuple(rng.randrange(256) for _ in "rgb")) for _ in range(images)]
+    text = processor.apply_chat_template(WARM_PROMPT, add_generation_prompt=True)
+    batch = processor(
+        text=[text] * images, images=[[p] for p in pictures], add_special_tokens=False, return_tensors="pt"
+    )
+    answers = [
+        tokenizer(" " + word, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id] for word in COLOURS
+    ]
+    prompt_length, width = batch["input_ids"].shape[1], max(map(len, answers))
+    # every image with every answer: the rows of one image differ only in the answer
+    input_ids = torch.full((images, len(answers), prompt_length + width), tokenizer.eos_token_id)
+    labels = torch.full_like(input_ids, -100)
+    input_ids[:, :, :prompt_length] = batch["input_ids"][:, None]
+    for j, ids in enumerate(answers):
+        input_ids[:, j, prompt_length : prompt_length + len(ids)] = torch.tensor(ids)
+        labels[:, j, prompt_length : prompt_length + len(ids)] = torch.tensor(ids)
+    trained = [p for name, p in model.named_parameters() if ".text_model." in name]
+    frozen = [p for name, p in model.named_parameters() if ".text_model." not in name]
+    for parameter in frozen:  # (no gradients for the vision tower and connector: faster)
+        parameter.requires_grad_(False)
+    optimizer = torch.optim.AdamW(trained, lr=WARM_LR, weight_decay=0.0)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1 - step / steps)
+    order = torch.Generator().manual_seed(seed)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the same sums in the same order on any machine: the same bytes
+    try:
+        model.train()
+        for _ in range(steps):
+            rows = torch.randperm(images, generator=order)[:8]
+            per_row = len(answers)
+            loss = model(
+                input_ids=input_ids[rows].flatten(0, 1),
+                pixel_values=batch["pixel_values"][rows].repeat_interleave(per_row, 0),
+                pixel_attention_mask=batch["pixel_attention_mask"][rows].repeat_interleave(per_row, 0),
+                labels=labels[rows].flatten(0, 1),
+            ).loss
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            schedule.step()
+    finally:
+        torch.set_num_threads(threads)
+        for parameter in frozen:
+            parameter.requires_grad_(True)
+        model.eval()
+        model.zero_grad(set_to_none=True)
+    return loss.item()
+
+
+def make_tiny_vlm(out_dir, text=None, seed=0, warm=False):
     """Write the tiny VLM (model, processor, tokenizer, chat template) to `out_dir`; returns a summary dict. The same
-    arguments give the same files."""
+    arguments give the same files. warm: warm_start() its language model first (it then says a colour word, chosen
+    without regard to the image)."""
     from PIL import Image
     from transformers import (
         AutoTokenizer,
@@ -168,6 +241,7 @@ def make_tiny_vlm(out_dir, text=None, seed=0):
         image_seq_len=IMAGE_SEQ_LEN,
         chat_template=CHAT_TEMPLATE,
     )
+    warm_loss = warm_start(model, processor, seed=seed) if warm else None
     os.makedirs(out_dir, exist_ok=True)
     model.save_pretrained(out_dir)
     processor.save_pretrained(out_dir)
@@ -186,6 +260,7 @@ def make_tiny_vlm(out_dir, text=None, seed=0):
         "dir": str(out_dir),
         "architecture": type(model).__name__,
         "text": "stories260K" if text is None else f"random {text}",
+        "warm_start_loss": None if warm_loss is None else round(warm_loss, 4),
         "params": count(model),
         "params_text": count(model.model.text_model),
         "params_vision": count(model.model.vision_model),
@@ -238,12 +313,13 @@ def main():
     parser.add_argument("out_dir")
     parser.add_argument("--text", default=None, help="HIDDEN/HEADS: a random-init text model instead of stories260K")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--warm", action="store_true", help="warm-start the language model (warm_start)")
     parser.add_argument("--colours", default=None, help="also write the colour dataset to this folder")
     parser.add_argument("--rows", type=int, default=64, help="rows of the colour dataset")
     args = parser.parse_args()
     if args.text is not None:
         parse_text(args.text)
-    print(json.dumps(make_tiny_vlm(args.out_dir, text=args.text, seed=args.seed)))
+    print(json.dumps(make_tiny_vlm(args.out_dir, text=args.text, seed=args.seed, warm=args.warm)))
     if args.colours:
         print(json.dumps({"colours": str(make_colour_dataset(args.colours, args.rows, args.seed))}))
 

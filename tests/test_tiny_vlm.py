@@ -1,7 +1,8 @@
 """The tiny vision-language model and colour dataset of tests/make_tiny_vlm.py: they build offline and the same every
 time, load with the Auto classes, the processor's image tokens match the model's image features, forward, generate and
-gradients work, vLLM's own input processing agrees with transformers', and a few dozen supervised steps teach the model
-to name the colour of held-out images (it must look at the image: every prompt's token ids are the same)."""
+gradients work, vLLM's own input processing agrees with transformers', a few dozen supervised steps teach the model
+to name the colour of held-out images (it must look at the image: every prompt's token ids are the same), and the
+warm start (make_tiny_vlm(warm=True)) makes it say a colour word but not the image's."""
 
 import json
 import time
@@ -240,6 +241,42 @@ def test_vision_fixture_learns_colours_from_the_image(vlm, tmp_path):
     seconds = time.perf_counter() - start
     print(f"colours learned at step {learned_at} in {seconds:.1f} s (evaluation included): {history}")
     assert learned_at is not None, history
+
+
+def test_vision_fixture_warm_start_says_a_colour_word_but_not_which(vlm, tmp_path):
+    """make_tiny_vlm(warm=True) (tests/test_vision.py's learning runs start from it): the same bytes every time; only
+    the language model differs from the plain build (the vision tower and connector are the same random ones). Asked
+    the colour question, it answers a colour word, spelled right, for every held-out image, but not the image's: each
+    word's first token has about 1/4 of the probability on every image, and the greedy answer is right no more often
+    than chance (1/4) + 15%. So RL has the image -> colour mapping still to learn."""
+    from transformers import AutoModelForImageTextToText
+
+    out, summary = tmp_path / "warm", make_tiny_vlm(tmp_path / "warm", warm=True)
+    again = make_tiny_vlm(tmp_path / "again", warm=True)
+    assert again == {**summary, "dir": str(tmp_path / "again")} and summary["warm_start_loss"] is not None
+    for f in out.iterdir():
+        assert f.read_bytes() == (tmp_path / "again" / f.name).read_bytes(), f.name
+    plain = AutoModelForImageTextToText.from_pretrained(vlm[0]).state_dict()
+    model, processor = load(out)
+    warm = model.state_dict()
+    language = [k for k in plain if ".text_model." in k or k == "lm_head.weight"]  # (lm_head: the tied embeddings)
+    assert all(torch.equal(plain[k], warm[k]) for k in plain if k not in language) and len(language) < len(plain)
+    assert not all(torch.equal(plain[k], warm[k]) for k in plain if ".text_model." in k)
+    tokenizer = processor.tokenizer
+    held_out = load_colour_dataset(make_colour_dataset(tmp_path / "held_out", 40, seed=1))
+    batch = encode(processor, held_out["prompt"], held_out["image"])
+    first = [tokenizer(" " + word, add_special_tokens=False)["input_ids"][0] for word in COLOURS]
+    with torch.no_grad():
+        chances = model.eval()(**batch).logits[:, -1].softmax(-1)[:, first]  # (image, colour word)
+    assert chances.sum(1).min() >= 0.95 and 0.15 <= chances.min() and chances.max() <= 0.35, chances
+    with torch.no_grad():
+        generated = model.generate(**batch, max_new_tokens=6, do_sample=False)
+    prompt_length = batch["input_ids"].shape[1]
+    said = [tokenizer.decode(row[prompt_length:], skip_special_tokens=True).strip() for row in generated]
+    assert all(word in COLOURS for word in said), said
+    right = sum(word == answer for word, answer in zip(said, held_out["answer"])) / len(said)
+    assert right <= 1 / len(COLOURS) + 0.15, (right, said)
+    print(f"warm start: greedy right on {right:.0%} of held-out images; first-token chances {chances.mean(0)}")
 
 
 def test_vision_fixture_random_text_model_option(tmp_path):
