@@ -164,6 +164,9 @@ class Args:
     """colocate: context length of the engine (None = longest prompt + max_completion_length)"""
     vllm_enable_sleep_mode: bool = False
     """colocate: free vLLM's memory (sleep level 2) while training"""
+    vllm_model_impl: Literal["auto", "vllm", "transformers"] = "auto"
+    """colocate: vLLM's model code, or its transformers backend for a model vLLM has none for (a server: `vllm serve
+    --model-impl`)"""
     vllm_server_host: str = "127.0.0.1"
     """server: host of `vllm serve`"""
     vllm_server_port: list[int] = field(default_factory=lambda: [8000])
@@ -705,7 +708,8 @@ def set_up(args, rules, problems=(), reference_model=False, steps_per_generation
 
     # generator: Hugging Face generate, or vLLM (colocated engine or a `vllm serve` server)
     longest = max(map(len, run.train_set.prompt_ids + (run.eval_set.prompt_ids if run.eval_set else [])))
-    run.engine = vllm_utils.start_with_weights(args, run.model, model_path, longest) if args.use_vllm else None
+    images = max((len(x) for s in (run.train_set, run.eval_set) if s and s.images for x in s.images), default=0)
+    run.engine = vllm_utils.start_with_weights(args, run.model, model_path, longest, images) if args.use_vllm else None
 
     # logs: wandb (a resumed run continues its wandb run), metrics.jsonl (rank 0), the progress bar
     if args.track and run.is_main:
@@ -769,14 +773,15 @@ def load_models(run, model_path, checkpoint_dir, reference_model, sentence):
     run.eos_ids = sorted(eos_ids - {None})
 
 
-def generate(run, prompt_ids, n=None, temperature=None, images=None):
-    """(completion ids, vLLM log-probs or None), prompt-major; None: training's G / temperature (0: greedy); images:
-    the prompts' image_inputs (Hugging Face's generate only, for now). In the training thread a lost server is waited
-    for and given the current weights, then asked again; when none comes back (or the colocated engine died) the run
-    stops with a checkpoint (stop_lost). A background round raises."""
+def generate(run, prompt_set, rows, n=None, temperature=None):
+    """(completion ids, vLLM log-probs or None) of prompt_set's `rows`, prompt-major; None: training's G / temperature
+    (0: greedy). In the training thread a lost server is waited for and given the current weights, then asked again;
+    when none comes back (or the colocated engine died) the run stops with a checkpoint (stop_lost). A background
+    round raises."""
+    prompt_ids = [prompt_set.prompt_ids[i] for i in rows]
     while run.engine is not None:
         try:
-            return vllm_utils.generate(run.engine, prompt_ids, n, temperature)
+            return vllm_utils.generate(run.engine, prompt_ids, n, temperature, vllm_images(run, prompt_set, rows))
         except vllm_utils.ServerLost:
             if threading.current_thread() is not threading.main_thread() or run.world_size > 1:
                 raise
@@ -790,6 +795,7 @@ def generate(run, prompt_ids, n=None, temperature=None, images=None):
                 raise
             stop_lost(run, error)
     with unsharded(run.model, run.world_size):  # FSDP2: full weights while decoding, ranks stop at different steps
+        images = image_inputs(run, prompt_set, rows)
         return hf_generate(run.model, prompt_ids, run.args, run.eos_ids, run.pad_id, n, temperature, images)
 
 
@@ -812,8 +818,7 @@ def start_round(run):
         if push is not None:
             push.result()
         t0 = time.perf_counter()
-        images = image_inputs(run, run.train_set, rows)
-        return generate(run, [run.train_set.prompt_ids[i] for i in rows], images=images), time.perf_counter() - t0
+        return generate(run, run.train_set, rows), time.perf_counter() - t0
 
     return Round(rows, start, run.weights_version, future_of(work, background=args.async_generation))
 
@@ -829,8 +834,7 @@ def round_output(run, round):
         if run.push is not None:  # the push in flight first: one push at a time, and the round samples its weights
             run.push.result()
         t0 = time.perf_counter()
-        images = image_inputs(run, run.train_set, round.rows)
-        output = generate(run, [run.train_set.prompt_ids[i] for i in round.rows], images=images)
+        output = generate(run, run.train_set, round.rows)
         return output, time.perf_counter() - t0, run.weights_version
 
 
@@ -953,8 +957,7 @@ def evaluate(run):
     def complete(n, temperature):  # this rank's rows, n completions each, prompt-major
         size, ids = max(1, round_size // n), []
         for batch in (rows[start : start + size] for start in range(0, len(rows), size)):
-            images = image_inputs(run, run.eval_set, batch)
-            ids += generate(run, [run.eval_set.prompt_ids[i] for i in batch], n, temperature, images)[0]
+            ids += generate(run, run.eval_set, batch, n, temperature)[0]
         return ids
 
     # HF sampling draws from the global RNG: fork it, so that training samples what it would without evaluation; the
@@ -1109,8 +1112,6 @@ def read_dataset(args, reward_fns, evaluation=False):
             f"error: {source}, row {row}: --prompt-column '{args.prompt_column}' holds {prompts[row]!r}, not a "
             f"prompt: every row holds a string, or every row a list of chat messages"
         )
-    if image_column and args.use_vllm:
-        raise SystemExit(f"error: {source} has images, and vLLM's image path is not built yet: drop --use-vllm")
     if image_column:  # as `images`: each row's list, paths relative to a local dataset file resolved, then checked
         folder = os.path.dirname(os.path.abspath(name)) if os.path.isfile(name) else ""
         resolve = lambda x: os.path.join(folder, x) if isinstance(x, str) else x
@@ -1154,6 +1155,17 @@ def image_inputs(run, prompt_set, rows):
     place = {row: i for i, row in enumerate(dict.fromkeys(rows))}  # distinct prompts, in order
     process = lambda row: process_prompt(run.processor, prompt_set.prompts[row], prompt_set.images[row])
     return Images([process(row).to(run.device) for row in place], [place[row] for row in rows])
+
+
+def vllm_images(run, prompt_set, rows):
+    """prompt_set's `rows` as vLLM takes them, a vllm_utils.ImagePrompt each (the template's ids, one placeholder per
+    image, which vLLM expands; the messages; the images), or None for a text set."""
+    if prompt_set.images is None:
+        return None
+    template = lambda row: run.processor.apply_chat_template(prompt_set.prompts[row], add_generation_prompt=True)
+    ids = lambda row: run.processor.tokenizer(template(row), add_special_tokens=False)["input_ids"]
+    images = lambda row: list(map(open_image, prompt_set.images[row]))
+    return [vllm_utils.ImagePrompt(ids(row), prompt_set.prompts[row], images(row)) for row in rows]
 
 
 @contextmanager
@@ -1904,7 +1916,11 @@ COMMON_RULES = [  # (the shared flags' fields, true for a valid value, what they
 IGNORED = [  # (a regex of flags, true where they are read, what that takes): typed where nothing reads them, refused
     (r"--vllm-", lambda a: a.use_vllm, "--use-vllm"),
     (r"--vllm-(server|group|generation|weight-sync)-", lambda a: a.vllm_mode == "server", "--vllm-mode server"),
-    (r"--vllm-(gpu|tensor|max-model|enable-sleep)-", lambda a: a.vllm_mode == "colocate", "--vllm-mode colocate"),
+    (
+        r"--vllm-(gpu|tensor|max-model|enable-sleep|model-impl)",
+        lambda a: a.vllm_mode == "colocate",
+        "--vllm-mode colocate",
+    ),
     (r"--lora-|--save-merged-model", lambda a: a.use_peft, "--use-peft"),
     (r"--dataset-(config|split)", lambda a: not os.path.isfile(a.dataset_name), "a hub --dataset-name"),
     (r"--eval-(dataset|max|num)", lambda a: a.eval_steps > 0 or a.max_steps == 0, "--eval-steps N (or --max-steps 0)"),

@@ -9,12 +9,14 @@ import base64
 import concurrent.futures
 import contextlib
 import importlib.util
+import io
 import math
 import os
 import pickle
 import socket
 import threading
 import time
+from typing import NamedTuple
 
 import psutil
 import requests
@@ -145,15 +147,40 @@ def sampling_fields(args):
     return {**fields, "repetition_penalty": args.repetition_penalty, "max_tokens": args.max_completion_length}
 
 
-def colocate_generate(llm, prompt_ids, n, fields):
-    """n completions per prompt from an in-process engine: (completion ids, sampled-token log-probs), prompt-major."""
+class ImagePrompt(NamedTuple):
+    """A prompt with images, as vLLM takes it. vLLM expands the image placeholders itself: into the trainer's prompt
+    ids, which generate checks (a renderer that expands them differently would train on other prompts than sampled)."""
+
+    token_ids: list  # the chat template's ids, one placeholder token per image (colocate; expanded by vLLM)
+    messages: list  # the chat messages, an {"type": "image"} part per image in order (a server renders them)
+    images: list  # the PIL images, in order
+
+
+def colocate_generate(llm, prompt_ids, n, fields, images=None):
+    """n completions per prompt from an in-process engine: (completion ids, sampled-token log-probs), prompt-major.
+    images: an ImagePrompt per prompt, or None (text prompts)."""
     from vllm import SamplingParams
 
     # no text (detokenizing stalls decoding); logprobs=0, flat: one float per token
     params = SamplingParams(n=n, logprobs=0, detokenize=False, flat_logprobs=True, **fields)
-    outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], params, use_tqdm=False)
+    prompts = [{"prompt_token_ids": ids} for ids in prompt_ids]
+    if images is not None:
+        prompts = [{"prompt_token_ids": p.token_ids, "multi_modal_data": {"image": p.images}} for p in images]
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    for output, ids in zip(outputs, prompt_ids) if images is not None else ():
+        same_prompt(output.prompt_token_ids, ids)
     samples = [sample for output in outputs for sample in output.outputs]
     return [list(s.token_ids) for s in samples], [list(s.logprobs.logprobs) for s in samples]
+
+
+def same_prompt(vllm_ids, ids):
+    """Raise unless vLLM's expanded prompt ids of an image prompt are the trainer's."""
+    if list(vllm_ids) != list(ids):
+        at = next((i for i, (a, b) in enumerate(zip(vllm_ids, ids)) if a != b), min(len(vllm_ids), len(ids)))
+        raise RuntimeError(
+            f"vLLM expanded an image prompt into {len(vllm_ids)} token ids and the trainer's processor into {len(ids)},"
+            f" first differing at {at}: the two would not train on what was sampled. Use the same processor settings"
+        )
 
 
 def tensor_parallel_group(tensor_parallel_size):
@@ -555,35 +582,94 @@ def parse_completions(response, num_prompts, n):
     return completion_ids, logprobs
 
 
-def server_generate(base_url, model_id, prompt_ids, n, fields, chunk_size=8, timeout=1800.0, lost=None):
+def render_request(model_id, prompt):
+    """Body of POST /v1/chat/completions/render: an ImagePrompt's messages, each image part its image as a data URL."""
+    images = iter(prompt.images)
+    url = lambda part: {"type": "image_url", "image_url": {"url": data_url(next(images))}}  # noqa: E731
+    parts = lambda content: [url(p) if p.get("type") == "image" else p for p in content]  # noqa: E731
+    # (a string content holds no image)
+    messages = [
+        {**m, "content": m["content"] if isinstance(m["content"], str) else parts(m["content"])}
+        for m in prompt.messages
+    ]
+    return {"model": model_id, "messages": messages, "add_generation_prompt": True}
+
+
+def data_url(image):
+    """A PIL image as a PNG data URL (lossless: the server decodes the same pixels)."""
+    image.save(png := io.BytesIO(), format="PNG")
+    return "data:image/png;base64," + base64.b64encode(png.getvalue()).decode()
+
+
+def generate_request(rendered, n, fields):
+    """Body of POST /inference/v1/generate: the render's token ids and image features, sampled n times, the sampled
+    tokens' log-probs; FINAL_ONLY (2): every choice at the end (some versions return only the last one otherwise)."""
+    sampling = {"n": n, **fields, "logprobs": 0, "detokenize": False, "skip_special_tokens": False, "output_kind": 2}
+    return {"token_ids": rendered["token_ids"], "features": rendered.get("features"), "sampling_params": sampling}
+
+
+def parse_generate(response, n):
+    """Completion ids and per-token log-probs (None where missing) of one prompt's /inference/v1/generate response."""
+    choices = sorted(response["choices"], key=lambda choice: choice["index"])
+    if len(choices) != n:
+        raise RuntimeError(f"the server returned {len(choices)} completions of an image prompt for n = {n}")
+    # vLLM writes a missing log-prob as its default, -9999
+    logprob = lambda entry: entry["logprob"] if entry.get("logprob", -9999.0) > -9999.0 else None  # noqa: E731
+    logprobs = [[logprob(entry) for entry in (c["logprobs"] or {}).get("content") or []] for c in choices]
+    completion_ids = [list(choice["token_ids"]) for choice in choices]
+    if bad := next(((len(i), len(lp)) for i, lp in zip(completion_ids, logprobs) if len(i) != len(lp)), None):
+        raise RuntimeError(f"the server returned {bad[1]} log-probs for {bad[0]} tokens")
+    return completion_ids, logprobs
+
+
+def _ask(url, path, body, timeout, deadline):
+    """POST body to url + path, again while the server is paused (503) until `deadline`; None if the connection fails."""
+    with contextlib.suppress(requests.ConnectionError, requests.exceptions.ChunkedEncodingError):
+        while (response := requests.post(f"{url}{path}", json=body, timeout=timeout)).status_code == 503:
+            if time.monotonic() > deadline:
+                break
+            time.sleep(1)
+        return response
+
+
+def server_generate(base_url, model_id, prompt_ids, n, fields, chunk_size=8, timeout=1800.0, lost=None, images=None):
     """n completions per prompt on the server: (completion ids, log-probs) prompt-major, by concurrent requests of
     `chunk_size` prompts (vLLM batches them; no response holds a round), each within `timeout` s. `base_url`: one URL,
     or servers of the same weights taking the chunks in turn (docs/vllm.md, "Several servers"); one that stops
-    answering joins `lost` ({url: since}), its chunks go to the others; ServerLost if none is left."""
+    answering joins `lost` ({url: since}), its chunks go to the others; ServerLost if none is left. images: an
+    ImagePrompt per prompt, each rendered by the server (its prompt ids checked), then generated alone."""
     urls, lost = _listed(base_url), {} if lost is None else lost
     first = int(os.environ.get("RANK", "0"))  # torchrun ranks start at different servers
+    chunk_size = 1 if images is not None else chunk_size
 
-    def complete(i, chunk):
-        body, deadline = completions_request(model_id, chunk, n, fields), time.monotonic() + timeout
+    def exchange(url, start, deadline):  # the chunk's last response (None: the connection failed)
+        if images is None:
+            body = completions_request(model_id, prompt_ids[start : start + chunk_size], n, fields)
+            return _ask(url, "/v1/completions", body, timeout, deadline)
+        rendered = _ask(url, "/v1/chat/completions/render", render_request(model_id, images[start]), timeout, deadline)
+        if rendered is None or rendered.status_code != 200:
+            return rendered
+        same_prompt(rendered.json()["token_ids"], prompt_ids[start])
+        return _ask(url, "/inference/v1/generate", generate_request(rendered.json(), n, fields), timeout, deadline)
+
+    def complete(i, start):
+        deadline = time.monotonic() + timeout
         for url in [u for u in (urls[(first + i + k) % len(urls)] for k in range(len(urls))) if u not in lost]:
-            post = lambda: requests.post(f"{url}/v1/completions", json=body, timeout=timeout)  # noqa: E731
-            try:
-                while (response := post()).status_code == 503 and time.monotonic() < deadline:  # 0.33: while paused
-                    time.sleep(1)
-            except (requests.ConnectionError, requests.exceptions.ChunkedEncodingError):
-                response = None
+            response = exchange(url, start, deadline)
             if response is not None and (response.status_code < 500 or _answers(url)):
                 break
             lost.setdefault(url, time.time())  # a dead engine's 5xx or a closed port: the server is gone
         else:
             raise ServerLost(f"no server of {', '.join(urls)} answers")
         if response.status_code != 200:
-            raise RuntimeError(f"/v1/completions failed with {response.status_code}: {response.text[:500]}")
-        return parse_completions(response.json(), len(chunk), n)
+            raise RuntimeError(f"{response.request.path_url} failed with {response.status_code}: {response.text[:500]}")
+        if images is not None:
+            return parse_generate(response.json(), n)
+        return parse_completions(response.json(), len(prompt_ids[start : start + chunk_size]), n)
 
-    chunks = [prompt_ids[i : i + chunk_size] for i in range(0, len(prompt_ids), chunk_size)]
-    with concurrent.futures.ThreadPoolExecutor(max(1, len(chunks))) as pool:
-        parts = list(pool.map(complete, range(len(chunks)), chunks))
+    starts = range(0, len(prompt_ids), chunk_size)
+    with concurrent.futures.ThreadPoolExecutor(max(1, len(starts))) as pool:
+        parts = list(pool.map(complete, range(len(starts)), starts))
     return [ids for part in parts for ids in part[0]], [lps for part in parts for lps in part[1]]
 
 
@@ -636,7 +722,7 @@ def check_args(args):
     return problems
 
 
-def start(args, model_path, max_prompt_length):
+def start(args, model_path, max_prompt_length, max_images=0):
     """The generator `args.vllm_mode` asks for, a dict handed back to generate / sync_weights. A server is checked (its
     layout on rank 0); over NCCL the group forms at the first sync_weights, once the served model has been compared."""
     global TRUST_REMOTE_CODE  # vLLM, the model comparison and the serve commands printed load the model alike
@@ -648,7 +734,9 @@ def start(args, model_path, max_prompt_length):
         dtype, seqs = ("bfloat16" if args.bf16 else "auto"), args.prompts_per_step * engine["n"]
         llm_args = dict(max_model_len=args.vllm_max_model_len or max_len, enable_sleep_mode=args.vllm_enable_sleep_mode)
         llm_args.update(gpu_memory_utilization=args.vllm_gpu_memory_utilization, dtype=dtype, max_num_seqs=seqs)
-        llm_args["trust_remote_code"] = TRUST_REMOTE_CODE
+        llm_args.update(trust_remote_code=TRUST_REMOTE_CODE, model_impl=getattr(args, "vllm_model_impl", "auto"))
+        if max_images:  # the most images of any prompt (vLLM's default may be fewer)
+            llm_args["limit_mm_per_prompt"] = {"image": max_images}
         engine["llm"] = colocate_engine(model_path, args.vllm_tensor_parallel_size, args.seed, **llm_args)
         engine["sleep"] = args.vllm_enable_sleep_mode  # starts awake with the checkpoint's weights (model_path)
         engine["tp_group"] = tensor_parallel_group(args.vllm_tensor_parallel_size)
@@ -685,24 +773,25 @@ def start(args, model_path, max_prompt_length):
     return engine
 
 
-def start_with_weights(args, model, model_path, max_prompt_length):
+def start_with_weights(args, model, model_path, max_prompt_length, max_images=0):
     """start(), then the trainer's weights at once, as every round must sample the trained policy: a server may hold
     others (an earlier run's, this one's before a resume); with --use-peft a colocated one too (it loaded the base)."""
-    engine = start(args, model_path, max_prompt_length)
+    engine = start(args, model_path, max_prompt_length, max_images)
     if args.vllm_mode == "server" or args.use_peft:
         sync_weights(engine, model)
     return engine
 
 
-def generate(engine, prompt_ids, n=None, temperature=None):
-    """(completion ids, vLLM log-probs), prompt-major; n per prompt, temperature (0: greedy): None = training's."""
+def generate(engine, prompt_ids, n=None, temperature=None, images=None):
+    """(completion ids, vLLM log-probs), prompt-major; n per prompt, temperature (0: greedy): None = training's;
+    images: an ImagePrompt per prompt (prompt_ids then hold the trainer's expanded ids, which vLLM's must equal)."""
     n, fields = n or engine["n"], {**engine["fields"], **({} if temperature is None else {"temperature": temperature})}
     if engine["mode"] == "server":
         lost = engine.setdefault("lost", {})
         if not (urls := [url for url in _urls(engine) if url not in lost]):
             raise ServerLost(f"no server of the run answers (lost: {', '.join(lost)})")
         chunking = engine["vllm_generation_chunk_size"], engine["vllm_generation_timeout"], lost
-        return server_generate(urls, engine["server"]["model_id"], prompt_ids, n, fields, *chunking)
+        return server_generate(urls, engine["server"]["model_id"], prompt_ids, n, fields, *chunking, images)
     llm, group = engine["llm"], engine["tp_group"]
     if engine.get("weights_asleep"):
         raise RuntimeError("the colocated engine's weights are asleep (level 2 discards them): call sync_weights first")
@@ -711,12 +800,16 @@ def generate(engine, prompt_ids, n=None, temperature=None):
         llm.wake_up(tags=["kv_cache"])  # scheduling resumes once weights and KV cache are both awake
         engine["kv_asleep"] = False
     if group is None:
-        return colocate_generate(llm, prompt_ids, n, fields)
+        return colocate_generate(llm, prompt_ids, n, fields, images)
     # the ranks of one tensor-parallel engine generate everyone's prompts together, then keep their own
     parts = [None] * torch.distributed.get_world_size(group)
-    torch.distributed.all_gather_object(parts, prompt_ids, group=group)
-    completion_ids, logprobs = colocate_generate(llm, [p for part in parts for p in part], n, fields)
-    start = sum(len(part) for part in parts[: torch.distributed.get_rank(group)]) * n
+    torch.distributed.all_gather_object(parts, (prompt_ids, images), group=group)
+    everyone = (
+        [p for part in parts for p in part[0]],
+        None if images is None else [p for part in parts for p in part[1]],
+    )
+    completion_ids, logprobs = colocate_generate(llm, everyone[0], n, fields, everyone[1])
+    start = sum(len(part[0]) for part in parts[: torch.distributed.get_rank(group)]) * n
     mine = slice(start, start + len(prompt_ids) * n)  # this rank's prompts, prompt-major
     return completion_ids[mine], logprobs[mine]
 

@@ -37,11 +37,11 @@ class StandInServer:
             monkeypatch.setattr(vllm_utils, name, getattr(self, name))
         monkeypatch.setattr(vllm_utils, "setup_problems", lambda: [])  # no GPU or vLLM needed to stand in
 
-    def start(self, args, model_path, max_prompt_length):
+    def start(self, args, model_path, max_prompt_length, max_images=0):
         self.args, self.model = args, AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
         return {"mode": "server"}
 
-    def generate(self, engine, prompt_ids, n=None, temperature=None):
+    def generate(self, engine, prompt_ids, n=None, temperature=None, images=None):
         import grpo
 
         with self.lock:  # requests in the order they arrive

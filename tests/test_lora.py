@@ -118,7 +118,7 @@ def test_a_colocated_engine_gets_the_merged_weights_before_its_first_round(monke
     """It starts from the base model (a checkpoint holds only the adapter): with LoRA it is pushed at once, also at a
     resume."""
     pushed = []
-    monkeypatch.setattr(vllm_utils, "start", lambda args, path, longest: {"mode": args.vllm_mode, "path": path})
+    monkeypatch.setattr(vllm_utils, "start", lambda args, path, longest, images: {"mode": args.vllm_mode, "path": path})
     monkeypatch.setattr(vllm_utils, "sync_weights", lambda engine, model: pushed.append(engine["path"]))
     vllm_utils.start_with_weights(SimpleNamespace(vllm_mode="colocate", use_peft=True), "MODEL", "base", 10)
     assert pushed == ["base"]

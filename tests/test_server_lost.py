@@ -147,7 +147,7 @@ def fake_vllm(monkeypatch):
     box = {}
 
     def install(servers, timeout=60.0):
-        def start(args, model_path, max_prompt_length):
+        def start(args, model_path, max_prompt_length, max_images=0):
             box["args"] = args
             urls = [s.url for s in servers]
             facts = {"model_id": "m", "backend": "ipc", "version": "0.26.0", "cache_config": {"num_gpu_blocks": 64}}
@@ -299,7 +299,7 @@ def test_server_lost_colocated_engine_dead_writes_the_last_step_and_exits_75(
 
     calls = []
 
-    def generate(engine, prompt_ids, n=None, temperature=None):
+    def generate(engine, prompt_ids, n=None, temperature=None, images=None):
         calls.append(1)
         if len(calls) == dies_at:
             raise EngineDeadError("EngineCore died") if dies_at == 3 else RuntimeError("CUDA error: an illegal memory")

@@ -170,7 +170,6 @@ def test_vision_start_up_refusals_are_one_line_before_any_weights_load(task, tmp
         ),
         '1 image(s), 0 {"type": "image"} part(s)': ([{**base, "prompt": QUESTION}], []),
         "has no column 'picture'": ([base], ["--image-column", "picture"]),
-        "vLLM's image path is not built yet": ([base], ["--use-vllm"]),
     }
     for n, (expected, (rows, flags)) in enumerate(cases.items()):
         data = write_jsonl(train.parent / f"bad{n}.jsonl", rows)

@@ -396,7 +396,7 @@ def test_every_rank_generates_through_the_server_and_only_rank_0_joins_the_weigh
     monkeypatch.setattr(
         vllm_utils,
         "server_generate",
-        lambda url, model_id, prompts, n, fields, chunk, timeout, lost: (
+        lambda url, model_id, prompts, n, fields, chunk, timeout, lost, images: (
             sent.append((url, chunk, timeout)) or ([[1]], [[-0.1]])
         ),
     )
@@ -1237,7 +1237,7 @@ def test_check_args_names_each_vllm_flag_and_fits_every_script(monkeypatch, caps
 @pytest.mark.parametrize("mode", ["colocate", "server"])
 def test_start_with_weights_pushes_the_trainers_weights_to_a_server_at_once(monkeypatch, mode):
     pushed = []
-    monkeypatch.setattr(vllm_utils, "start", lambda args, path, longest: {"mode": args.vllm_mode, "path": path})
+    monkeypatch.setattr(vllm_utils, "start", lambda args, path, longest, images: {"mode": args.vllm_mode, "path": path})
     monkeypatch.setattr(vllm_utils, "sync_weights", lambda engine, model: pushed.append((engine["path"], model)))
     engine = vllm_utils.start_with_weights(SimpleNamespace(vllm_mode=mode, use_peft=False), "MODEL", "m", 10)
     assert engine == {"mode": mode, "path": "m"}
