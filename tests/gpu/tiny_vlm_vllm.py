@@ -28,8 +28,11 @@ def attempt(model_dir, image_path, backend=None):
     messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What colour is this?"}]}]
     prompt_ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)["input_ids"]
     backend = {"attention_backend": backend} if backend else {}
+    # processed log-probs, as the trainer's engine: vLLM then samples with its own kernels, not FlashInfer's sampler,
+    # whose first use JIT-compiles it (minutes; it looked like a hang on the GPU hosts, benchmarks/results/README.md)
     llm = LLM(
         model_dir,
+        logprobs_mode="processed_logprobs",
         dtype="bfloat16",
         enforce_eager=True,
         gpu_memory_utilization=0.1,
