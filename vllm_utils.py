@@ -291,8 +291,10 @@ def check_same_model(server, model, model_path, trust_remote_code=False):
     try:  # the served model's parameters, on the meta device; its code only if the trainer, not the server, trusts it
         config = transformers.AutoConfig.from_pretrained(name, revision=served.get("revision"), **remote)
         config.update(served.get("hf_overrides") or {})
+        vision = getattr(config, "vision_config", None) is not None  # a vision-language model: its own class
+        auto = transformers.AutoModelForImageTextToText if vision else transformers.AutoModelForCausalLM
         with torch.device("meta"):
-            served_model = transformers.AutoModelForCausalLM.from_config(config, **remote)
+            served_model = auto.from_config(config, **remote)
     except (OSError, ValueError, TypeError, KeyError):
         return print(f"vllm_utils: cannot build the served {name} here to compare it with the trainer's {model_path}")
     sent, shapes = (dict(zip(*(weight_metadata(m)[key] for key in ("names", "shapes")))) for m in (model, served_model))

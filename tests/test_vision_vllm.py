@@ -225,3 +225,19 @@ def test_vision_vllm_model_impl_reaches_the_colocated_engine_and_needs_colocate(
     monkeypatch.setattr(vllm_utils, "setup_problems", lambda: [])
     with pytest.raises(SystemExit, match="--vllm-model-impl is ignored without --vllm-mode colocate"):
         grpo.check_args(server, 1)
+
+
+def test_vision_check_same_model_builds_a_vision_language_model(vlm, tmp_path, capsys):
+    """The served model is built as a vision-language model (AutoModelForCausalLM cannot build one, and the comparison
+    was skipped): the same VLM passes without the "cannot build" message, another one is refused before any push."""
+    from transformers import AutoModelForImageTextToText
+
+    path, _, _ = vlm
+    model = AutoModelForImageTextToText.from_pretrained(path)
+    server = {"model_config": {"model": str(path)}, "model_id": str(path), "url": "http://127.0.0.1:8000"}
+    vllm_utils.check_same_model(server, model, str(path))
+    assert "cannot build" not in capsys.readouterr().out
+    make_tiny_vlm(tmp_path / "other", text="128/4")  # another text model's width
+    other = {**server, "model_config": {"model": str(tmp_path / "other")}}
+    with pytest.raises(RuntimeError, match="nothing sent"):
+        vllm_utils.check_same_model(other, model, str(path))
