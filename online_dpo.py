@@ -129,6 +129,9 @@ class Args:
     image_column: str = "image"
     """column holding each prompt's image, or a list of them (untyped: `image`, else `images`, if there; "" = none): a
     path relative to the dataset file, or datasets' Image; a reward naming `images` gets them (docs/vision.md)"""
+    mm_processor_kwargs: dict[str, int | float | str] = field(default_factory=dict)
+    """with images: the image processor's settings, for the trainer's processor and a colocated vLLM alike (e.g.
+    Qwen2.5-VL's `min_pixels 3136 max_pixels 401408`; a server: `vllm serve --mm-processor-kwargs`)"""
     max_prompt_length: int | None = None
     """drop prompts with more tokens than this (None = keep all, and an over-long prompt is an error)"""
 
@@ -673,8 +676,11 @@ def set_up(args, rules, problems=(), reference_model=False, steps_per_generation
     run.tokenizer = tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=args.trust_remote_code)
     run.tokenizer_files = tokenizer_files(model_path, tokenizer)
     has_images = "images" in dataset or "images" in (eval_dataset or {})  # (read_dataset's name for the image column)
+    mm_kwargs = args.mm_processor_kwargs
     if has_images:  # (a checkpoint's, a LoRA checkpoint's too)
-        run.processor = AutoProcessor.from_pretrained(model_path, trust_remote_code=args.trust_remote_code)
+        run.processor = AutoProcessor.from_pretrained(model_path, trust_remote_code=args.trust_remote_code, **mm_kwargs)
+    elif args.mm_processor_kwargs:
+        raise SystemExit("error: --mm-processor-kwargs is ignored without images in the dataset: drop it")
     sentence = tokenizer("The quick brown fox jumps over the lazy dog, and then it ran away.")["input_ids"]
     if len(sentence) < 5:  # a tokenizer that lost its vocabulary knows only special tokens
         raise SystemExit(

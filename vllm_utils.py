@@ -737,8 +737,8 @@ def start(args, model_path, max_prompt_length, max_images=0):
         llm_args = dict(max_model_len=args.vllm_max_model_len or max_len, enable_sleep_mode=args.vllm_enable_sleep_mode)
         llm_args.update(gpu_memory_utilization=args.vllm_gpu_memory_utilization, dtype=dtype, max_num_seqs=seqs)
         llm_args.update(trust_remote_code=TRUST_REMOTE_CODE, model_impl=getattr(args, "vllm_model_impl", "auto"))
-        if max_images:  # the most images of any prompt (vLLM's default may be fewer)
-            llm_args["limit_mm_per_prompt"] = {"image": max_images}
+        if max_images:  # the most images of any prompt (vLLM's default may be fewer); the trainer's processor settings
+            llm_args.update(limit_mm_per_prompt={"image": max_images}, mm_processor_kwargs=args.mm_processor_kwargs)
         engine["llm"] = colocate_engine(model_path, args.vllm_tensor_parallel_size, args.seed, **llm_args)
         engine["sleep"] = args.vllm_enable_sleep_mode  # starts awake with the checkpoint's weights (model_path)
         engine["tp_group"] = tensor_parallel_group(args.vllm_tensor_parallel_size)

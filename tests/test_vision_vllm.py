@@ -241,3 +241,50 @@ def test_vision_check_same_model_builds_a_vision_language_model(vlm, tmp_path, c
     other = {**server, "model_config": {"model": str(tmp_path / "other")}}
     with pytest.raises(RuntimeError, match="nothing sent"):
         vllm_utils.check_same_model(other, model, str(path))
+
+
+def test_vision_mm_processor_kwargs_reach_the_trainers_processor_and_the_engine(monkeypatch, tmp_path):
+    """--mm-processor-kwargs sets the trainer's image processor (Qwen2.5-VL's max_pixels: 16 image tokens of a 112x112
+    image become 4, so the prompt fits a --max-prompt-length it did not) and the colocated engine's; without images it
+    is refused in one line before any weights load."""
+    from test_vision import tiny_qwen2_5_vl
+
+    from grpo_cli import STORIES, check, run_grpo
+
+    qwen = tiny_qwen2_5_vl(tmp_path / "qwen")
+    data = make_colour_dataset(tmp_path / "big", 4, seed=0, size=112)
+    flags = ["--model-name-or-path", qwen, "--dataset-name", data, "--prompt-column", "prompt", "--no-bf16"]
+    flags += ["--reward-funcs", "first_word_reward", "--max-prompt-length", 40, "--max-completion-length", 4]
+    flags += ["--prompts-per-step", 2, "--num-generations", 2, "--max-steps", 1]
+    refused = run_grpo(*flags, "--output-dir", tmp_path / "default")
+    assert refused.returncode == 1 and "no prompt of --dataset-name" in refused.stderr + refused.stdout
+    check(run_grpo(*flags, "--mm-processor-kwargs", "max_pixels", 3136, "--output-dir", tmp_path / "small"))
+
+    words = write_jsonl(tmp_path / "text.jsonl", [{"question": "Name a colour.", "answer": "red"}] * 2)
+    text = run_grpo(
+        "--model-name-or-path",
+        STORIES,
+        "--dataset-name",
+        words,
+        "--reward-funcs",
+        "first_word_reward",
+        "--mm-processor-kwargs",
+        "max_pixels",
+        3136,
+        "--output-dir",
+        tmp_path / "text",
+    )
+    lines = [line for line in (text.stdout + text.stderr).splitlines() if line.strip()]
+    assert (
+        text.returncode == 1
+        and lines[-1] == "error: --mm-processor-kwargs is ignored without images in the dataset: drop it"
+    )
+    assert not any("Loading weights" in line for line in lines)
+
+    started = {}
+    monkeypatch.setattr(vllm_utils, "vllm_version", lambda *a, **k: (0, 26))
+    monkeypatch.setattr(vllm_utils, "colocate_engine", lambda path, tp, seed, **kw: started.update(kw))
+    monkeypatch.setattr(vllm_utils, "tensor_parallel_group", lambda tp: None)
+    args = grpo.parse_args(["--use-vllm", "--mm-processor-kwargs", "max_pixels", "3136"])
+    vllm_utils.start(args, "m", 10, max_images=1)
+    assert started["mm_processor_kwargs"] == {"max_pixels": 3136}
