@@ -325,3 +325,41 @@ def test_online_dpo_under_torchrun_trains_saves_and_resumes(tmp_path):
     resumed = torchrun(2, "online_dpo.py", *common, "--max-steps", 4, "--resume-from-checkpoint", "latest")
     assert resumed.returncode == 0, resumed.stderr[-4000:]
     assert [json.loads(line)["step"] for line in open(out / "metrics.jsonl")] == [1, 2, 3, 4]
+
+
+def test_vision_two_ranks_take_the_same_step_as_one(tmp_path):
+    """A vision-language model under FSDP2 (issue 45): grpo.py on 2 CPU ranks ends with the same weights as on 1 with
+    the same global batch, the image features computed inside the sharded model's forward. As in
+    test_the_scripts_take_the_same_steps_on_two_ranks_as_on_one: one image prompt twice, completions of one token, a
+    keyword that the warm-started tiny VLM's first token often is (one colour word's first token) and one it never is."""
+    from itertools import islice
+
+    from safetensors.torch import load_file
+    from transformers import AutoTokenizer
+
+    import grpo
+    from grpo_cli import write_jsonl
+    from make_tiny_vlm import make_colour_dataset, make_tiny_vlm
+
+    vlm = tmp_path / "vlm"
+    make_tiny_vlm(vlm, warm=True)
+    row = json.loads(make_colour_dataset(tmp_path / "data", 1, seed=0).read_text().splitlines()[0])
+    first = AutoTokenizer.from_pretrained(vlm).tokenize(row["answer"])[0].lstrip("\u2581")  # e.g. "red" -> "r"...
+    data = write_jsonl(tmp_path / "data" / "d.jsonl", [{**row, "keyword": first}, {**row, "keyword": "zzzqqq"}])
+    seed = next(s for s in range(100) if list(islice(grpo.prompt_stream(2, s), 2)) == [0, 1])  # the keyword row first
+    args = ["--model-name-or-path", vlm, "--dataset-name", data, "--prompt-column", "prompt", "--answer-column", ""]
+    args += ["--no-bf16", "--reward-funcs", "keyword_reward", "--prompts-per-step", 2, "--num-generations", 8]
+    args += ["--max-completion-length", 1, "--learning-rate", 1e-2, "--seed", seed, "--max-steps", 1]
+    for n in (1, 2):
+        result = torchrun(n, "grpo.py", *args, "--output-dir", tmp_path / f"run{n}", timeout=600)
+        assert result.returncode == 0, result.stderr[-3000:]
+    (m1,), (m2,) = (read_metrics(tmp_path / f"run{n}") for n in (1, 2))
+    assert m1["frac_reward_zero_std"] == m2["frac_reward_zero_std"] == 0.5, (m1, m2)  # one group with signal
+    for key in ("loss", "grad_norm", "reward"):
+        assert m1[key] == pytest.approx(m2[key], rel=1e-4, abs=1e-6), (key, m1[key], m2[key])
+    start, w1, w2 = (load_file(path / "model.safetensors") for path in (vlm, tmp_path / "run1", tmp_path / "run2"))
+    assert max((w1[name] - start[name]).abs().max() for name in w1) > 5e-3  # the step moved the weights
+    for name in w1:
+        assert torch.allclose(w1[name], w2[name], atol=1e-5, rtol=1e-5), (name, (w1[name] - w2[name]).abs().max())
+        if "vision_model" in name:  # --freeze-vision-tower (the default): the tower as it was, on both
+            assert torch.equal(w1[name], start[name]), name
