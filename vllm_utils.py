@@ -148,8 +148,7 @@ def sampling_fields(args):
 
 
 class ImagePrompt(NamedTuple):
-    """A prompt with images, as vLLM takes it. vLLM expands the image placeholders itself: into the trainer's prompt
-    ids, which generate checks (a renderer that expands them differently would train on other prompts than sampled)."""
+    """A prompt with images, as vLLM takes it: vLLM expands the placeholders, into the trainer's prompt ids (checked)."""
 
     token_ids: list  # the chat template's ids, one placeholder token per image (colocate; expanded by vLLM)
     messages: list  # the chat messages, an {"type": "image"} part per image in order (a server renders them)
@@ -572,16 +571,18 @@ def completions_request(model_id, prompt_ids, n, fields):
 
 
 def parse_completions(response, num_prompts, n):
-    """Completion ids and per-token log-probs from a /v1/completions response. Choices come prompt-major (choice k
-    belongs to prompt k // n); a stop on EOS leaves the EOS as the last token; a missing log-prob is None."""
+    """Completion ids and per-token log-probs from a /v1/completions response, or a /inference/v1/generate one (its
+    log-probs as chat content, where vLLM writes a missing one as -9999). Choices come prompt-major (choice k belongs
+    to prompt k // n); a stop on EOS leaves the EOS as the last token; a missing log-prob is None."""
     choices = sorted(response["choices"], key=lambda choice: choice["index"])
     if len(choices) != num_prompts * n:
         raise RuntimeError(f"the server returned {len(choices)} completions for {num_prompts} prompts x {n}")
     completion_ids = [list(choice["token_ids"]) for choice in choices]
-    logprobs = [list(choice["logprobs"]["token_logprobs"]) for choice in choices]
+    chat = lambda content: [lp["logprob"] if lp.get("logprob", -9999) > -9999 else None for lp in content]  # noqa: E731
+    logprobs = [c["logprobs"].get("token_logprobs") or chat(c["logprobs"].get("content") or []) for c in choices]
     if bad := next(((len(i), len(lp)) for i, lp in zip(completion_ids, logprobs) if len(i) != len(lp)), None):
         raise RuntimeError(f"the server returned {bad[1]} log-probs for {bad[0]} tokens")
-    return completion_ids, logprobs
+    return completion_ids, [list(lp) for lp in logprobs]
 
 
 def render_request(model_id, prompt):
@@ -608,20 +609,6 @@ def generate_request(rendered, n, fields):
     tokens' log-probs; FINAL_ONLY (2): every choice at the end (some versions return only the last one otherwise)."""
     sampling = {"n": n, **fields, "logprobs": 0, "detokenize": False, "skip_special_tokens": False, "output_kind": 2}
     return {"token_ids": rendered["token_ids"], "features": rendered.get("features"), "sampling_params": sampling}
-
-
-def parse_generate(response, n):
-    """Completion ids and per-token log-probs (None where missing) of one prompt's /inference/v1/generate response."""
-    choices = sorted(response["choices"], key=lambda choice: choice["index"])
-    if len(choices) != n:
-        raise RuntimeError(f"the server returned {len(choices)} completions of an image prompt for n = {n}")
-    # vLLM writes a missing log-prob as its default, -9999
-    logprob = lambda entry: entry["logprob"] if entry.get("logprob", -9999.0) > -9999.0 else None  # noqa: E731
-    logprobs = [[logprob(entry) for entry in (c["logprobs"] or {}).get("content") or []] for c in choices]
-    completion_ids = [list(choice["token_ids"]) for choice in choices]
-    if bad := next(((len(i), len(lp)) for i, lp in zip(completion_ids, logprobs) if len(i) != len(lp)), None):
-        raise RuntimeError(f"the server returned {bad[1]} log-probs for {bad[0]} tokens")
-    return completion_ids, logprobs
 
 
 def _ask(url, path, body, timeout, deadline):
@@ -665,8 +652,6 @@ def server_generate(base_url, model_id, prompt_ids, n, fields, chunk_size=8, tim
             raise ServerLost(f"no server of {', '.join(urls)} answers")
         if response.status_code != 200:
             raise RuntimeError(f"{response.request.path_url} failed with {response.status_code}: {response.text[:500]}")
-        if images is not None:
-            return parse_generate(response.json(), n)
         return parse_completions(response.json(), len(prompt_ids[start : start + chunk_size]), n)
 
     starts = range(0, len(prompt_ids), chunk_size)

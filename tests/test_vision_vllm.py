@@ -127,9 +127,9 @@ def test_vision_server_messages_are_vllms_protocol_classes(vlm):
     choices = [GenerateResponseChoice(index=1, logprobs=content((7, -0.5), (2, None)), token_ids=[7, 2])]
     choices.append(GenerateResponseChoice(index=0, logprobs=content((5, -1.25)), token_ids=[5]))
     response = json.loads(GenerateResponse(choices=choices).model_dump_json())
-    assert vllm_utils.parse_generate(response, 2) == ([[5], [7, 2]], [[-1.25], [-0.5, None]])
-    with pytest.raises(RuntimeError, match="2 completions of an image prompt for n = 3"):
-        vllm_utils.parse_generate(response, 3)
+    assert vllm_utils.parse_completions(response, 1, 2) == ([[5], [7, 2]], [[-1.25], [-0.5, None]])
+    with pytest.raises(RuntimeError, match="2 completions for 1 prompts x 3"):
+        vllm_utils.parse_completions(response, 1, 3)
 
 
 def test_vision_server_generate_renders_then_samples_each_prompt(vlm):
