@@ -571,7 +571,7 @@ def completions_request(model_id, prompt_ids, n, fields):
 
 
 def parse_completions(response, num_prompts, n):
-    """Completion ids and per-token log-probs from a /v1/completions response, or a /inference/v1/generate one (its
+    """Completion ids and per-token log-probs from a /v1/completions response, or a /v1/chat/completions one (its
     log-probs as chat content, where vLLM writes a missing one as -9999). Choices come prompt-major (choice k belongs
     to prompt k // n); a stop on EOS leaves the EOS as the last token; a missing log-prob is None."""
     choices = sorted(response["choices"], key=lambda choice: choice["index"])
@@ -585,8 +585,10 @@ def parse_completions(response, num_prompts, n):
     return completion_ids, [list(lp) for lp in logprobs]
 
 
-def render_request(model_id, prompt):
-    """Body of POST /v1/chat/completions/render: an ImagePrompt's messages, each image part its image as a data URL."""
+def chat_request(model_id, prompt, n, fields):
+    """Body of POST /v1/chat/completions: an ImagePrompt's messages, each image part its image as a PNG data URL
+    (lossless), sampled n times; the answer holds the prompt's ids as vLLM expanded them (checked against the
+    trainer's), and the sampled tokens' ids and log-probs."""
     images = iter(prompt.images)
     url = lambda part: {"type": "image_url", "image_url": {"url": data_url(next(images))}}  # noqa: E731
     parts = lambda content: [url(p) if p.get("type") == "image" else p for p in content]  # noqa: E731
@@ -595,20 +597,14 @@ def render_request(model_id, prompt):
         {**m, "content": m["content"] if isinstance(m["content"], str) else parts(m["content"])}
         for m in prompt.messages
     ]
-    return {"model": model_id, "messages": messages, "add_generation_prompt": True}
+    ids = {"return_token_ids": True, "return_tokens_as_token_ids": True, "skip_special_tokens": False}
+    return {"model": model_id, "messages": messages, "n": n, **fields, "logprobs": True, "top_logprobs": 0, **ids}
 
 
 def data_url(image):
-    """A PIL image as a PNG data URL (lossless: the server decodes the same pixels)."""
+    """A PIL image as a PNG data URL."""
     image.save(png := io.BytesIO(), format="PNG")
     return "data:image/png;base64," + base64.b64encode(png.getvalue()).decode()
-
-
-def generate_request(rendered, n, fields):
-    """Body of POST /inference/v1/generate: the render's token ids and image features, sampled n times, the sampled
-    tokens' log-probs; FINAL_ONLY (2): every choice at the end (some versions return only the last one otherwise)."""
-    sampling = {"n": n, **fields, "logprobs": 0, "detokenize": False, "skip_special_tokens": False, "output_kind": 2}
-    return {"token_ids": rendered["token_ids"], "features": rendered.get("features"), "sampling_params": sampling}
 
 
 def _ask(url, path, body, timeout, deadline):
@@ -626,20 +622,21 @@ def server_generate(base_url, model_id, prompt_ids, n, fields, chunk_size=8, tim
     `chunk_size` prompts (vLLM batches them; no response holds a round), each within `timeout` s. `base_url`: one URL,
     or servers of the same weights taking the chunks in turn (docs/vllm.md, "Several servers"); one that stops
     answering joins `lost` ({url: since}), its chunks go to the others; ServerLost if none is left. images: an
-    ImagePrompt per prompt, each rendered by the server (its prompt ids checked), then generated alone."""
+    ImagePrompt per prompt, each a /v1/chat/completions request of its own (the prompt ids vLLM made of it checked)."""
     urls, lost = _listed(base_url), {} if lost is None else lost
     first = int(os.environ.get("RANK", "0"))  # torchrun ranks start at different servers
     chunk_size = 1 if images is not None else chunk_size
 
-    def exchange(url, start, deadline):  # the chunk's last response (None: the connection failed)
+    def exchange(url, start, deadline):  # the chunk's response (None: the connection failed)
         if images is None:
             body = completions_request(model_id, prompt_ids[start : start + chunk_size], n, fields)
             return _ask(url, "/v1/completions", body, timeout, deadline)
-        rendered = _ask(url, "/v1/chat/completions/render", render_request(model_id, images[start]), timeout, deadline)
-        if rendered is None or rendered.status_code != 200:
-            return rendered
-        same_prompt(rendered.json()["token_ids"], prompt_ids[start])
-        return _ask(url, "/inference/v1/generate", generate_request(rendered.json(), n, fields), timeout, deadline)
+        response = _ask(
+            url, "/v1/chat/completions", chat_request(model_id, images[start], n, fields), timeout, deadline
+        )
+        if response is not None and response.status_code == 200:
+            same_prompt(response.json()["prompt_token_ids"], prompt_ids[start])
+        return response
 
     def complete(i, start):
         deadline = time.monotonic() + timeout
@@ -722,8 +719,9 @@ def start(args, model_path, max_prompt_length, max_images=0):
         llm_args = dict(max_model_len=args.vllm_max_model_len or max_len, enable_sleep_mode=args.vllm_enable_sleep_mode)
         llm_args.update(gpu_memory_utilization=args.vllm_gpu_memory_utilization, dtype=dtype, max_num_seqs=seqs)
         llm_args.update(trust_remote_code=TRUST_REMOTE_CODE, model_impl=getattr(args, "vllm_model_impl", "auto"))
-        if max_images:  # the most images of any prompt (vLLM's default may be fewer); the trainer's processor settings
+        if max_images:  # the most images of any prompt; the trainer's processor settings
             llm_args.update(limit_mm_per_prompt={"image": max_images}, mm_processor_kwargs=args.mm_processor_kwargs)
+        engine["images"] = max_images
         engine["llm"] = colocate_engine(model_path, args.vllm_tensor_parallel_size, args.seed, **llm_args)
         engine["sleep"] = args.vllm_enable_sleep_mode  # starts awake with the checkpoint's weights (model_path)
         engine["tp_group"] = tensor_parallel_group(args.vllm_tensor_parallel_size)
@@ -898,3 +896,7 @@ def sync_weights(engine, model):
     reload = {"weights_iterator": named_weights(model), "is_checkpoint_format": True}
     engine["llm"].collective_rpc("reload_weights", kwargs=reload)
     engine["llm"].reset_prefix_cache()
+    if engine.get(
+        "images"
+    ):  # image features of the old weights (the scheduler would also miss ones the reload cleared)
+        engine["llm"].llm_engine.reset_encoder_cache()

@@ -1,8 +1,8 @@
 """vLLM with images in the prompts (docs/vision.md), on the CPU: the prompts the trainer hands vLLM expand, in the
-installed vLLM's own multimodal processor, into exactly the trainer's prompt ids; the server's render and generate
-messages are vLLM's protocol classes field by field; server mode renders then samples each prompt (one request, n
-completions), checks the rendered ids, and moves a lost server's prompts to another; colocate passes each prompt's
-images and refuses prompt ids that differ from the trainer's. The GPU half is tests/gpu/."""
+installed vLLM's own multimodal processor, into exactly the trainer's prompt ids; the server's request and answer are
+vLLM's protocol classes field by field; server mode sends each prompt in one chat request (n completions), checks the
+prompt ids vLLM made, and moves a lost server's prompts to another; colocate passes each prompt's images, refuses
+prompt ids that differ from the trainer's and resets vLLM's image features after a push. The GPU half: tests/gpu/."""
 
 import base64
 import io
@@ -63,126 +63,110 @@ def test_vision_vllm_expands_the_prompts_into_the_trainers_prompt_ids(vlm):
 
 
 def test_vision_server_messages_are_vllms_protocol_classes(vlm):
-    """The render request is a ChatCompletionRequest whose image parts decode to the dataset's pixels; the generate
-    request, built from a render answer (GenerateRequest with MultiModalFeatures), is a GenerateRequest asking n
-    samples, their log-probs, every choice at the end (FINAL_ONLY) and no text; a GenerateResponse parses back, a
-    missing log-prob as None."""
+    """The request is a ChatCompletionRequest asking n samples, the sampled tokens' ids and log-probs, the prompt's
+    ids, no text changes; its image parts decode to the dataset's pixels, in order; a ChatCompletionResponse parses
+    back (prompt-major choices, a missing log-prob as None)."""
     from vllm.entrypoints.openai.chat_completion.protocol import (
         ChatCompletionLogProbs,
         ChatCompletionLogProbsContent,
         ChatCompletionRequest,
+        ChatCompletionResponse,
+        ChatCompletionResponseChoice,
+        ChatMessage,
     )
-    from vllm.entrypoints.scale_out.token_in_token_out.protocol import (
-        GenerateRequest,
-        GenerateResponse,
-        GenerateResponseChoice,
-        MultiModalFeatures,
-        PlaceholderRangeInfo,
-    )
-    from vllm.sampling_params import RequestOutputKind
+    from vllm.entrypoints.openai.engine.protocol import UsageInfo
 
     _, processor, prompt_set = vlm
     prompt = grpo.vllm_images(types.SimpleNamespace(processor=processor), prompt_set, [1])[0]
-    body = vllm_utils.render_request("served", prompt)
+    fields = {"temperature": 0.7, "top_p": 1.0, "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0, "max_tokens": 8}
+    body = vllm_utils.chat_request("served", prompt, 4, fields)
     request = ChatCompletionRequest.model_validate(body)
-    assert request.model == "served" and request.add_generation_prompt
-    parts = [part for part in body["messages"][0]["content"] if part["type"] == "image_url"]
-    assert len(parts) == 2 and [p["type"] for p in body["messages"][0]["content"]] == [
-        "image_url",
-        "text",
-        "image_url",
-        "text",
-    ]
-    for part, image in zip(parts, prompt.images):
+    assert (request.model, request.n, request.logprobs, request.top_logprobs) == ("served", 4, True, 0)
+    assert request.return_token_ids and request.return_tokens_as_token_ids and not request.skip_special_tokens
+    assert request.add_generation_prompt and (request.temperature, request.max_tokens, request.top_k) == (0.7, 8, -1)
+    params = request.to_sampling_params(8, {})
+    assert (params.n, params.logprobs, params.temperature, params.max_tokens) == (4, 0, 0.7, 8)
+    content = body["messages"][0]["content"]
+    assert [part["type"] for part in content] == ["image_url", "text", "image_url", "text"]
+    for part, image in zip([p for p in content if p["type"] == "image_url"], prompt.images):
         data = base64.b64decode(part["image_url"]["url"].removeprefix("data:image/png;base64,"))
         assert Image.open(io.BytesIO(data)).tobytes() == image.tobytes()
     assert prompt.messages[0]["content"][0] == {"type": "image"}  # the dataset's messages are left as they were
 
-    features = MultiModalFeatures(
-        mm_hashes={"image": ["a", "b"]},
-        mm_placeholders={"image": [PlaceholderRangeInfo(offset=3, length=20)] * 2},
-        kwargs_data={"image": ["ZGF0YQ==", None]},
-    )
-    rendered = GenerateRequest.model_validate(
-        {"token_ids": prompt_set.prompt_ids[1], "features": features.model_dump(), "sampling_params": {}}
-    ).model_dump(mode="json")
-    fields = {"temperature": 0.7, "top_p": 1.0, "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0, "max_tokens": 8}
-    request = GenerateRequest.model_validate(vllm_utils.generate_request(rendered, 4, fields))
-    assert request.token_ids == prompt_set.prompt_ids[1] and request.features == features
-    params = request.sampling_params
-    assert (params.n, params.logprobs, params.output_kind, params.detokenize) == (
-        4,
-        0,
-        RequestOutputKind.FINAL_ONLY,
-        False,
-    )
-    assert (params.temperature, params.max_tokens, params.top_k) == (0.7, 8, -1)
-
-    content = lambda *lps: ChatCompletionLogProbs(  # noqa: E731
+    logprobs = lambda *lps: ChatCompletionLogProbs(  # noqa: E731
         content=[
             ChatCompletionLogProbsContent(token=f"token_id:{t}", **({} if lp is None else {"logprob": lp}))
             for t, lp in lps
         ]
     )
-    choices = [GenerateResponseChoice(index=1, logprobs=content((7, -0.5), (2, None)), token_ids=[7, 2])]
-    choices.append(GenerateResponseChoice(index=0, logprobs=content((5, -1.25)), token_ids=[5]))
-    response = json.loads(GenerateResponse(choices=choices).model_dump_json())
+    message = ChatMessage(role="assistant", content="")
+    choices = [ChatCompletionResponseChoice(index=1, message=message, logprobs=logprobs((7, -0.5), (2, None)))]
+    choices.append(ChatCompletionResponseChoice(index=0, message=message, logprobs=logprobs((5, -1.25))))
+    choices[0].token_ids, choices[1].token_ids = [7, 2], [5]
+    usage = UsageInfo(prompt_tokens=3, completion_tokens=3, total_tokens=6)
+    answer = ChatCompletionResponse(model="served", choices=choices, usage=usage, prompt_token_ids=[1, 2, 3])
+    response = json.loads(answer.model_dump_json())
+    assert response["prompt_token_ids"] == [1, 2, 3]
     assert vllm_utils.parse_completions(response, 1, 2) == ([[5], [7, 2]], [[-1.25], [-0.5, None]])
     with pytest.raises(RuntimeError, match="2 completions for 1 prompts x 3"):
         vllm_utils.parse_completions(response, 1, 3)
 
 
-def test_vision_server_generate_renders_then_samples_each_prompt(vlm):
-    """Each prompt: one render, then one generate of n completions carrying the render's ids and features; the
-    completions come back prompt-major; render ids that differ from the trainer's stop the round; a server that stops
-    answering joins `lost` and its prompts go to the other."""
+def test_vision_server_samples_each_prompt_in_one_chat_request(vlm):
+    """Each prompt: one /v1/chat/completions request of n completions; the completions come back prompt-major; a
+    prompt that the server expands into other ids than the trainer's stops the round; a server that stops answering
+    joins `lost` and its prompts go to the other."""
     _, processor, prompt_set = vlm
     prompts = grpo.vllm_images(types.SimpleNamespace(processor=processor), prompt_set, [0, 1, 2])
 
-    def render(body):  # the trainer's ids, as vLLM renders them; the row in the features, so that generate can say it
+    def chat(body):  # rows: one image; two; a system message and one (see vlm)
         parts = body["messages"][-1]["content"]
-        row = 2 if len(body["messages"]) == 2 else sum(p["type"] == "image_url" for p in parts) - 1  # (see vlm)
-        features = {"mm_hashes": {"image": [str(row)]}, "mm_placeholders": {"image": []}}
-        return 200, {"token_ids": prompt_set.prompt_ids[row], "features": features, "sampling_params": {}}
+        row = 2 if len(body["messages"]) == 2 else sum(p["type"] == "image_url" for p in parts) - 1
+        content = lambda k: {"content": [{"token": "a", "logprob": -row}, {"token": "b", "logprob": -k}]}  # noqa: E731
+        choices = [{"index": k, "token_ids": [row, k], "logprobs": content(k)} for k in range(body["n"])]
+        return 200, {"prompt_token_ids": prompt_set.prompt_ids[row], "choices": choices}
 
-    def sample(body):
-        row, n = int(body["features"]["mm_hashes"]["image"][0]), body["sampling_params"]["n"]
-        assert body["token_ids"] == prompt_set.prompt_ids[row]
-        choices = [
-            {
-                "index": k,
-                "token_ids": [row, k],
-                "logprobs": {"content": [{"token": "a", "logprob": -row}, {"token": "b", "logprob": -k}]},
-            }
-            for k in range(n)
-        ]
-        return 200, {"choices": choices}
-
-    one, two = FakeServer({"/v1/chat/completions/render": render, "/inference/v1/generate": sample}), None
+    one, two = FakeServer({"/v1/chat/completions": chat}), None
     try:
         fields = {"temperature": 1.0, "max_tokens": 8}
         out = vllm_utils.server_generate(one.url, "m", prompt_set.prompt_ids, 2, fields, images=prompts)
         assert out[0] == [[0, 0], [0, 1], [1, 0], [1, 1], [2, 0], [2, 1]]
         assert out[1][2:4] == [[-1, 0], [-1, -1]]
-        assert sorted(one.paths()) == ["/inference/v1/generate"] * 3 + ["/v1/chat/completions/render"] * 3
-        assert all(body["sampling_params"]["n"] == 2 for path, _, body in one.calls if path.startswith("/inference"))
+        assert one.paths() == ["/v1/chat/completions"] * 3 and all(body["n"] == 2 for _, _, body in one.calls)
 
         wrong = [prompt_set.prompt_ids[1]] + prompt_set.prompt_ids[1:]
         with pytest.raises(RuntimeError, match="vLLM expanded an image prompt into"):
             vllm_utils.server_generate(one.url, "m", wrong, 2, fields, images=prompts)
 
-        two = FakeServer({"/v1/chat/completions/render": render, "/inference/v1/generate": sample})
+        two = FakeServer({"/v1/chat/completions": chat})
         one.close()
         one.httpd.server_close()  # connections refused: the server is gone
         lost = {}
-        out = vllm_utils.server_generate(
-            [one.url, two.url], "m", prompt_set.prompt_ids, 1, fields, lost=lost, images=prompts
-        )
+        ids = prompt_set.prompt_ids
+        out = vllm_utils.server_generate([one.url, two.url], "m", ids, 1, fields, lost=lost, images=prompts)
         assert out[0] == [[0, 0], [1, 0], [2, 0]] and list(lost) == [one.url]
     finally:
         for server in (one, two):
             if server is not None:
                 server.httpd.server_close()
+
+
+def test_vision_colocated_push_resets_vllms_image_features(monkeypatch):
+    """After a colocated engine reloads the weights, its cached image features (of the old weights; the scheduler's
+    record of them would also outlive the reload's clearing, and vLLM would then miss them) are reset; a text engine
+    is left alone."""
+    calls = []
+    llm = types.SimpleNamespace(
+        collective_rpc=lambda name, kwargs: calls.append(name),
+        reset_prefix_cache=lambda: calls.append("reset_prefix_cache"),
+        llm_engine=types.SimpleNamespace(reset_encoder_cache=lambda: calls.append("reset_encoder_cache")),
+    )
+    monkeypatch.setattr(vllm_utils, "named_weights", lambda model: iter(()))
+    vllm_utils.sync_weights({"mode": "colocate", "llm": llm, "images": 1}, None)
+    assert calls == ["reload_weights", "reset_prefix_cache", "reset_encoder_cache"]
+    calls.clear()
+    vllm_utils.sync_weights({"mode": "colocate", "llm": llm, "images": 0}, None)
+    assert calls == ["reload_weights", "reset_prefix_cache"]
 
 
 def test_vision_colocate_passes_the_images_and_checks_the_prompt_ids(vlm):
