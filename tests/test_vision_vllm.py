@@ -272,3 +272,29 @@ def test_vision_mm_processor_kwargs_reach_the_trainers_processor_and_the_engine(
     args = grpo.parse_args(["--use-vllm", "--mm-processor-kwargs", "max_pixels", "3136"])
     vllm_utils.start(args, "m", 10, max_images=1)
     assert started["mm_processor_kwargs"] == {"max_pixels": 3136}
+
+
+def test_vision_bench_is_qwen2_5_vl_3b_and_a_counting_task_that_the_scripts_read(tmp_path):
+    """benchmarks/make_vlm_bench.py: the 3b shape has Qwen2.5-VL-3B-Instruct's 3,754,622,976 parameters (built on the
+    meta device here); its tiny shape and the counting task (224x224 images: 64 image tokens each) go through grpo.py."""
+    import sys
+
+    import torch
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    from grpo_cli import ROOT, STORIES, check, read_metrics, run_grpo
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import make_vlm_bench
+
+    config, _ = make_vlm_bench.bench_config(STORIES, "3b")
+    with torch.device("meta"):
+        assert sum(p.numel() for p in Qwen2_5_VLForConditionalGeneration(config).parameters()) == 3_754_622_976
+    make_vlm_bench.make_model(STORIES, tmp_path / "tiny", "tiny")
+    data = make_vlm_bench.make_counting(tmp_path / "count", rows=4)
+    assert {json.loads(line)["answer"] for line in data.read_text().splitlines()} <= set("12345")
+    flags = ["--model-name-or-path", tmp_path / "tiny", "--dataset-name", data, "--prompt-column", "prompt"]
+    flags += ["--reward-funcs", "first_word_reward", "--no-bf16", "--max-completion-length", 4, "--max-steps", 1]
+    check(run_grpo(*flags, "--prompts-per-step", 2, "--num-generations", 2, "--output-dir", tmp_path / "run"))
+    (metrics,) = read_metrics(tmp_path / "run")
+    assert metrics["num_tokens"] > 2 * 2 * 64  # each prompt holds its image's 64 tokens
