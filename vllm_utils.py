@@ -60,12 +60,14 @@ def _checkpoint_tensors(model, name, tensor):
     return list(revert_weight_conversion(model, {name: tensor}).items())
 
 
-def base_parameters(model):
-    """(name, parameter) of the weights vLLM holds: all of them, but a peft model's LoRA matrices (merged in instead)."""
-    return ((name, param) for name, param in model.named_parameters() if ".lora_" not in name)
+def base_parameters(model, changed_only=False):
+    """(name, parameter) of the weights vLLM holds: all of them, but a peft model's LoRA matrices (merged in instead);
+    changed_only: not those that training never changes, the frozen ones of a model trained in full (a vision tower)."""
+    keep = lambda p: p.requires_grad or not changed_only or hasattr(model, "peft_config")  # noqa: E731 - peft: all
+    return ((name, param) for name, param in model.named_parameters() if ".lora_" not in name and keep(param))
 
 
-def named_weights(model, dtype=torch.bfloat16):
+def named_weights(model, dtype=torch.bfloat16, changed_only=False):
     """(checkpoint name, tensor) per parameter in `dtype` (bf16 halves the bytes sent), tied ones once; FSDP2 gathers
     each (a collective: all ranks iterate alike) only when reached. peft's adapted weights go merged, W + (alpha/r) B A
     in fp32 rounded once, under the base's names (the base stays: a bf16 merge and unmerge would not restore it)."""
@@ -76,7 +78,7 @@ def named_weights(model, dtype=torch.bfloat16):
             f"LoRA on {other[0].removesuffix('.base_layer.weight')}, not a Linear layer, is not merged for vLLM: "
             "name Linear layers in --lora-target-modules (peft adapts a MoE model's 3-D experts otherwise)"
         )
-    for name, param in base_parameters(model):
+    for name, param in base_parameters(model, changed_only):
         tensor = full(param)  # FSDP2: gathered
         if (layer := lora.get(name)) is not None:
             delta = full(layer.lora_B["default"].weight).float() @ full(layer.lora_A["default"].weight).float()
@@ -84,10 +86,10 @@ def named_weights(model, dtype=torch.bfloat16):
         yield from _checkpoint_tensors(model, name, tensor.to(dtype))
 
 
-def weight_metadata(model, dtype=torch.bfloat16):
+def weight_metadata(model, dtype=torch.bfloat16, changed_only=False):
     """The lists vLLM allocates its receive buffers from: exactly the tensors `named_weights` streams, in its order.
     Read from the parameters without gathering anything (an FSDP2 DTensor's shape is the full one)."""
-    meta = [(n, torch.empty(p.shape, device="meta")) for n, p in base_parameters(model)]
+    meta = [(n, torch.empty(p.shape, device="meta")) for n, p in base_parameters(model, changed_only)]
     meta = [pair for n, t in meta for pair in _checkpoint_tensors(model, n, t)]
     dtype_names = [str(dtype).removeprefix("torch.")] * len(meta)
     return {"names": [n for n, _ in meta], "dtype_names": dtype_names, "shapes": [list(t.shape) for _, t in meta]}
@@ -468,14 +470,17 @@ def paused_update(base_url, send, name="MODEL", backend="nccl", timeout=300.0):
         raise cause
 
 
-def server_sync_weights(base_url, group, model, version=None, buffer_bytes=1 << 30, timeout=300.0, name="MODEL"):
+def server_sync_weights(
+    base_url, group, model, version=None, buffer_bytes=1 << 30, timeout=300.0, name="MODEL", changed_only=False
+):
     """NCCL: named_weights' packed broadcast beside /update_weights (other torchrun ranks iterate them too), inside
     paused_update. `group`: server_init_weight_sync's; `version`: the server's vLLM; `name`: the model."""
     from vllm.distributed.weight_transfer.packed_tensor import packed_nccl_broadcast_producer as producer
 
-    update_info = weight_sync_messages(version, {}, weight_metadata(model), buffer_bytes)[1]
+    update_info = weight_sync_messages(version, {}, weight_metadata(model, changed_only=changed_only), buffer_bytes)[1]
     update = lambda: _post(base_url, "/update_weights", timeout, json={"update_info": update_info})  # noqa: E731
-    broadcast = lambda: producer(named_weights(model), group, 0, lambda item: item[1], buffer_bytes, PACKED_NUM_BUFFERS)
+    weights = lambda: named_weights(model, changed_only=changed_only)  # noqa: E731 - gathered only when sent
+    broadcast = lambda: producer(weights(), group, 0, lambda item: item[1], buffer_bytes, PACKED_NUM_BUFFERS)  # noqa: E731
 
     def send():
         if torch.cuda.is_available():  # the optimizer step ran on this stream; the producer packs on its own
@@ -518,13 +523,15 @@ def packed_chunks(weights, capacity):
         yield buffer[:used], meta
 
 
-def server_sync_weights_ipc(base_url, model, version=None, buffer_bytes=1 << 30, timeout=300.0, name="MODEL"):
+def server_sync_weights_ipc(
+    base_url, model, version=None, buffer_bytes=1 << 30, timeout=300.0, name="MODEL", changed_only=False
+):
     """CUDA IPC to a server on this GPU: named_weights in packed chunks of at most `buffer_bytes`, one /update_weights
     with its handle each (torchrun's other ranks iterate the weights too); 0.27+ learns `packed` from
     /init_weight_transfer_engine, sent at every sync (a restarted server has forgotten it). `base_url`: one URL, or the
     servers of one run: each chunk goes to all at once, inside one paused_update, so that it is packed once."""
     urls = _listed(base_url)
-    total = sum(2 * math.prod(shape) for shape in weight_metadata(model)["shapes"])  # bf16 bytes
+    total = sum(2 * math.prod(shape) for shape in weight_metadata(model, changed_only=changed_only)["shapes"])  # bf16
     for url in urls:
         if init_info := weight_sync_messages(version, {}, {}, backend="ipc")[0]:
             _post(url, "/init_weight_transfer_engine", timeout, json={"init_info": init_info})
@@ -538,7 +545,7 @@ def server_sync_weights_ipc(base_url, model, version=None, buffer_bytes=1 << 30,
 
     def send():
         with concurrent.futures.ThreadPoolExecutor(len(urls)) as pool:
-            for data, chunk in packed_chunks(named_weights(model), min(buffer_bytes, total)):
+            for data, chunk in packed_chunks(named_weights(model, changed_only=changed_only), min(buffer_bytes, total)):
                 # a fresh export for each server (each rebuilds and releases its own), pickled: HTTP carries JSON
                 handles = [base64.b64encode(pickle.dumps(ipc_handle(data))).decode() for _ in urls]
                 # the servers copy the chunk at once; all answer before packed_chunks refills the buffer
@@ -807,15 +814,16 @@ def sleep(engine):
         engine["weights_asleep"] = engine["kv_asleep"] = True
 
 
-def server_push(engine, model, urls):
-    """One weight update of the servers at `urls` (all of them in full: a restarted server holds its start-up ones)."""
+def server_push(engine, model, urls, changed_only=False):
+    """One weight update of the servers at `urls`: the weights training changes, or (the first push, and to a restarted
+    server, which holds its start-up ones) all of them."""
     sync = {"version": engine["server"]["version"], "timeout": engine["vllm_weight_sync_timeout"]}
     sync.update(buffer_bytes=engine["vllm_weight_sync_buffer_mb"] << 20, name=engine["model"])
     if engine["server"]["backend"] == "ipc":  # no group: each chunk's handle goes over HTTP
-        return server_sync_weights_ipc(urls, model, **sync)
+        return server_sync_weights_ipc(urls, model, **sync, changed_only=changed_only)
     if (group := engine.pop("group", None)) is None:  # popped: a failed update leaves the group unusable
         group = server_init_weight_sync(engine["base_url"], engine["vllm_group_port"], engine["master_address"], **sync)
-    server_sync_weights(engine["base_url"], group, model, **sync)
+    server_sync_weights(engine["base_url"], group, model, **sync, changed_only=changed_only)
     engine["group"] = group
 
 
@@ -831,7 +839,8 @@ def push_live(engine, model):
         engine.pop("group", None)
     while urls := [url for url in _urls(engine) if url not in lost or url in back]:
         try:
-            server_push(engine, model, urls)
+            server_push(engine, model, urls, changed_only=engine.get("pushed", False) and not back)
+            engine["pushed"] = True
             break
         except (RuntimeError, TimeoutError, requests.RequestException):
             if not (dead := [url for url in urls if not _answers(url)]):
@@ -881,8 +890,9 @@ def sync_weights(engine, model):
         if os.environ.get("RANK", "0") == "0":
             push_live(engine, model)
         else:  # take part in each parameter's FSDP2 gather, in rank 0's order, and drop the result
-            for _ in named_weights(model):
+            for _ in named_weights(model, changed_only=engine.get("pushed", False)):
                 pass
+            engine["pushed"] = True
         if torch.distributed.is_initialized():
             torch.distributed.barrier()  # no rank generates before the server has the new weights
         return

@@ -155,7 +155,8 @@ def fake_vllm(monkeypatch):
             engine |= {"model": model_path, "base_urls": urls, "base_url": urls[0], "servers": [facts], "server": facts}
             return engine | vllm_utils.SERVER_OPTIONS | {"vllm_server_timeout": timeout, "model_checked": True}
 
-        def push(engine, model, urls):  # slow (push_seconds): a round sampled meanwhile would be seen
+        # slow (push_seconds): a round sampled meanwhile would be seen
+        def push(engine, model, urls, changed_only=False):
             box["trainer"], box["pushing"] = model, box.get("pushing", 0) + 1
             try:
                 time.sleep(box.get("push_seconds", 0.0))

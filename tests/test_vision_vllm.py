@@ -298,3 +298,38 @@ def test_vision_bench_is_qwen2_5_vl_3b_and_a_counting_task_that_the_scripts_read
     check(run_grpo(*flags, "--prompts-per-step", 2, "--num-generations", 2, "--output-dir", tmp_path / "run"))
     (metrics,) = read_metrics(tmp_path / "run")
     assert metrics["num_tokens"] > 2 * 2 * 64  # each prompt holds its image's 64 tokens
+
+
+def test_vision_push_sends_a_frozen_tower_only_to_a_server_that_needs_every_weight(vlm, monkeypatch):
+    """With --freeze-vision-tower (the default) a server's first push, and the push to a restarted server, carry every
+    weight (it holds its start-up ones, or another run's); the pushes after the optimizer steps carry what training
+    changes, never the tower. named_weights and weight_metadata (the receive buffers) agree on what is sent."""
+    from transformers import AutoModelForImageTextToText
+
+    path, _, _ = vlm
+    model = AutoModelForImageTextToText.from_pretrained(path)
+    for param in model.get_encoder("image").parameters():  # as load_models freezes it
+        param.requires_grad_(False)
+    every = [name for name, _ in vllm_utils.named_weights(model)]
+    changed = [name for name, _ in vllm_utils.named_weights(model, changed_only=True)]
+    assert any("vision_model" in name for name in every) and not any("vision_model" in name for name in changed)
+    assert 0 < len(changed) < len(every) and vllm_utils.weight_metadata(model, changed_only=True)["names"] == changed
+
+    pushes = []  # (urls, changed_only) of each IPC push
+    monkeypatch.setattr(
+        vllm_utils, "server_sync_weights_ipc", lambda urls, *a, **k: pushes.append((urls, k["changed_only"]))
+    )
+    urls = ["http://127.0.0.1:8001", "http://127.0.0.1:8011"]
+    engine = {"mode": "server", "base_urls": urls, "base_url": urls[0], "model": str(path), "model_checked": True}
+    engine |= {"server": {"version": "0.26.0", "backend": "ipc"}, "vllm_weight_sync_timeout": 1}
+    engine |= {"vllm_weight_sync_buffer_mb": 1}
+    for _ in range(2):
+        vllm_utils.sync_weights(engine, model)
+    assert pushes == [(urls, False), (urls, True)]
+    engine["lost"] = {urls[1]: 0.0}  # restarted: it answers again
+    monkeypatch.setattr(vllm_utils, "_answers", lambda url: True)
+    monkeypatch.setattr(vllm_utils, "check_server", lambda url, model: {"url": url})
+    monkeypatch.setattr(vllm_utils, "check_same_model", lambda *a: None)
+    vllm_utils.sync_weights(engine, model)
+    vllm_utils.sync_weights(engine, model)
+    assert pushes[2:] == [(urls, False), (urls, True)] and engine["lost"] == {}

@@ -1,8 +1,8 @@
 """Images through real vLLM on one GPU (issue 45), with the tiny VLM of tests/make_tiny_vlm.py (warm-started: it says
 a colour word, whatever the image):
 
-    pytest tests/gpu/test_vision.py -q -k colocate_holds     # vLLM holds the trainer's weights (and a control)
-    pytest tests/gpu/test_vision.py -q -k learns             # grpo.py learns the colour task: colocate, IPC server
+    pytest tests/gpu/test_vision_gpu.py -q -k colocate_holds     # vLLM holds the trainer's weights (and a control)
+    pytest tests/gpu/test_vision_gpu.py -q -k learns             # grpo.py learns the colour task: colocate, IPC server
                                                              # (sync and --async-generation)
 
 The weight check changes the trainer's weights until the unsynced engine's log-probs differ from the trainer's by at
