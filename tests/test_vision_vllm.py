@@ -333,3 +333,43 @@ def test_vision_push_sends_a_frozen_tower_only_to_a_server_that_needs_every_weig
     vllm_utils.sync_weights(engine, model)
     vllm_utils.sync_weights(engine, model)
     assert pushes[2:] == [(urls, False), (urls, True)] and engine["lost"] == {}
+
+
+# The field names of vLLM 0.33.0's chat classes (vllm/entrypoints/openai/chat_completion/protocol.py of `pip download
+# --no-deps vllm==0.33.0`, read with ast), the newest supported version; 0.26's are the installed ones.
+CHAT_FIELDS_0_33 = {
+    "ChatCompletionRequest": """_DEFAULT_SAMPLING_PARAMS _grammar_from_parser add_generation_prompt add_special_tokens
+        allowed_token_ids bad_words cache_salt chat_template chat_template_kwargs continue_final_message documents
+        ec_transfer_params echo frequency_penalty ignore_eos include_reasoning include_stop_str_in_output
+        kv_transfer_params length_penalty logit_bias logprob_token_ids logprobs max_completion_tokens max_tokens
+        media_io_kwargs messages min_p min_tokens mm_payload mm_processor_kwargs model n parallel_tool_calls
+        presence_penalty priority prompt_logprobs reasoning_effort repetition_detection repetition_penalty request_id
+        response_format return_mm_kwargs return_prompt_text return_token_ids return_token_offsets
+        return_tokens_as_token_ids return_weight_versions routed_experts_prompt_start seed session_id
+        skip_special_tokens spaces_between_special_tokens stop stop_token_ids stream stream_interval stream_options
+        structured_outputs temperature thinking_token_budget tool_choice tools top_k top_logprobs top_p
+        truncate_prompt_tokens truncation_side use_beam_search user vllm_xargs watermarking""",
+    "ChatCompletionResponse": """id object created model choices service_tier system_fingerprint usage prompt_logprobs
+        prompt_token_ids prompt_text kv_transfer_params ec_transfer_params metrics""",
+    "ChatCompletionResponseChoice": "index message logprobs finish_reason stop_reason token_ids routed_experts "
+    "weight_versions",
+    "ChatCompletionLogProbsContent": "token logprob bytes top_logprobs",  # (with ChatCompletionLogProb's)
+}
+
+
+@pytest.mark.parametrize("version", ["0.26", "0.33"])
+def test_vision_chat_request_and_answer_fields_exist_in_each_supported_version(vlm, version):
+    """Every key of the request is a field of that version's ChatCompletionRequest (pydantic would ignore an unknown
+    one, silently), and every key parse_completions and the prompt check read is a field of its answer's classes."""
+    from vllm.entrypoints.openai.chat_completion import protocol
+
+    fields = {name: set(names.split()) for name, names in CHAT_FIELDS_0_33.items()}
+    if version == "0.26":
+        fields = {name: set(getattr(protocol, name).model_fields) for name in CHAT_FIELDS_0_33}
+    _, processor, prompt_set = vlm
+    prompt = grpo.vllm_images(types.SimpleNamespace(processor=processor), prompt_set, [0])[0]
+    fields_ = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0, "max_tokens": 8}
+    assert set(vllm_utils.chat_request("m", prompt, 2, fields_)) <= fields["ChatCompletionRequest"]
+    assert {"choices", "prompt_token_ids"} <= fields["ChatCompletionResponse"]
+    assert {"index", "token_ids", "logprobs"} <= fields["ChatCompletionResponseChoice"]
+    assert "logprob" in fields["ChatCompletionLogProbsContent"]
