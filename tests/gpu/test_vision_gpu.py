@@ -81,7 +81,7 @@ def test_vision_colocate_holds_the_trainers_weights(colours):
         if differences[-1] >= 0.2:
             break
     control = differences[-1]
-    vllm_utils.sync_weights({"mode": "colocate", "llm": llm}, model)
+    vllm_utils.sync_weights({"mode": "colocate", "llm": llm, "images": 1}, model)  # as the trainer: features reset
     synced, synced_max = difference(model, run, prompt_set, rows, *sample())
     record("vision_colocate_sync", {"control_diffs": differences, "synced_mean": synced, "synced_max": synced_max})
     assert control >= 0.2 and synced <= 0.02
