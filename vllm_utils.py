@@ -605,6 +605,7 @@ def chat_request(model_id, prompt, n, fields):
         for m in prompt.messages
     ]
     ids = {"return_token_ids": True, "return_tokens_as_token_ids": True, "skip_special_tokens": False}
+    fields = {"max_completion_tokens" if k == "max_tokens" else k: v for k, v in fields.items()}  # (chat's name)
     return {"model": model_id, "messages": messages, "n": n, **fields, "logprobs": True, "top_logprobs": 0, **ids}
 
 

@@ -83,7 +83,12 @@ def test_vision_server_messages_are_vllms_protocol_classes(vlm):
     request = ChatCompletionRequest.model_validate(body)
     assert (request.model, request.n, request.logprobs, request.top_logprobs) == ("served", 4, True, 0)
     assert request.return_token_ids and request.return_tokens_as_token_ids and not request.skip_special_tokens
-    assert request.add_generation_prompt and (request.temperature, request.max_tokens, request.top_k) == (0.7, 8, -1)
+    assert request.add_generation_prompt and (request.temperature, request.max_completion_tokens, request.top_k) == (
+        0.7,
+        8,
+        -1,
+    )
+    assert "max_tokens" not in body  # (deprecated in chat requests)
     params = request.to_sampling_params(8, {})
     assert (params.n, params.logprobs, params.temperature, params.max_tokens) == (4, 0, 0.7, 8)
     content = body["messages"][0]["content"]
