@@ -10,6 +10,7 @@ import json
 import types
 
 import pytest
+import torch
 from PIL import Image
 from test_vllm_utils import FakeServer
 
@@ -378,3 +379,81 @@ def test_vision_chat_request_and_answer_fields_exist_in_each_supported_version(v
     assert {"choices", "prompt_token_ids"} <= fields["ChatCompletionResponse"]
     assert {"index", "token_ids", "logprobs"} <= fields["ChatCompletionResponseChoice"]
     assert "logprob" in fields["ChatCompletionLogProbsContent"]
+
+
+class ImageOracle:
+    """Stands in for vLLM (vllm_utils' start / generate / sync_weights / sleep) behind a script: for each prompt it
+    expands the ImagePrompt with vLLM 0.26's own multimodal processor and checks that the ids are the trainer's, then
+    answers with the colour its image shows (the nearest of make_tiny_vlm's colours to the mean pixel). So every
+    reward is 1 exactly when each prompt reached vLLM with its own row's image, in training and in evaluation."""
+
+    def __init__(self, monkeypatch, vlm):
+        from transformers import AutoTokenizer
+        from vllm.config import ModelConfig
+        from vllm.multimodal import MULTIMODAL_REGISTRY
+
+        self.renderer = MULTIMODAL_REGISTRY.create_processor(ModelConfig(model=str(vlm), tokenizer=str(vlm)))
+        self.tokenizer, self.calls = AutoTokenizer.from_pretrained(vlm), []
+        for name in ("start", "generate", "sync_weights", "sleep"):
+            monkeypatch.setattr(vllm_utils, name, getattr(self, name))
+        monkeypatch.setattr(vllm_utils, "setup_problems", lambda: [])
+
+    def start(self, args, model_path, max_prompt_length, max_images=0):
+        self.max_images = max_images
+        return {"mode": "colocate"}
+
+    def generate(self, engine, prompt_ids, n=None, temperature=None, images=None):
+        from vllm.multimodal.processing.context import TimingContext
+        from vllm.multimodal.processing.inputs import ProcessorInputs
+
+        from make_tiny_vlm import COLOURS
+
+        completions = []
+        for ids, prompt in zip(prompt_ids, images, strict=True):
+            items = self.renderer.info.parse_mm_data({"image": prompt.images})
+            expanded = self.renderer.apply(
+                ProcessorInputs(prompt=prompt.token_ids, mm_data_items=items), TimingContext()
+            )
+            assert expanded["prompt_token_ids"] == ids
+            mean = torch.tensor(list(prompt.images[0].getdata()), dtype=torch.float).mean(0)
+            colour = min(COLOURS, key=lambda c: (torch.tensor(COLOURS[c], dtype=torch.float) - mean).norm())
+            answer = self.tokenizer(f" {colour}.", add_special_tokens=False)["input_ids"] + [
+                self.tokenizer.eos_token_id
+            ]
+            completions += [answer] * (n or 2)
+        self.calls.append(len(prompt_ids))
+        return completions, [[-1.0] * len(c) for c in completions]
+
+    def sync_weights(self, engine, model):
+        pass
+
+    def sleep(self, engine):
+        pass
+
+
+@pytest.mark.parametrize("script", ["grpo.py", "rloo.py", "online_dpo.py"])
+def test_vision_each_prompt_reaches_vllm_with_its_own_image(monkeypatch, tmp_path, script):
+    """The scripts themselves, with --use-vllm: every round's and every evaluation's prompts reach vLLM with their own
+    rows' images (the oracle above answers from the image; the reward compares with the row's answer), and vLLM's
+    expansion of each is the trainer's prompt ids."""
+    import runpy
+    import sys
+
+    from grpo_cli import ROOT, read_metrics
+
+    make_tiny_vlm(tmp_path / "vlm")
+    train, held = make_colour_dataset(tmp_path / "train", 8, seed=0), make_colour_dataset(tmp_path / "held", 4, seed=1)
+    oracle = ImageOracle(monkeypatch, tmp_path / "vlm")
+    args = ["--model-name-or-path", tmp_path / "vlm", "--dataset-name", train, "--prompt-column", "prompt"]
+    args += ["--reward-funcs", "first_word_reward", "--no-bf16", "--max-completion-length", 4, "--max-steps", 2]
+    args += ["--prompts-per-step", 4, "--num-generations", 2, "--use-vllm", "--eval-steps", 2, "--eval-dataset", held]
+    args += ["--no-vllm-importance-sampling-correction"] if script != "online_dpo.py" else []
+    monkeypatch.setattr(sys, "argv", [script, *map(str, args), "--output-dir", str(tmp_path / "run")])
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    runpy.run_path(str(ROOT / script), run_name="__main__")
+    metrics = read_metrics(tmp_path / "run")
+    rewards = [
+        m["reward"] if "reward" in m else m["objective/scores"] for m in metrics if "step" in m and m["step"] > 0
+    ]
+    assert rewards == [1.0, 1.0] and metrics[-1]["eval/reward"] == 1.0 and metrics[0]["eval/reward"] == 1.0
+    assert oracle.max_images == 1 and len(oracle.calls) >= 4  # 2 rounds, evaluations at steps 0 and 2
