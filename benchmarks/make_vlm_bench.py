@@ -1,6 +1,7 @@
 """The vision-language bench (issue 45): a random-init Qwen2.5-VL model and a counting task of 224x224 images.
 
     python benchmarks/make_vlm_bench.py TOKENIZER_DIR MODEL_DIR DATA_DIR [--size 3b|tiny] [--rows 256]
+    python benchmarks/make_vlm_bench.py --encoder MODEL_DIR DATA_DIR [--prompts 4] [--generations 8] [--out F.json]
 
 MODEL_DIR: Qwen2_5_VLForConditionalGeneration in bf16, seed 0, of Qwen2.5-VL-3B-Instruct's shape (text: 36 layers of
 width 2048, 16 heads / 2 KV heads, tied embeddings; vision: 32 blocks of width 1280, 14x14 patches merged 2x2, window
@@ -135,13 +136,82 @@ def make_counting(out, rows=256, seed=0, size=224):
     return out / "count.jsonl"
 
 
+def encoder_saving(model_dir, data, prompts=4, generations=8, completion_length=32, repeats=3):
+    """What computing each prompt's image features once for its G completions saves (grpo.py's images_in) against once
+    per completion: the seconds of a training forward + backward over prompts x G rows (median of `repeats`, after one
+    warm-up) and, on a GPU, its peak memory. Both sides are grpo.per_token_logprobs on the same batch; they differ only
+    in whether the G rows of a prompt share its processed images or each carry a copy (the encoder then runs G times)."""
+    import statistics
+    import sys
+    import time
+
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    import grpo
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).to(device)
+    processor, rows = AutoProcessor.from_pretrained(model_dir), [json.loads(line) for line in open(data)][:prompts]
+    folder = Path(data).parent
+    inputs = [grpo.process_prompt(processor, row["prompt"], [folder / row["image"]]).to(device) for row in rows]
+    torch.manual_seed(0)
+    vocab = model.get_output_embeddings().weight.shape[0]
+    completions = [torch.randint(0, vocab, (completion_length,)).tolist() for _ in range(prompts * generations)]
+    prompt_ids = [inputs[i // generations]["input_ids"][0].tolist() for i in range(prompts * generations)]
+    batch = grpo.collate(prompt_ids, completions, device, pad_id=0)
+    sides = {  # per row, its prompt's processed inputs: shared by the G rows, or a copy each
+        "once_per_prompt": grpo.Images(inputs, [i // generations for i in range(len(completions))]),
+        "once_per_completion": grpo.Images(
+            [inputs[i // generations] for i in range(len(completions))], list(range(len(completions)))
+        ),
+    }
+    with torch.no_grad():  # the same log-probs either way: only the work differs
+        ours, copies = (grpo.per_token_logprobs(model, *batch, 1.0, images=images) for images in sides.values())
+        assert torch.allclose(ours, copies, atol=1e-4), (ours - copies).abs().max()
+    result = {
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+        "prompts": prompts,
+        "generations": generations,
+        "completion_length": completion_length,
+        "prompt_tokens": len(prompt_ids[0]),
+    }
+    for name, images in sides.items():
+        seconds = []
+        for _ in range(repeats + 1):
+            model.zero_grad(set_to_none=True)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+            t0 = time.perf_counter()
+            with torch.autocast(device.type, torch.bfloat16, enabled=device.type == "cuda"):
+                grpo.per_token_logprobs(model, *batch, 1.0, images=images).sum().backward()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            seconds.append(time.perf_counter() - t0)
+        result[name] = {"seconds": statistics.median(seconds[1:])}
+        if device.type == "cuda":
+            result[name]["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    result["seconds_saved"] = result["once_per_completion"]["seconds"] - result["once_per_prompt"]["seconds"]
+    return result
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("tokenizer_dir")
-    parser.add_argument("model_dir")
-    parser.add_argument("data_dir")
+    parser.add_argument("paths", nargs="+", help="TOKENIZER_DIR MODEL_DIR DATA_DIR, or with --encoder MODEL_DIR DATA")
     parser.add_argument("--size", choices=list(SHAPES), default="3b")
     parser.add_argument("--rows", type=int, default=256)
+    parser.add_argument("--encoder", action="store_true", help="measure encoder_saving on MODEL_DIR and a DATA jsonl")
+    parser.add_argument("--prompts", type=int, default=4)
+    parser.add_argument("--generations", type=int, default=8)
+    parser.add_argument("--out", help="--encoder: also write the result to this JSON file")
     cli = parser.parse_args()
-    print(f"model: {cli.model_dir}, {make_model(cli.tokenizer_dir, cli.model_dir, cli.size):,} parameters")
-    print(f"data: {make_counting(cli.data_dir, cli.rows)}")
+    if cli.encoder:
+        result = encoder_saving(*cli.paths, prompts=cli.prompts, generations=cli.generations)
+        print(json.dumps(result, indent=1))
+        if cli.out:
+            Path(cli.out).write_text(json.dumps(result, indent=1))
+    else:
+        tokenizer_dir, model_dir, data_dir = cli.paths
+        print(f"model: {model_dir}, {make_model(tokenizer_dir, model_dir, cli.size):,} parameters")
+        print(f"data: {make_counting(data_dir, cli.rows)}")

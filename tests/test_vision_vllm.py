@@ -9,6 +9,7 @@ import io
 import json
 import types
 
+import numpy as np
 import pytest
 import torch
 from PIL import Image
@@ -415,7 +416,7 @@ class ImageOracle:
                 ProcessorInputs(prompt=prompt.token_ids, mm_data_items=items), TimingContext()
             )
             assert expanded["prompt_token_ids"] == ids
-            mean = torch.tensor(list(prompt.images[0].getdata()), dtype=torch.float).mean(0)
+            mean = torch.from_numpy(np.asarray(prompt.images[0])).reshape(-1, 3).float().mean(0)
             colour = min(COLOURS, key=lambda c: (torch.tensor(COLOURS[c], dtype=torch.float) - mean).norm())
             answer = self.tokenizer(f" {colour}.", add_special_tokens=False)["input_ids"] + [
                 self.tokenizer.eos_token_id
