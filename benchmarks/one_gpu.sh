@@ -53,10 +53,14 @@
 #          --vllm-mode server --async-generation against the SERVERS=2 servers of `serve`, ports 8001 and 8011, started
 #          here unless they run). Writes OUT_DIR/{old,new}_MODE_PAIR.metrics.jsonl and .log, then OUT_DIR/ab.json
 #          (summarize.py ab: the median of steps 3-8 of each run, new / old per pair and both pairs pooled, per mode).
+#   vision: issue 45 on the GPU, one part per call (VISION=...): check (tests/gpu/test_vision_gpu.py: vLLM colocated
+#          holds the trainer's VLM weights, and its control), colocate / server / server_async (grpo.py learns the colour
+#          task with vLLM, the tiny VLM), bench3b (the random-init Qwen2.5-VL-3B shape and the counting task, built
+#          once; make_vlm_bench.py --encoder's seconds and peak memory; 4 colocated GRPO steps). Results in OUT_DIR.
 set -u
 PHASE=$1; OUT=$2; mkdir -p "$OUT"; OUT=$(cd "$OUT" && pwd)  # absolute: the ab phase's old runs start elsewhere
 case $PHASE in
-  serve|bench|mps_stop|check|learn|learn_runs|colocate|colocate_runs|lora7b|lora15|eval|ab) ;;
+  serve|bench|mps_stop|check|learn|learn_runs|colocate|colocate_runs|lora7b|lora15|eval|ab|vision) ;;
   *) echo "one_gpu.sh: unknown phase $PHASE (see the header)" >&2; exit 2 ;;
 esac
 # a bare host (lost between calls, or a call that ran before the payload's) fails now, not after a server's timeout
@@ -255,6 +259,28 @@ if [ "$PHASE" = lora7b ]; then  # SIDES (default by PAIR: "ours trl" or "trl our
     esac
   done
   timeout 60 python3 benchmarks/summarize.py ratios "$OUT" --commit "${COMMIT:-unknown}" --model "$MODEL"
+fi
+if [ "$PHASE" = vision ]; then  # VISION=check|colocate|server|server_async|bench3b (see the header)
+  case ${VISION:-check} in
+    check) K="colocate_holds" ;;
+    colocate) K="learns and colocate" ;;
+    server) K="learns and server and not async" ;;
+    server_async) K="learns and server_async" ;;
+    bench3b) K="" ;;
+    *) echo "vision: VISION=check, colocate, server, server_async or bench3b, not $VISION" >&2; exit 2 ;;
+  esac
+  if [ -n "$K" ]; then
+    GPU_RESULTS_DIR=$OUT timeout 560 python3 -m pytest -q -x tests/gpu/test_vision_gpu.py -k "$K" > "$OUT/vision.log" 2>&1
+    tail -5 "$OUT/vision.log"
+  else
+    VLM=/tmp/bench-qwen25vl3b; [ -f $VLM/config.json ] || timeout 300 python3 benchmarks/make_vlm_bench.py \
+      .gpu/qwen-tok $VLM /tmp/tasks/vlm_count > "$OUT/make_vlm.log" 2>&1
+    timeout 200 python3 benchmarks/make_vlm_bench.py --encoder $VLM /tmp/tasks/vlm_count/count.jsonl \
+      --out "$OUT/encoder.json" > "$OUT/encoder.log" 2>&1
+    ours vlm3b_colocate 300 grpo.py --model-name-or-path $VLM --dataset-name /tmp/tasks/vlm_count/count.jsonl \
+      --prompt-column prompt --reward-funcs first_word_reward --prompts-per-step 8 --num-generations 8 \
+      --max-completion-length 64 --max-steps 4 --use-vllm --vllm-mode colocate --vllm-enable-sleep-mode
+  fi
 fi
 if [ "$PHASE" = lora15 ]; then  # bench-1.5b (make_bench_model.py TOK /tmp/bench-qwen15b 1.5b), full vs LoRA, colocate + sleep
   L="${BENCH//$MODEL//tmp/bench-qwen15b} --vllm-mode colocate --vllm-enable-sleep-mode"
