@@ -664,7 +664,7 @@ def set_up(args, rules, problems=(), reference_model=False, steps_per_generation
     mm_kwargs = args.mm_processor_kwargs
     if has_images:  # (a checkpoint's, a LoRA checkpoint's too)
         run.processor = AutoProcessor.from_pretrained(model_path, trust_remote_code=args.trust_remote_code, **mm_kwargs)
-    elif args.mm_processor_kwargs:
+    elif mm_kwargs:
         raise SystemExit("error: --mm-processor-kwargs is ignored without images in the dataset: drop it")
     sentence = tokenizer("The quick brown fox jumps over the lazy dog, and then it ran away.")["input_ids"]
     if len(sentence) < 5:  # a tokenizer that lost its vocabulary knows only special tokens

@@ -797,11 +797,9 @@ def generate(engine, prompt_ids, n=None, temperature=None, images=None):
     # the ranks of one tensor-parallel engine generate everyone's prompts together, then keep their own
     parts = [None] * torch.distributed.get_world_size(group)
     torch.distributed.all_gather_object(parts, (prompt_ids, images), group=group)
-    everyone = (
-        [p for part in parts for p in part[0]],
-        None if images is None else [p for part in parts for p in part[1]],
-    )
-    completion_ids, logprobs = colocate_generate(llm, everyone[0], n, fields, everyone[1])
+    all_ids = [p for part in parts for p in part[0]]
+    all_images = None if images is None else [p for part in parts for p in part[1]]
+    completion_ids, logprobs = colocate_generate(llm, all_ids, n, fields, all_images)
     start = sum(len(part[0]) for part in parts[: torch.distributed.get_rank(group)]) * n
     mine = slice(start, start + len(prompt_ids) * n)  # this rank's prompts, prompt-major
     return completion_ids[mine], logprobs[mine]
@@ -907,7 +905,6 @@ def sync_weights(engine, model):
     reload = {"weights_iterator": named_weights(model), "is_checkpoint_format": True}
     engine["llm"].collective_rpc("reload_weights", kwargs=reload)
     engine["llm"].reset_prefix_cache()
-    if engine.get(
-        "images"
-    ):  # image features of the old weights (the scheduler would also miss ones the reload cleared)
+    # image features of the old weights go (the scheduler would also believe in ones the reload cleared)
+    if engine.get("images"):
         engine["llm"].llm_engine.reset_encoder_cache()
