@@ -53,10 +53,13 @@
 #          --vllm-mode server --async-generation against the SERVERS=2 servers of `serve`, ports 8001 and 8011, started
 #          here unless they run). Writes OUT_DIR/{old,new}_MODE_PAIR.metrics.jsonl and .log, then OUT_DIR/ab.json
 #          (summarize.py ab: the median of steps 3-8 of each run, new / old per pair and both pairs pooled, per mode).
-#   vision: issue 45 on the GPU, one part per call (VISION=...): check (tests/gpu/test_vision_gpu.py: vLLM colocated
-#          holds the trainer's VLM weights, and its control), colocate / server / server_async (grpo.py learns the colour
-#          task with vLLM, the tiny VLM), bench3b (the random-init Qwen2.5-VL-3B shape and the counting task, built
-#          once; make_vlm_bench.py --encoder's seconds and peak memory; 4 colocated GRPO steps). Results in OUT_DIR.
+#   vision: issue 45 on the GPU, one part per call (VISION=...): tests (tests/gpu/test_vision_gpu.py: vLLM colocated
+#          holds the trainer's VLM weights, and its control; grpo.py learns the colour task with vLLM colocated and with
+#          an IPC server, sync and async; K=... picks some), encoder (make_vlm_bench.py --encoder's seconds and peak
+#          memory on the random-init Qwen2.5-VL-3B shape and the counting task, both built once), vs_trl RUNS="..."
+#          (those runs in that order, of ours_vlm_N and trl_vlm_N: GRPO colocated against TRL 1.16 on that shape, 8
+#          prompts x 8 x 64 tokens, 8 steps, bf16 weights and the tower training on both sides; OUT_DIR/vs_trl.json once
+#          a pair is complete). Results in OUT_DIR.
 set -u
 PHASE=$1; OUT=$2; mkdir -p "$OUT"; OUT=$(cd "$OUT" && pwd)  # absolute: the ab phase's old runs start elsewhere
 case $PHASE in
@@ -260,27 +263,32 @@ if [ "$PHASE" = lora7b ]; then  # SIDES (default by PAIR: "ours trl" or "trl our
   done
   timeout 60 python3 benchmarks/summarize.py ratios "$OUT" --commit "${COMMIT:-unknown}" --model "$MODEL"
 fi
-if [ "$PHASE" = vision ]; then  # VISION=check|colocate|server|server_async|bench3b (see the header)
-  case ${VISION:-check} in
-    check) K="colocate_holds" ;;
-    colocate) K="learns and colocate" ;;
-    server) K="learns and server and not async" ;;
-    server_async) K="learns and server_async" ;;
-    bench3b) K="" ;;
-    *) echo "vision: VISION=check, colocate, server, server_async or bench3b, not $VISION" >&2; exit 2 ;;
+if [ "$PHASE" = vision ]; then  # VISION=tests|encoder|vs_trl (see the header)
+  VLM=/tmp/bench-qwen25vl3b; DATA=/tmp/tasks/vlm_count/count.jsonl
+  case ${VISION:-tests} in
+    tests)
+      GPU_RESULTS_DIR=$OUT timeout 570 python3 -m pytest -q tests/gpu/test_vision_gpu.py \
+        -k "${K:-colocate_holds or learns}" > "$OUT/vision.log" 2>&1
+      tail -5 "$OUT/vision.log" ;;
+    encoder|vs_trl)
+      [ -f $VLM/config.json ] || timeout 300 python3 benchmarks/make_vlm_bench.py /tmp/qwen-tok $VLM \
+        "$(dirname $DATA)" > "$OUT/make_vlm.log" 2>&1 ;;&
+    encoder)
+      timeout 200 python3 benchmarks/make_vlm_bench.py --encoder $VLM $DATA --out "$OUT/encoder.json" \
+        > "$OUT/encoder.log" 2>&1; tail -3 "$OUT/encoder.log" ;;
+    vs_trl)
+      for run in ${RUNS:?RUNS=\"ours_vlm_1 trl_vlm_1 ...\"}; do
+        case $run in
+          ours_vlm_*) ours "$run" 330 grpo.py --model-name-or-path $VLM --dataset-name $DATA --prompt-column prompt \
+            --reward-funcs first_word_reward --prompts-per-step 8 --num-generations 8 --max-completion-length 64 \
+            --beta 0 --learning-rate 1e-6 --max-steps 8 --use-vllm --vllm-mode colocate --param-dtype bfloat16 \
+            --no-freeze-vision-tower ;;
+          trl_vlm_*) BENCH_MODEL=$VLM BENCH_DATA=$DATA trl "$run" 330 ;;
+        esac
+      done
+      timeout 60 python3 benchmarks/summarize.py ratios "$OUT" --commit "${COMMIT:-unknown}" ;;
+    *) echo "vision: VISION=tests, encoder or vs_trl, not $VISION" >&2; exit 2 ;;
   esac
-  if [ -n "$K" ]; then
-    GPU_RESULTS_DIR=$OUT timeout 560 python3 -m pytest -q -x tests/gpu/test_vision_gpu.py -k "$K" > "$OUT/vision.log" 2>&1
-    tail -5 "$OUT/vision.log"
-  else
-    VLM=/tmp/bench-qwen25vl3b; [ -f $VLM/config.json ] || timeout 300 python3 benchmarks/make_vlm_bench.py \
-      .gpu/qwen-tok $VLM /tmp/tasks/vlm_count > "$OUT/make_vlm.log" 2>&1
-    timeout 200 python3 benchmarks/make_vlm_bench.py --encoder $VLM /tmp/tasks/vlm_count/count.jsonl \
-      --out "$OUT/encoder.json" > "$OUT/encoder.log" 2>&1
-    ours vlm3b_colocate 300 grpo.py --model-name-or-path $VLM --dataset-name /tmp/tasks/vlm_count/count.jsonl \
-      --prompt-column prompt --reward-funcs first_word_reward --prompts-per-step 8 --num-generations 8 \
-      --max-completion-length 64 --max-steps 4 --use-vllm --vllm-mode colocate --vllm-enable-sleep-mode
-  fi
 fi
 if [ "$PHASE" = lora15 ]; then  # bench-1.5b (make_bench_model.py TOK /tmp/bench-qwen15b 1.5b), full vs LoRA, colocate + sleep
   L="${BENCH//$MODEL//tmp/bench-qwen15b} --vllm-mode colocate --vllm-enable-sleep-mode"

@@ -128,6 +128,7 @@ MODES = {
     "async": ("ours_async", "trl_server", "server"),
     "async_gradient_checkpointing": ("ours_lean", "trl_server", "server"),
     "colocate": ("ours_colocate", "trl_colocate", "colocate"),
+    "vlm_colocate": ("ours_vlm", "trl_vlm", "colocate"),  # one_gpu.sh vision, VISION=vs_trl: Qwen2.5-VL-3B's shape
     # one GPU (one_gpu.sh bench): the servers on the trainer's GPU, against TRL's only one-GPU mode
     "server_1gpu": ("ours_server1gpu", "trl_colocate", "colocate"),
     "async_1gpu": ("ours_async1gpu", "trl_colocate", "colocate"),
