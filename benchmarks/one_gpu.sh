@@ -59,7 +59,7 @@
 #          memory on the random-init Qwen2.5-VL-3B shape and the counting task, both built once), vs_trl RUNS="..."
 #          (those runs in that order, of ours_vlm_N and trl_vlm_N: GRPO colocated against TRL 1.16 on that shape, 8
 #          prompts x 8 x 64 tokens, 8 steps, bf16 weights and the tower training on both sides; OUT_DIR/vs_trl.json once
-#          a pair is complete). Results in OUT_DIR.
+#          a pair is complete; RUN_LIMIT: seconds a run, 330). Results in OUT_DIR.
 set -u
 PHASE=$1; OUT=$2; mkdir -p "$OUT"; OUT=$(cd "$OUT" && pwd)  # absolute: the ab phase's old runs start elsewhere
 case $PHASE in
@@ -279,11 +279,11 @@ if [ "$PHASE" = vision ]; then  # VISION=tests|encoder|vs_trl (see the header)
     vs_trl)
       for run in ${RUNS:?RUNS=\"ours_vlm_1 trl_vlm_1 ...\"}; do
         case $run in
-          ours_vlm_*) ours "$run" 330 grpo.py --model-name-or-path $VLM --dataset-name $DATA --prompt-column prompt \
+          ours_vlm_*) ours "$run" "${RUN_LIMIT:-330}" grpo.py --model-name-or-path $VLM --dataset-name $DATA --prompt-column prompt \
             --reward-funcs first_word_reward --prompts-per-step 8 --num-generations 8 --max-completion-length 64 \
             --beta 0 --learning-rate 1e-6 --max-steps 8 --use-vllm --vllm-mode colocate --param-dtype bfloat16 \
             --no-freeze-vision-tower ;;
-          trl_vlm_*) BENCH_MODEL=$VLM BENCH_DATA=$DATA trl "$run" 330 ;;
+          trl_vlm_*) BENCH_MODEL=$VLM BENCH_DATA=$DATA trl "$run" "${RUN_LIMIT:-330}" ;;
         esac
       done
       timeout 60 python3 benchmarks/summarize.py ratios "$OUT" --commit "${COMMIT:-unknown}" ;;
