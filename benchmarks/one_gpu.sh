@@ -282,7 +282,7 @@ if [ "$PHASE" = vision ]; then  # VISION=tests|encoder|vs_trl (see the header)
           ours_vlm_*) ours "$run" "${RUN_LIMIT:-330}" grpo.py --model-name-or-path $VLM --dataset-name $DATA --prompt-column prompt \
             --reward-funcs first_word_reward --prompts-per-step 8 --num-generations 8 --max-completion-length 64 \
             --beta 0 --learning-rate 1e-6 --max-steps 8 --use-vllm --vllm-mode colocate --param-dtype bfloat16 \
-            --no-freeze-vision-tower ;;
+            --no-freeze-vision-tower ${OURS_EXTRA:-} ;;
           trl_vlm_*) BENCH_MODEL=$VLM BENCH_DATA=$DATA trl "$run" "${RUN_LIMIT:-330}" ;;
         esac
       done

@@ -93,8 +93,8 @@ LEARN += ["--seed", "0", "--num-generations", "16", "--temperature", "1.0", "--m
 LEARN += ["--learning-rate", "5e-4", "--beta", "0.1", "--use-vllm"]
 MODES = {
     "colocate": ["--vllm-mode", "colocate", "--vllm-gpu-memory-utilization", "0.1"],
-    "server": ["--vllm-mode", "server", "--vllm-server-port", "8301"],
-    "server_async": ["--vllm-mode", "server", "--vllm-server-port", "8301", "--async-generation"],
+    "server": ["--vllm-mode", "server", "--vllm-server-port", "8301", "--vllm-server-timeout", "300"],
+    "server_async": ["--vllm-mode", "server", "--vllm-server-port", "8301", "--vllm-server-timeout", "300", "--async-generation"],
 }
 
 
@@ -117,7 +117,7 @@ def test_vision_grpo_learns_with_vllm(colours, mode, tmp_path):
         out = tmp_path / mode
         flags = [*LEARN, *MODES[mode], "--model-name-or-path", str(path), "--dataset-name", str(train)]
         result = subprocess.run(
-            [sys.executable, str(ROOT / "grpo.py"), *flags, "--output-dir", str(out), "--vllm-server-timeout", "300"],
+            [sys.executable, str(ROOT / "grpo.py"), *flags, "--output-dir", str(out)],
             cwd=ROOT,
             env={**os.environ, "WANDB_MODE": "offline"},
             capture_output=True,
