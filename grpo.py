@@ -744,16 +744,14 @@ def set_up(args, rules, problems=(), reference_model=False, steps_per_generation
     checkpoint's state), generator and logs. A round is steps_per_generation x num_iterations optimizer steps."""
     world_size, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
     run = Run(args, rank, world_size, is_main=rank == 0, prompts_per_rank=args.prompts_per_step // world_size)
-    # every mistake in the flags or the data stops the run here, before anything loads or is written
     check_args(args, world_size, rules, problems, steps_per_generation * num_iterations, steps_per_generation)
     run.reward_fns = rewards.functions(args.reward_funcs)
     run.reward_weights = torch.tensor(args.reward_weights or [1.0] * len(run.reward_fns))
     dataset = read_dataset(args, run.reward_fns)
     evaluating = args.eval_steps or args.max_steps == 0  # the eval prompts, read and checked like the training ones
     eval_dataset = read_dataset(args, run.reward_fns, evaluation=True) if evaluating else None
-    run.device = device = torch.device(
-        f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if torch.cuda.is_available() else "cpu"
-    )
+    local_rank = os.environ.get("LOCAL_RANK", "0")
+    run.device = device = torch.device(f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if world_size > 1:  # (rank 0 alone may spend minutes writing a checkpoint while the others wait in a collective)
@@ -769,8 +767,8 @@ def set_up(args, rules, problems=(), reference_model=False, steps_per_generation
 
     set_seed(args.seed)
     # no weight cache: each weight is cast once per forward anyway, and the cache would outlive gradient checkpointing
-    run.autocast = dict(device_type=device.type, dtype=torch.bfloat16, enabled=args.bf16 and device.type == "cuda")
-    run.autocast["cache_enabled"] = False
+    bf16 = args.bf16 and device.type == "cuda"
+    run.autocast = dict(device_type=device.type, dtype=torch.bfloat16, enabled=bf16, cache_enabled=False)
 
     # tokenizer and prompts before the weights (a prompt too long stops the run now), then the model and the reference
     model_path = checkpoint_dir or args.model_name_or_path
@@ -784,10 +782,7 @@ def set_up(args, rules, problems=(), reference_model=False, steps_per_generation
         raise SystemExit("error: --mm-processor-kwargs is ignored without images in the dataset: drop it")
     sentence = tokenizer("The quick brown fox jumps over the lazy dog, and then it ran away.")["input_ids"]
     if len(sentence) < 5:  # a tokenizer that lost its vocabulary knows only special tokens
-        raise SystemExit(
-            f"error: the tokenizer files in {model_path} are incomplete (no tokenizer.json?): it turns "
-            f"a 15-word sentence into {len(sentence)} tokens"
-        )
+        raise SystemExit(f"error: the tokenizer files in {model_path} are incomplete (no tokenizer.json?)")
     model_path = args.model_name_or_path if args.use_peft else model_path  # a LoRA checkpoint holds only the adapter
     config = AutoConfig.from_pretrained(model_path, trust_remote_code=args.trust_remote_code)
     max_context = getattr(config.get_text_config(), "max_position_embeddings", None) or 10**9
@@ -882,9 +877,8 @@ def load_models(run, model_path, checkpoint_dir, reference_model, sentence):
 
 def generate(run, prompt_set, rows, n=None, temperature=None):
     """(completion ids, vLLM log-probs or None) of prompt_set's `rows`, prompt-major; None: training's G / temperature
-    (0: greedy). In the training thread a lost server is waited for and given the current weights, then asked again;
-    when none comes back (or the colocated engine died) the run stops with a checkpoint (stop_lost). A background
-    round raises."""
+    (0: greedy). A lost server is waited for and given the current weights (in the training thread; elsewhere it
+    raises); when none comes back, or the colocated engine died, the run stops with a checkpoint (stop_lost)."""
     prompt_ids = [prompt_set.prompt_ids[i] for i in rows]
     while run.engine is not None:
         try:
@@ -946,10 +940,9 @@ def round_output(run, round):
 
 
 def push_weights(run, next_round, timing):
-    """The trained weights to vLLM, once the round in flight is complete, so that vLLM never switches weights inside a
-    round. --async-generation with one trainer process: in the background, on a CUDA stream of its own, beside the
-    logging and the next step's scoring and training; the next round, optimizer step, evaluation and the end of the
-    run wait for it (weights_pushed). With several ranks FSDP2's gathers are collectives: the push stays in the loop."""
+    """The trained weights to vLLM once the round in flight is complete (vLLM never switches weights inside a round).
+    --async-generation with one process: in the background on a CUDA stream of its own; the next round, optimizer
+    step, evaluation and the run's end wait for it (weights_pushed). Several ranks: FSDP2's gathers are collectives."""
     t0 = time.perf_counter()
     if next_round is not None:
         wait([next_round.generation])  # (a round whose servers were lost is generated again by round_output)
@@ -977,8 +970,8 @@ def push_weights(run, next_round, timing):
 
 
 def weights_pushed(run):
-    """Wait for push_weights' background push before the weights change or are sampled, and at the end: its timings,
-    timing/weight_sync (the push) and timing/weight_sync_wait (what it cost the trainer), or {} if none was in flight."""
+    """Wait for push_weights' background push (before the weights change or are sampled, and at the end): its
+    timing/weight_sync and timing/weight_sync_wait (what it cost the trainer), or {} if none was in flight."""
     if (push := run.push) is None:
         pushed, run.pushed = run.pushed, {}  # a push evaluation waited for: the next step logs it
         return pushed
@@ -1052,8 +1045,7 @@ def sampling_metrics(run, is_stats):
 
 def evaluate(run):
     """The eval/... metrics of all eval prompts, on every rank: the rewards of a greedy completion and, with
-    --eval-num-generations k > 1, of k sampled ones, from the generator (holding the current weights: called right
-    after the weight push). Each rank generates its share in calls of one round's size; the scores are gathered."""
+    --eval-num-generations k > 1, of k sampled ones, with the current weights; each rank generates its share."""
     run.pushed = weights_pushed(run)  # the current weights (its timings go to the next step's metrics)
     t0 = time.perf_counter()
     args, device, world_size = run.args, run.device, run.world_size
@@ -1110,9 +1102,9 @@ class PromptSet(NamedTuple):
 
 
 def load_prompts(args, dataset, tokenizer, max_context, evaluation=False, processor=None):
-    """Tokenize the prompts of `dataset` ({column: values}, from read_dataset): a PromptSet. A plain-text prompt is
-    wrapped as a user message when the chat template is applied, but prompts_are_messages stays False: only the
-    dataset's own chat messages make the reward functions' completions messages (TRL's rule). Images: the processor's."""
+    """Tokenize the prompts of `dataset` (read_dataset's) into a PromptSet, images through the processor. A text prompt
+    is wrapped as a user message for the chat template, yet only chat-message prompts make the completions that the
+    reward functions get messages (TRL's rule)."""
     raw, images = dataset[args.prompt_column], dataset.get("images")
     prompts_are_messages = isinstance(raw[0], list)
     use_template = prompts_are_messages or (args.use_chat_template and tokenizer.chat_template is not None)
@@ -1278,10 +1270,9 @@ def vllm_images(run, prompt_set, rows):
 @contextmanager
 def images_in(model, images, P, length):
     """A batch's inputs besides ids, mask and pixels ({} without images), its prompts ending at column P of `length`:
-    the processor's per-token ones (mm_token_type_ids) padded as collate pads, its per-image ones (image_grid_thw) per
-    row, no position ids for M-RoPE. Within it a hook in the model's forward (where FSDP2 holds the weights) puts each
-    prompt's image features, computed once per prompt and not per completion, in place of its image tokens; decoding
-    steps, and image tokens that a completion sampled, keep their embeddings (as in vLLM)."""
+    per-token ones (mm_token_type_ids) padded as collate pads, per-image ones (image_grid_thw) per row, no position ids
+    for M-RoPE. Within it a hook on the embeddings (inside the model's forward, where FSDP2 holds the weights) puts each
+    prompt's image features, computed once per prompt, in place of its prompt's image tokens (as vLLM does)."""
     if images is None:
         yield {}
         return
