@@ -1324,18 +1324,14 @@ def collate(prompt_ids, completion_ids, device, pad_id):
     for i, (p, c) in enumerate(zip(prompt_ids, completion_ids)):
         input_ids[i, P - len(p) : P + len(c)] = torch.tensor(p + c)
         attention_mask[i, P - len(p) : P + len(c)] = 1
-    # positions count from each prompt's first real token, as in generation
-    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # from each prompt's first real token, as in generation
     completion_mask = attention_mask[:, P:].float()
-    return Batch(
-        input_ids.to(device), attention_mask.to(device), position_ids.to(device), completion_mask.to(device), P
-    )
+    return Batch(*(t.to(device) for t in (input_ids, attention_mask, position_ids, completion_mask)), P)
 
 
 def final_logits(logits, config):
-    """The model's own transform of its LM head's output, as its forward applies it (transformers' modeling code) and
-    vLLM samples from it: Cohere multiplies by logit_scale, the Granite family divides by logits_scaling (HyperCLOVAX
-    multiplies by it), Gemma 2/3 soft-cap with final_logit_softcapping. check_logprobs catches any other transform."""
+    """The model's own transform of its LM head's output, as its forward applies it and vLLM samples from it (Cohere,
+    Granite, HyperCLOVAX, Gemma 2/3's soft-cap). check_logprobs catches any other transform."""
     text = config.get_text_config()
     if text.model_type.startswith("cohere") and getattr(text, "logit_scale", None) is not None:
         logits = logits * text.logit_scale
@@ -1348,15 +1344,12 @@ def final_logits(logits, config):
 
 class TokenLogprobs(torch.autograd.Function):
     """log pi(target) and the entropy (None unless asked) of each final hidden state, (n,) each, `chunk` tokens at a
-    time so that no (n, vocabulary) tensor exists. The forward saves the hidden states and the log-sum-exp; the backward
-    recomputes each chunk's logits once: d log pi(t) / dz = onehot(t) - softmax(z), z the logits after the model's
-    transform and the temperature. The LM head's weight is cast once per pass; its gradient is summed in one buffer, or
-    in .grad with into_grad (fp32 weights under autocast: no buffer per chunk)."""
+    time so that no (n, vocabulary) tensor exists. The backward recomputes each chunk's logits z (after the model's
+    transform and the temperature) from the saved log-sum-exp: d log pi(t) / dz = onehot(t) - softmax(z)."""
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, config, temperature, with_entropy, chunk, into_grad):
-        # the LM head computes in autocast's dtype when autocast is on, as the model's own forward would
-        device = hidden.device.type
+        device = hidden.device.type  # the LM head computes in autocast's dtype when autocast is on, as the model would
         ctx.dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else weight.dtype
         ctx.config, ctx.temperature, ctx.chunk, ctx.into_grad = config, temperature, chunk, into_grad
         w, b = (None if x is None else x.to(ctx.dtype) for x in (weight, bias))
@@ -1373,8 +1366,7 @@ class TokenLogprobs(torch.autograd.Function):
         w, b = (None if x is None else x.to(ctx.dtype) for x in (weight, bias))
         probe = weight.new_empty(0, weight.shape[0], dtype=ctx.dtype)  # no rows: whether the model transforms logits
         plain = final_logits(probe, ctx.config) is probe
-        # the weight's gradient in its own dtype: fp32 weights (autocast) sum the bf16 chunks' products in fp32; with
-        # into_grad, straight into the .grad that earlier micro-batches left (no second vocabulary-sized buffer)
+        # the weight's gradient in its own dtype (fp32 under autocast); into_grad: summed into .grad (no second buffer)
         into_grad = ctx.into_grad and ctx.needs_input_grad[1] and type(weight.grad) is torch.Tensor
         grad_hidden, grad_weight = torch.empty_like(hidden), weight.grad if into_grad else torch.zeros_like(weight)
         grad_bias = None if bias is None else torch.zeros_like(bias)
@@ -1409,8 +1401,7 @@ def softmax_grad(logits, lse, grad_logprobs, targets, temperature):
 
 
 def fused(fn, like):
-    """fn, torch.compile'd on CUDA: one kernel instead of ~8 passes over a chunk's logits (measured in
-    benchmarks/results/README.md). TORCHDYNAMO_DISABLE=1 runs it eagerly."""
+    """fn, torch.compile'd on CUDA: one kernel, not ~8 passes over a chunk's logits (TORCHDYNAMO_DISABLE=1: eager)."""
     return compiled(fn) if like.is_cuda else fn
 
 
@@ -1430,9 +1421,8 @@ def add_matmul(out, a, b):
 def per_token_logprobs(
     model, ids, attn, pos, cmask, P, temperature=1, chunk_tokens=1024, with_entropy=False, into_grad=False, images=None
 ):
-    """log pi(token) of each completion token at the sampling temperature, (B, C), 0 on padding, from a collate batch.
-    The fp32 logits of a 150k vocabulary would be the memory peak: the LM head runs on `chunk_tokens` tokens at a time
-    (TokenLogprobs). into_grad: the caller runs loss.backward(), so the LM head's gradient may go straight to .grad."""
+    """log pi(token) of each completion token at the sampling temperature, (B, C), 0 on padding, from a collate batch,
+    the LM head on `chunk_tokens` tokens at a time. into_grad (backward() follows): its gradient may go to .grad."""
     # the whole model's forward, so that FSDP2 gathers every parameter: logits of one position, the final normed states
     inputs = dict(input_ids=ids, attention_mask=attn, position_ids=pos)
     with images_in(model, images, P, ids.shape[1]) as extra:  # (the prompts' Images, or None)
@@ -1449,8 +1439,7 @@ def per_token_logprobs(
 
 def check_logprobs(model, input_ids, device, world_size, images=None):
     """Raise unless per_token_logprobs of one short sequence match log_softmax of the model's own logits, which the
-    sampler uses: an architecture whose forward transforms its logits in a way final_logits does not know would
-    otherwise train on wrong log-probs. Every rank calls it: `unsharded` gathers the FSDP2 shards, a collective. images:
+    sampler uses (final_logits may not know its transform). Every rank calls it (`unsharded` is a collective). images:
     a prompt's, that input_ids begins with; the model's own forward encodes them (and computes M-RoPE's positions)."""
     prompt = {} if images is None else images.inputs[0]  # the processor's inputs (text: the first token is the prompt)
     P = prompt["input_ids"].shape[1] if prompt else 1
@@ -1464,20 +1453,17 @@ def check_logprobs(model, input_ids, device, world_size, images=None):
         logits = model(**inputs).logits[:, P - 1 : -1]
     theirs = logits.float().log_softmax(-1).gather(-1, ids[:, P:, None]).squeeze(-1)
     error = (ours - theirs).abs().mean().item()
-    # in bf16 the LM head's GEMM on other shapes may round a logit of ~20 differently, by 0.125 (some forwards
-    # return float32 logits computed in bf16, hence the weights' dtype too)
+    # in bf16 the LM head's GEMM on other shapes may round a logit differently (float32 logits may be bf16 products)
     exact = logits.dtype == model.get_output_embeddings().weight.dtype == torch.float32
     if error > (1e-3 if exact else 0.1):
         raise ValueError(
-            f"{type(model).__name__}: the trainer's log-probs (LM head on the last hidden state, then final_logits) "
-            f"differ from those of the model's own logits by {error:.3g} nats per token, so they would not match the "
-            f"sampler's. Its forward transforms the logits in a way final_logits does not know: add it there."
+            f"{type(model).__name__}: the trainer's log-probs would not match the sampler's ({error:.3g} nats/token "
+            f"from the model's own logits): its forward transforms them in a way unknown to final_logits: add it there"
         )
 
 
 def clip_gradients(model, max_norm):
-    """Clip the gradients' global norm to max_norm (<= 0: no clipping) and return the norm before clipping."""
-    # max_norm 0 would scale every gradient to 0; inf still computes the norm (the grad_norm metric)
+    """Clip the gradients' global norm to max_norm (<= 0: inf, as 0 would zero them) and return the norm before."""
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm if max_norm > 0 else float("inf"))
     return norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # FSDP2: a DTensor
 
@@ -1544,14 +1530,12 @@ def decoder_layers(model):
 
 
 def shard_model(model, mixed_precision):
-    """FSDP2: shard every decoder layer, then the rest (embeddings, final norm, LM head) as the root. With
-    mixed_precision, each layer computes in bf16 while the sharded fp32 weights and gradient reduction stay fp32."""
+    """FSDP2 on each decoder layer, then the root; mixed_precision: bf16 compute, fp32 weights and gradient reduce."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     bf16 = dict(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed_precision else {}
-    policy = MixedPrecisionPolicy(**bf16)
     for module in [*decoder_layers(model), model]:  # every decoder layer, then the root
-        fully_shard(module, mp_policy=policy)
+        fully_shard(module, mp_policy=MixedPrecisionPolicy(**bf16))
     return model
 
 
@@ -1579,11 +1563,8 @@ def unsharded(model, world_size):
 def same_count_on_all_ranks(micro_batches, world_size, device):
     """Pad this rank's micro-batch list with None (a pass whose loss is multiplied by 0) up to the longest list of any
     rank: every FSDP2 backward is a collective, so all ranks must run the same number of them."""
-    if world_size == 1:
-        return micro_batches
-    count = torch.tensor(len(micro_batches), device=device)
-    dist.all_reduce(count, op=dist.ReduceOp.MAX)
-    return micro_batches + [None] * (int(count) - len(micro_batches))
+    most = global_sum(len(micro_batches), world_size, device, op="MAX")
+    return micro_batches + [None] * (int(most) - len(micro_batches))
 
 
 def gather_objects(value, world_size):
@@ -1595,12 +1576,12 @@ def gather_objects(value, world_size):
     return parts
 
 
-def global_sum(value, world_size, device):
-    """Sum of a number over all ranks."""
+def global_sum(value, world_size, device, op="SUM"):
+    """Sum (op="MAX": the largest) of a number over all ranks."""
     if world_size == 1:
         return float(value)
     total = torch.tensor(float(value), device=device)
-    dist.all_reduce(total)
+    dist.all_reduce(total, op=getattr(dist.ReduceOp, op))
     return total.item()
 
 
@@ -1639,8 +1620,7 @@ def hf_generate(model, prompt_ids, args, eos_ids, pad_id, num_generations=None, 
 
 
 def future_of(fn, background, daemon=True):
-    """fn() as a Future, run right now or in a thread (a daemon unless the exit must wait for it): future.result()
-    returns its value or raises its error."""
+    """fn() as a Future (result(): its value, or its error raised), run now or in a thread (daemon: exit won't wait)."""
     future = Future()
 
     def run():
@@ -1654,36 +1634,29 @@ def future_of(fn, background, daemon=True):
 
 
 def rank_share(num_prompts, rank, world_size):
-    """This rank's contiguous share of range(num_prompts), padded with prompt 0 to ceil(num_prompts / world_size) rows
-    so that every rank makes the same generate calls (FSDP2's unshard and a tensor-parallel engine's gather are
-    collectives). Returns (rows, how many of them are real); the ranks' real rows, in rank order, are all prompts."""
+    """(this rank's contiguous share of range(num_prompts), padded with prompt 0 to ceil(num_prompts / world_size) rows
+    so that all ranks make the same generate calls, collectives; how many are real: in rank order, all prompts)."""
     per_rank = -(-num_prompts // world_size)
     rows = list(range(num_prompts))[rank * per_rank : (rank + 1) * per_rank]
     return rows + [0] * (per_rank - len(rows)), len(rows)
 
 
 def eval_metrics(greedy, sampled, reward_weights, names):
-    """eval/... metrics from the reward functions' scores of each prompt's greedy completion, greedy (P, num_funcs),
-    and of its k samples at the training temperature, sampled (P, k, num_funcs) or None. NaN (unscorable) counts as 0
-    in the weighted total, as in training. A completion solves its prompt when its total reward is > 0, so
-      pass@1 = share of prompts whose greedy completion solves them,
-      mean@k = mean total reward of the samples,
-      pass@k = share of prompts that one of their k samples solves (exactly k samples: no unbiased estimator needed)."""
+    """eval/... metrics from the reward functions' scores of each prompt's greedy completion, greedy (P, num_funcs), and
+    of its k samples, sampled (P, k, num_funcs) or None (NaN: 0 in the total). Total reward > 0 solves a prompt: pass@1
+    = share of prompts solved greedily, mean@k = mean total reward of the samples, pass@k = share one sample solves."""
     total = (greedy * reward_weights).nansum(-1)  # (P,)
     metrics = {"eval/reward": total.mean().item(), "eval/pass@1": (total > 0).float().mean().item()}
     metrics.update({f"eval/rewards/{name}/mean": greedy[:, j].nanmean().item() for j, name in enumerate(names)})
     if sampled is not None:
         k, total = sampled.shape[1], (sampled * reward_weights).nansum(-1)  # (P, k)
-        metrics[f"eval/mean@{k}"] = total.mean().item()
-        metrics[f"eval/pass@{k}"] = (total > 0).any(-1).float().mean().item()
-        for j, name in enumerate(names):
-            metrics[f"eval/rewards/{name}/mean@{k}"] = sampled[..., j].nanmean().item()
+        metrics |= {f"eval/mean@{k}": total.mean().item(), f"eval/pass@{k}": (total > 0).any(-1).float().mean().item()}
+        metrics |= {f"eval/rewards/{name}/mean@{k}": sampled[..., j].nanmean().item() for j, name in enumerate(names)}
     return metrics
 
 
 def log_completions(run, prompt_ids, completion_ids, rewards, step):
-    """--log-completions: print that many (prompt, completion, reward) rows of the step, one short line each, and with
-    --track log them to wandb as a table (TRL's "completions" table)."""
+    """--log-completions: print that many of the step's (prompt, completion, reward) rows (--track: a wandb table)."""
     count = run.args.log_completions
     decode = lambda ids: run.tokenizer.decode(ids, skip_special_tokens=True)
     short = lambda text: textwrap.shorten(text, 70, placeholder=" ...") or repr(text)
@@ -1700,17 +1673,14 @@ def log_completions(run, prompt_ids, completion_ids, rewards, step):
 
 
 def load_checkpoint(run, checkpoint_dir):
-    """Restore a checkpoint's optimizer, schedule and RNG states (its weights load as the model); returns its counters."""
-    # mmap: pages of the full optimizer state are read as used, not all into every rank's memory (copy-on-write)
-    try:  # weights_only: tensors, numbers, strings and containers of them; unpickling an object could run its code
+    """Restore a checkpoint's optimizer, schedule and RNG states (its weights load as the model): its counters."""
+    try:  # weights_only: unpickling an object could run its code; mmap: pages are read as used, not copied per rank
         state = torch.load(os.path.join(checkpoint_dir, "trainer_state.pt"), weights_only=True, mmap=True)
     except pickle.UnpicklingError:
         raise SystemExit(f"error: {checkpoint_dir}/trainer_state.pt holds objects beyond tensors: not loaded") from None
     if run.world_size == 1 and all(isinstance(key, int) for key in state["optimizer"]["state"]):  # written by one rank
-        # directly: torch's set_optimizer_state_dict first builds a throw-away AdamW state, 2x the weights' memory
-        run.optimizer.load_state_dict(state["optimizer"])
-    else:  # written by several ranks (by parameter name), or resumed on several (sharded like the weights). Not strict:
-        # a parameter that never had a gradient (a multimodal model's unused tower) has no AdamW state
+        run.optimizer.load_state_dict(state["optimizer"])  # (set_optimizer_state_dict first builds a throw-away state)
+    else:  # by parameter name; not strict: a parameter never trained (a VLM's unused tower) has no AdamW state
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
         full = StateDictOptions(full_state_dict=run.world_size > 1, strict=False)
@@ -1719,17 +1689,15 @@ def load_checkpoint(run, checkpoint_dir):
     torch.set_rng_state(state["torch_rng"][run.rank])
     if run.device.type == "cuda" and state.get("cuda_rng") is not None:  # GPU sampling; older checkpoints have none
         torch.cuda.set_rng_state(state["cuda_rng"][run.rank])
-    # optimizer tensors left on the CPU (AdamW's step counts; all of them on a CPU run) still point into the mapped
-    # file: copy them, so that --save-total-limit can delete that checkpoint and its disk space is freed
+    # CPU tensors (AdamW's step counts) still point into the mapped file: copy them, so that deleting it frees the disk
     for per_param in run.optimizer.state.values():
         per_param.update({k: v.clone() for k, v in per_param.items() if torch.is_tensor(v) and v.device.type == "cpu"})
     return {k: v for k, v in state.items() if k not in ("optimizer", "scheduler", "torch_rng", "cuda_rng")}
 
 
 def save_checkpoint(run, global_step, prompts_consumed, **counters):
-    """output_dir/checkpoint-N: the full weights and tokenizer, trainer_state.pt (optimizer, schedule, every rank's RNG
-    states, the counters) and run.json, written as checkpoint-N.tmp and renamed when complete; then the checkpoints
-    beyond --save-total-limit go. Every rank calls it (gathering the weights is a collective); rank 0 writes."""
+    """output_dir/checkpoint-N (weights, tokenizer, trainer_state.pt, run.json), written as checkpoint-N.tmp and renamed
+    when complete; then the checkpoints beyond --save-total-limit go. Every rank calls it (a collective)."""
     args, cuda = run.args, run.device.type == "cuda"
     model_state, optimizer_state = full_state(run.model, run.optimizer)
     rng_states = gather_objects((torch.get_rng_state(), torch.cuda.get_rng_state() if cuda else None), run.world_size)
@@ -1765,8 +1733,7 @@ def end_step(run, global_step, next_round, **counters):
 
 def stop_lost(run, error):
     """No server came back within --vllm-server-timeout, or the colocated engine died: the last completed step's
-    checkpoint, as SIGTERM writes it (the newest on disk if the weights moved past it or CUDA went with the engine),
-    then stop with 75 (EX_TEMPFAIL: try again later)."""
+    checkpoint (else name the newest on disk), then stop with 75 (EX_TEMPFAIL: try again later)."""
     step, wrote = run.trained["global_step"], ""
     if run.scheduler.last_epoch == step > 0:  # the weights are still the last completed step's
         with contextlib.suppress(Exception):  # a dead engine may have taken the CUDA context with it
@@ -1780,8 +1747,7 @@ def stop_lost(run, error):
 
 
 def stop(run, status, said, resume=True):
-    """Exit with `status` after a checkpoint, saying so and the command that continues the run (the last of a repeated
-    flag counts) in one line."""
+    """Exit with `status`, saying so and the command that resumes the run (a repeated flag's last value counts)."""
     if run.is_main:
         latest = ["--output-dir", run.output_dir, "--resume-from-checkpoint", "latest"]
         launcher = ["torchrun", f"--nproc-per-node={run.world_size}"] if run.world_size > 1 else ["python"]
@@ -1797,8 +1763,7 @@ def stop(run, status, said, resume=True):
 
 
 def finish(run):
-    """The final model + tokenizer, loadable with from_pretrained(output_dir) (--max-steps 0 only evaluated: nothing to
-    save); then the logs, the run directory's lock and the process group are released."""
+    """Save the final model + tokenizer for from_pretrained(output_dir) (not after --max-steps 0), then release all."""
     weights_pushed(run)  # the last push is in before the servers are left to others
     run.progress.close()
     model_state = full_state(run.model, None)[0] if run.args.max_steps else None
@@ -1834,8 +1799,7 @@ def full_state(model, optimizer):
 
 
 def save_final(output_dir, model, tokenizer_files, state_dict=None):
-    """save_model into output_dir itself, next to checkpoints and metrics: the files are written to a temporary
-    folder, then each is moved in with an atomic rename, config.json last, so a config.json means a complete model."""
+    """save_model into output_dir via a temporary folder: each file renamed in, config.json last (so: a whole model)."""
     tmp = own_path(output_dir, ".final.tmp")
     shutil.rmtree(tmp, ignore_errors=True)  # (output_dir/merged's: a resume removes only the run directory's .tmp)
     save_model(tmp, model, tokenizer_files, state_dict)
@@ -1853,13 +1817,12 @@ def save_model(directory, model, tokenizer_files, state_dict=None):
 
 
 def tokenizer_files(model_path, tokenizer):
-    """{name: bytes}: model_path's tokenizer (and processor) files, saved as they are (save_pretrained drops `legacy`)."""
+    """{name: bytes}: model_path's tokenizer (and processor) files as they are (save_pretrained drops `legacy`)."""
     from transformers.utils import cached_file
 
     names = {"tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "chat_template.jinja"}
     names |= {"processor_config.json", "preprocessor_config.json", "chat_template.json"}  # a VLM's processor
-    # tokenizer.json too: transformers 5 loads it whatever the class lists (SmolLM2's GPT2Tokenizer: vocab.json, ...)
-    names |= set(tokenizer.vocab_files_names.values()) | {"tokenizer.json"}  # tokenizer.model, vocab.json, ...
+    names |= set(tokenizer.vocab_files_names.values()) | {"tokenizer.json"}  # transformers 5 loads it, listed or not
     missing_ok = dict(_raise_exceptions_for_missing_entries=False, _raise_exceptions_for_connection_errors=False)
     paths = (cached_file(model_path, name, **missing_ok) for name in sorted(names))
     return {os.path.basename(path): open(path, "rb").read() for path in paths if path}
@@ -1873,7 +1836,7 @@ def own_path(*parts):
 
 
 def checkpoints(output_dir):
-    """The complete checkpoint-N directories of a run directory, oldest first (one being written is checkpoint-N.tmp)."""
+    """A run directory's complete checkpoint-N directories, oldest first (one being written is checkpoint-N.tmp)."""
     names = os.listdir(output_dir) if os.path.isdir(output_dir) else []
     complete = [n for n in names if re.fullmatch(r"checkpoint-\d+", n)]
     return [own_path(output_dir, n) for n in sorted(complete, key=lambda n: int(n.split("-")[1]))]
@@ -1887,11 +1850,10 @@ def run_info(checkpoint):
 
 
 def claim_run_dir(args):
-    """Rank 0, before any model loads: (the run directory, the checkpoint to resume or None, the run's identity: new,
-    or the checkpoint's run.json; the directory's lock). A new run takes --output-dir, or else a new
-    runs/{exp_name}__{seed}__{unix time} (a collision appends __2), and refuses a directory that holds files; a resume
-    continues in its checkpoint's directory (`latest`: --output-dir's newest). Nothing is written before every check
-    passed; then a flock on DIR/.lock keeps a second live process out (the kernel drops it however the process ends)."""
+    """Rank 0, before any model loads: (run directory, checkpoint to resume or None, the run's identity, lock). A new
+    run takes --output-dir or a new runs/..., refusing one that holds files; a resume goes on in its checkpoint's
+    directory. Nothing is written before every check passed; a flock on DIR/.lock (the kernel drops it however the
+    process ends) then keeps a second live process out."""
     script, out, checkpoint = os.path.basename(__file__), args.output_dir, args.resume_from_checkpoint
     stamp = f"{args.exp_name}__{args.seed}__{int(time.time())}"
     if checkpoint == "latest" and out is None:
@@ -1907,8 +1869,7 @@ def claim_run_dir(args):
     created = out is None or not os.path.isdir(out)
     for n in itertools.count(1) if out is None else ():  # a new run; the second of two in one second gets __2
         with contextlib.suppress(FileExistsError):
-            os.makedirs(new := os.path.join("runs", stamp + (f"__{n}" if n > 1 else "")))
-            out = new
+            os.makedirs(out := os.path.join("runs", stamp + (f"__{n}" if n > 1 else "")))
             break
     lock_path, _ = own_path(out, ".lock"), own_path(out, "metrics.jsonl")  # (a link refused before models load)
     with contextlib.suppress(FileNotFoundError), os.fdopen(os.open(lock_path, os.O_RDONLY | os.O_NOFOLLOW)) as lock:
@@ -1925,9 +1886,8 @@ def claim_run_dir(args):
             f"error: --output-dir {out} holds files ({listed}): a new run there would mix its files with "
             f"them. Pass another --output-dir, or none (a new runs/{stamp}){resume}."
         )
-    identity = {"run_id": uuid.uuid4().hex[:12], "run_name": stamp}  # a new run's, or else the checkpoint's
+    identity = {"run_id": uuid.uuid4().hex[:12], "run_name": stamp} if checkpoint is None else run_info(checkpoint)
     if checkpoint is not None:
-        identity = run_info(checkpoint)
         if not identity:
             raise SystemExit(
                 f"error: --resume-from-checkpoint {checkpoint} has no run.json, so its script and run are unknown: "
@@ -2014,11 +1974,7 @@ COMMON_RULES = [  # (the shared flags' fields, true for a valid value, what they
 IGNORED = [  # (a regex of flags, true where they are read, what that takes): typed where nothing reads them, refused
     (r"--vllm-", lambda a: a.use_vllm, "--use-vllm"),
     (r"--vllm-(server|group|generation|weight-sync)-", lambda a: a.vllm_mode == "server", "--vllm-mode server"),
-    (
-        r"--vllm-(gpu|tensor|max-model|enable-sleep|model-impl)",
-        lambda a: a.vllm_mode == "colocate",
-        "--vllm-mode colocate",
-    ),
+    (r"--vllm-(gpu|tensor|max|enable|model)", lambda a: a.vllm_mode == "colocate", "--vllm-mode colocate"),
     (r"--lora-|--save-merged-model", lambda a: a.use_peft, "--use-peft"),
     (r"--dataset-(config|split)", lambda a: not os.path.isfile(a.dataset_name), "a hub --dataset-name"),
     (r"--eval-(dataset|max|num)", lambda a: a.eval_steps > 0 or a.max_steps == 0, "--eval-steps N (or --max-steps 0)"),
@@ -2034,8 +1990,7 @@ def parse_args(argv=None):
 
 
 def is_local(path):
-    """A model or dataset name that is a local path, not a hub name: a .json / .jsonl / .csv / .parquet file,
-    absolute, ./ ../ ~, several '/', or its first folder exists here."""
+    """A local path, not a hub name: .json/.jsonl/.csv/.parquet, absolute, ./ ../ ~, several '/', or its folder here."""
     local = path.startswith(("/", ".", "~")) or path.count("/") > 1 or "\\" in path
     return local or path.endswith((".json", ".jsonl", ".csv", ".parquet")) or os.path.isdir(path.split("/")[0])
 
@@ -2082,10 +2037,8 @@ def check_args(args, world_size, rules=(), problems=(), steps_per_round=1, steps
                 f"{flag} {steps} must be a multiple of the optimizer steps per generation round (--steps-per-generation"
                 f" x --num-iterations = {steps_per_round}): checkpoints and evaluations come between rounds"
             )
-    if args.reward_weights is not None and len(args.reward_weights) != len(args.reward_funcs):
-        problems.append(
-            f"--reward-weights has {len(args.reward_weights)} values for {len(args.reward_funcs)} --reward-funcs"
-        )
+    if (weights := args.reward_weights) is not None and len(weights) != len(funcs := args.reward_funcs):
+        problems.append(f"--reward-weights has {len(weights)} values for {len(funcs)} --reward-funcs")
     problems += vllm_utils.check_args(args)
     problems.append(path_problem("--model-name-or-path", args.model_name_or_path))
     resume = None if args.resume_from_checkpoint == "latest" else args.resume_from_checkpoint  # (latest: claim_run_dir)
