@@ -1,9 +1,8 @@
-"""vLLM for online RL, shared by grpo.py / rloo.py / online_dpo.py and their forks (docs/vllm.md: the two modes, the
-supported versions, each failure and its fix). colocate: a `vllm.LLM` in the training process, fed new weights through
-vLLM's reload path; server: a stock `vllm serve`, sent concurrent token-id /v1/completions requests and, after each
-optimizer step, the weights while paused, by its --weight-transfer-config: NCCL (a server on other GPUs) or CUDA IPC
-handles (one on the trainer's GPU). Both return completion ids and each sampled token's vLLM log-prob (after
-temperature). `start`, `generate`, `sleep` and `sync_weights` are made of small functions a fork can call directly."""
+"""vLLM for online RL, shared by grpo.py / rloo.py / online_dpo.py and their forks (docs/vllm.md: modes, versions,
+fixes). colocate: a `vllm.LLM` in the training process, fed new weights through vLLM's reload path; server: a stock
+`vllm serve`, sent concurrent token-id requests and, after each optimizer step, the weights while paused, by NCCL (a
+server on other GPUs) or CUDA IPC (one on the trainer's GPU). Both return completion ids and each sampled token's vLLM
+log-prob (after temperature). `start`, `generate`, `sleep`, `sync_weights` consist of small functions forks can call."""
 
 import base64
 import concurrent.futures
@@ -35,6 +34,7 @@ _listed = lambda value: list(value) if isinstance(value, (list, tuple)) else [va
 _urls = lambda engine: engine.get("base_urls", [engine["base_url"]])  # noqa: E731 - a server engine's servers
 _port = lambda base_url: base_url.rsplit(":", 1)[1] if base_url else 8000  # noqa: E731 - 8000 if unknown
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "0.0.0.0", "::1", socket.gethostname())
+TOKEN_IDS = {"return_token_ids": True, "return_tokens_as_token_ids": True, "skip_special_tokens": False}
 TRUST_REMOTE_CODE = False  # the trainer's --trust-remote-code (start sets it): the serve commands it prints carry it
 _strip = lambda name: (  # noqa: E731 - wrappers' infixes: activation checkpointing's, FSDP's, peft's
     name.replace("_checkpoint_wrapped_module.", "").replace("_fsdp_wrapped_module.", "").replace(".base_layer.", ".")
@@ -47,15 +47,13 @@ _strip = lambda name: (  # noqa: E731 - wrappers' infixes: activation checkpoint
 
 def _checkpoint_tensors(model, name, tensor):
     """(name, tensor) pairs as save_pretrained writes this parameter, the names vLLM's loaders know: no wrapper infixes,
-    transformers' load-time conversions reversed (fused MoE experts.gate_up_proj [E, 2I, H] -> DeepSeek-V2's /
-    Qwen3-MoE's per-expert gate_proj and up_proj, which vLLM 0.26 needs; GPT-OSS's stays fused, Mixtral's: w1 / w3)."""
+    transformers' load-time conversions reversed (fused MoE gate_up_proj split per expert, as vLLM 0.26 needs)."""
     model = model.get_base_model() if hasattr(model, "peft_config") else model  # peft: the transformers model inside
     if "_converted_names" not in vars(model):  # once per model, on the meta device: which parameters change at all
         meta = {_strip(n): torch.empty(p.shape, device="meta") for n, p in base_parameters(model)}
         saved = revert_weight_conversion(model, dict(meta))
         model._converted_names = {n for n, t in meta.items() if n not in saved or saved[n].shape != t.shape}
-    name = _strip(name)  # the reverse is slow: only for those that change
-    if name not in model._converted_names:
+    if (name := _strip(name)) not in model._converted_names:  # the reverse is slow: only for those that change
         return [(name, tensor)]
     return list(revert_weight_conversion(model, {name: tensor}).items())
 
@@ -125,8 +123,7 @@ def free_port():
 def colocate_engine(model_path, tensor_parallel_size=1, seed=0, **llm_args):
     """A vllm.LLM in this (torchrun or plain) process, on its GPU; `llm_args` go to vllm.LLM. external_launcher runs
     the engine's worker in this process, which lets the trainer hand it weights; env:// variables are filled in."""
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    if world_size % tensor_parallel_size:
+    if (world_size := int(os.environ.get("WORLD_SIZE", "1"))) % tensor_parallel_size:
         raise ValueError(f"--vllm-tensor-parallel-size {tensor_parallel_size} must divide the {world_size} processes")
     os.environ.update({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", **os.environ})  # the environment's first
     if "MASTER_PORT" not in os.environ:
@@ -158,8 +155,7 @@ class ImagePrompt(NamedTuple):
 
 
 def colocate_generate(llm, prompt_ids, n, fields, images=None):
-    """n completions per prompt from an in-process engine: (completion ids, sampled-token log-probs), prompt-major.
-    images: an ImagePrompt per prompt, or None (text prompts)."""
+    """n completions per prompt from `llm`: (completion ids, token log-probs), prompt-major; images: ImagePrompts."""
     from vllm import SamplingParams
 
     # no text (detokenizing stalls decoding); logprobs=0, flat: one float per token
@@ -195,11 +191,10 @@ def tensor_parallel_group(tensor_parallel_size):
 
 
 def serve_command(model, port=8000, gpus=None, backend="nccl", servers=1, trust_remote_code=None, kv_bytes=None):
-    """The command that starts a server this codebase can train against: 4 HTTP front ends (one alone turns log-probs
-    into responses slower than the engine samples: docs/vllm.md, "HTTP front ends"); backend "nccl" on GPUs the trainer
-    does not use (`gpus`, default 1), "ipc" on the trainer's GPU (the default) with a memory share that leaves it room
-    (0.35, split between `servers` servers) and pickled CUDA IPC handles allowed; bound to loopback: dev mode has no
-    authentication (docs/vllm.md, "Security"); --trust-remote-code as asked (None: as the trainer's)."""
+    """The command that starts a server this codebase can train against: backend "nccl" on GPUs the trainer leaves
+    free (`gpus`, default 1) or "ipc" on the trainer's (the default: 0.35 of memory split between `servers`, leaving it
+    room; pickled CUDA IPC handles allowed); 4 HTTP front ends (one alone turns log-probs into responses slower than the
+    engine samples); on loopback: dev mode has no authentication; --trust-remote-code as asked (None: the trainer's)."""
     model += " --trust-remote-code" * (TRUST_REMOTE_CODE if trust_remote_code is None else trust_remote_code)
     if gpus is None and backend == "ipc":  # the trainer's GPU, as its CUDA_VISIBLE_DEVICES names it
         index = torch.cuda.current_device() if torch.cuda.is_available() else 0
@@ -240,8 +235,7 @@ def wait_for_server(base_url, timeout, model, servers=1):
 
 
 def probe_server(base_url, model, timeout=10.0, backend="nccl"):
-    """Whether the engine is paused: GET /is_paused, unlike /health, needs the engine's loop, which never runs again in
-    an engine blocked in an NCCL receive (its trainer died mid-broadcast)."""
+    """Whether the engine is paused: GET /is_paused, unlike /health, needs its loop (a stuck NCCL receive blocks it)."""
     try:
         response = requests.get(f"{base_url}/is_paused", timeout=timeout)
     except requests.Timeout:
@@ -284,9 +278,8 @@ def check_server(base_url, model):
 
 
 def check_same_model(server, model, model_path, trust_remote_code=False):
-    """Refuse a server that serves another model before any NCCL or /start_weight_update. No vLLM reports parameter
-    names, so the served model (/server_info's path, revision, hf_overrides) is built on the meta device: it must have
-    weight_metadata's names and shapes (dtypes may differ: vLLM casts)."""
+    """Refuse a server of another model before any NCCL or /start_weight_update: vLLM reports no parameter names, so the
+    model /server_info names, built on the meta device, needs weight_metadata's names and shapes (vLLM casts dtypes)."""
     served = server["model_config"]
     name, remote = served.get("model", server["model_id"]), {"trust_remote_code": trust_remote_code}
     try:  # the served model's parameters, on the meta device; its code only if the trainer, not the server, trusts it
@@ -306,9 +299,8 @@ def check_same_model(server, model, model_path, trust_remote_code=False):
 
 
 def check_transport(base_url, server, model):
-    """Before anything is sent, refuse with the command that works a layout CUDA IPC cannot serve: it reaches one worker
-    on trainer rank 0's GPU, on this host, from memory that can be exported; warn where such a server answers beyond
-    loopback. A server on the wrong GPU is told by the first push: vLLM's or NCCL's refusal with its fix (_with_fix)."""
+    """Before anything is sent, refuse a layout CUDA IPC cannot serve (one worker on trainer rank 0's GPU, on this host,
+    in exportable memory) and warn where it answers beyond loopback; a wrong GPU shows at the first push (_with_fix)."""
     if server["backend"] != "ipc":
         return
     host, port = base_url.split("//")[-1].rsplit(":", 1)
@@ -353,9 +345,8 @@ def _post(base_url, path, timeout, **kwargs):
 
 
 def _run_beside(nccl_work, http_call, timeout):
-    """Run the trainer's NCCL side and the HTTP call that blocks in the server's side of it, each in a daemon thread;
-    return the NCCL side's result. NCCL has no timeout: the first failure is raised at once, the other side left
-    behind; when both fail, the NCCL error (usually the cause: a taken port, an out-of-memory while packing)."""
+    """Run the trainer's NCCL side beside the HTTP call blocking in the server's side (daemon threads); NCCL's result.
+    NCCL has no timeout: the first failure is raised at once, the other left behind (both: NCCL's, mostly the cause)."""
     device = torch.cuda.current_device() if torch.cuda.is_available() else None
     nccl, http = concurrent.futures.Future(), concurrent.futures.Future()
 
@@ -371,9 +362,8 @@ def _run_beside(nccl_work, http_call, timeout):
         threading.Thread(target=run, args=(future, work), daemon=True).start()
     concurrent.futures.wait((nccl, http), return_when=concurrent.futures.FIRST_COMPLETED)
     if not nccl.done() and (error := http.exception()) is not None:  # the HTTP side failed first
-        concurrent.futures.wait((nccl,), 1.0)  # a NCCL error that caused the server's failure is the one to report
-        if nccl.done() and nccl.exception() is not None:
-            raise nccl.exception() from error
+        if concurrent.futures.wait((nccl,), 1.0).done and nccl.exception() is not None:
+            raise nccl.exception() from error  # a NCCL error that caused the server's failure is the one to report
         raise error
     if not nccl.done() and concurrent.futures.wait((nccl,), timeout).not_done:  # the HTTP side is done
         raise TimeoutError(f"the trainer's NCCL side did not finish within {timeout:.0f} s after the server's")
@@ -385,9 +375,8 @@ def _run_beside(nccl_work, http_call, timeout):
 def server_init_weight_sync(
     base_url, port=None, address="127.0.0.1", version=None, buffer_bytes=1 << 30, timeout=300, name="MODEL"
 ):
-    """Form the NCCL group trainer (rank 0) + server workers, hosting the rendezvous at address:port (None: a free one).
-    `version`: the server's vLLM; vLLM's trainer_init and packed producer are the same on the wire from 0.26 to 0.33.
-    A refusal (NCCL's to put two ranks on one GPU: a server on the trainer's GPU) is raised with its fix."""
+    """Form the NCCL group trainer (rank 0) + server workers at address:port (None: a free one); `version`: the server's
+    vLLM (0.26-0.33 agree on the wire). A refusal (NCCL's of two ranks on one GPU) is raised with its fix."""
     from vllm.distributed.weight_transfer.nccl_common import trainer_init
 
     world_size = requests.get(f"{base_url}/get_world_size", timeout=30).json()["world_size"] + 1
@@ -493,8 +482,7 @@ def server_sync_weights(
 
 
 def ipc_handle(buffer):
-    """{GPU UUID: the args that rebuild `buffer` in another process} (torch's CUDA IPC export; vLLM keys it by the
-    physical GPU). Each call is a fresh export, so each chunk pairs with one rebuild and release by the server."""
+    """{physical GPU's UUID (vLLM's key): args that rebuild `buffer` in another process}, a fresh CUDA IPC export."""
     torch.cuda.current_stream().synchronize()  # the copies into `buffer` are done before the server reads it
     return {str(torch.cuda.get_device_properties(buffer.device).uuid): reduce_tensor(buffer)[1]}
 
@@ -514,11 +502,10 @@ def packed_chunks(weights, capacity):
         if flat.numel() > capacity:
             yield flat.clone(), meta
             meta = {key: [] for key in meta}
-            continue
-        if buffer is None:
-            buffer = torch.empty(capacity, dtype=torch.uint8, device=flat.device)
-        buffer[used : used + flat.numel()].copy_(flat)
-        used += flat.numel()
+        else:
+            buffer = torch.empty(capacity, dtype=torch.uint8, device=flat.device) if buffer is None else buffer
+            buffer[used : used + flat.numel()].copy_(flat)
+            used += flat.numel()
     if used:
         yield buffer[:used], meta
 
@@ -526,10 +513,9 @@ def packed_chunks(weights, capacity):
 def server_sync_weights_ipc(
     base_url, model, version=None, buffer_bytes=1 << 30, timeout=300.0, name="MODEL", changed_only=False
 ):
-    """CUDA IPC to a server on this GPU: named_weights in packed chunks of at most `buffer_bytes`, one /update_weights
-    with its handle each (torchrun's other ranks iterate the weights too); 0.27+ learns `packed` from
-    /init_weight_transfer_engine, sent at every sync (a restarted server has forgotten it). `base_url`: one URL, or the
-    servers of one run: each chunk goes to all at once, inside one paused_update, so that it is packed once."""
+    """CUDA IPC to a server on this GPU, or several (`base_url` a list) in one paused_update: named_weights in chunks of
+    at most `buffer_bytes`, each packed once and sent to all at once, one /update_weights with its handle (other ranks
+    iterate weights too); 0.27+ takes `packed` at /init_weight_transfer_engine, sent each sync (a restart forgets)."""
     urls = _listed(base_url)
     total = sum(2 * math.prod(shape) for shape in weight_metadata(model, changed_only=changed_only)["shapes"])  # bf16
     for url in urls:
@@ -546,9 +532,8 @@ def server_sync_weights_ipc(
     def send():
         with concurrent.futures.ThreadPoolExecutor(len(urls)) as pool:
             for data, chunk in packed_chunks(named_weights(model, changed_only=changed_only), min(buffer_bytes, total)):
-                # a fresh export for each server (each rebuilds and releases its own), pickled: HTTP carries JSON
+                # an export per server (each releases its own), pickled: HTTP carries JSON; all answer before the refill
                 handles = [base64.b64encode(pickle.dumps(ipc_handle(data))).decode() for _ in urls]
-                # the servers copy the chunk at once; all answer before packed_chunks refills the buffer
                 list(pool.map(update, urls, handles, [chunk] * len(urls)))
 
     try:
@@ -573,14 +558,12 @@ def _with_fix(base_url, error, model):
 
 def completions_request(model_id, prompt_ids, n, fields):
     """Body of POST /v1/completions: token-id prompts, each sampled n times, the sampled tokens' ids and log-probs."""
-    ids = {"return_token_ids": True, "return_tokens_as_token_ids": True, "skip_special_tokens": False}
-    return {"model": model_id, "prompt": prompt_ids, "n": n, **fields, "logprobs": 0, **ids}
+    return {"model": model_id, "prompt": prompt_ids, "n": n, **fields, "logprobs": 0, **TOKEN_IDS}
 
 
 def parse_completions(response, num_prompts, n):
-    """Completion ids and per-token log-probs from a /v1/completions response, or a /v1/chat/completions one (its
-    log-probs as chat content, where vLLM writes a missing one as -9999). Choices come prompt-major (choice k belongs
-    to prompt k // n); a stop on EOS leaves the EOS as the last token; a missing log-prob is None."""
+    """Completion ids and per-token log-probs (None if missing: chat writes -9999) from a /v1/completions or chat
+    response, prompt-major (choice k belongs to prompt k // n); a stop on EOS leaves the EOS as the last token."""
     choices = sorted(response["choices"], key=lambda choice: choice["index"])
     if len(choices) != num_prompts * n:
         raise RuntimeError(f"the server returned {len(choices)} completions for {num_prompts} prompts x {n}")
@@ -593,20 +576,14 @@ def parse_completions(response, num_prompts, n):
 
 
 def chat_request(model_id, prompt, n, fields):
-    """Body of POST /v1/chat/completions: an ImagePrompt's messages, each image part its image as a PNG data URL
-    (lossless), sampled n times; the answer holds the prompt's ids as vLLM expanded them (checked against the
-    trainer's), and the sampled tokens' ids and log-probs."""
+    """Body of POST /v1/chat/completions: an ImagePrompt's messages, images as lossless PNG data URLs, sampled n times;
+    the answer holds vLLM's expanded prompt ids (checked against the trainer's), the sampled ids and log-probs."""
     images = iter(prompt.images)
-    url = lambda part: {"type": "image_url", "image_url": {"url": data_url(next(images))}}  # noqa: E731
-    parts = lambda content: [url(p) if p.get("type") == "image" else p for p in content]  # noqa: E731
-    # (a string content holds no image)
-    messages = [
-        {**m, "content": m["content"] if isinstance(m["content"], str) else parts(m["content"])}
-        for m in prompt.messages
-    ]
-    ids = {"return_token_ids": True, "return_tokens_as_token_ids": True, "skip_special_tokens": False}
+    url = lambda: {"type": "image_url", "image_url": {"url": data_url(next(images))}}  # noqa: E731 - the next image
+    content = lambda c: c if isinstance(c, str) else [url() if p.get("type") == "image" else p for p in c]  # noqa: E731
+    messages = [{**m, "content": content(m["content"])} for m in prompt.messages]  # a string content holds no image
     fields = {"max_completion_tokens" if k == "max_tokens" else k: v for k, v in fields.items()}  # (chat's name)
-    return {"model": model_id, "messages": messages, "n": n, **fields, "logprobs": True, "top_logprobs": 0, **ids}
+    return {"model": model_id, "messages": messages, "n": n, **fields, "logprobs": True, "top_logprobs": 0, **TOKEN_IDS}
 
 
 def data_url(image):
@@ -615,49 +592,38 @@ def data_url(image):
     return "data:image/png;base64," + base64.b64encode(png.getvalue()).decode()
 
 
-def _ask(url, path, body, timeout, deadline):
-    """POST body to url + path, again while the server is paused (503) until `deadline`; None if the connection fails."""
-    with contextlib.suppress(requests.ConnectionError, requests.exceptions.ChunkedEncodingError):
-        while (response := requests.post(f"{url}{path}", json=body, timeout=timeout)).status_code == 503:
-            if time.monotonic() > deadline:
-                break
-            time.sleep(1)
-        return response
-
-
 def server_generate(base_url, model_id, prompt_ids, n, fields, chunk_size=8, timeout=1800.0, lost=None, images=None):
     """n completions per prompt on the server: (completion ids, log-probs) prompt-major, by concurrent requests of
     `chunk_size` prompts (vLLM batches them; no response holds a round), each within `timeout` s. `base_url`: one URL,
-    or servers of the same weights taking the chunks in turn (docs/vllm.md, "Several servers"); one that stops
-    answering joins `lost` ({url: since}), its chunks go to the others; ServerLost if none is left. images: an
-    ImagePrompt per prompt, each a /v1/chat/completions request of its own (the prompt ids vLLM made of it checked)."""
+    or servers of the same weights taking the chunks in turn; one that stops answering joins `lost` ({url: since}), its
+    chunks go to the others; ServerLost if none is left. images: an ImagePrompt per prompt, one chat request each."""
     urls, lost = _listed(base_url), {} if lost is None else lost
     first = int(os.environ.get("RANK", "0"))  # torchrun ranks start at different servers
     chunk_size = 1 if images is not None else chunk_size
-
-    def exchange(url, start, deadline):  # the chunk's response (None: the connection failed)
-        if images is None:
-            body = completions_request(model_id, prompt_ids[start : start + chunk_size], n, fields)
-            return _ask(url, "/v1/completions", body, timeout, deadline)
-        response = _ask(
-            url, "/v1/chat/completions", chat_request(model_id, images[start], n, fields), timeout, deadline
-        )
-        if response is not None and response.status_code == 200:
-            same_prompt(response.json()["prompt_token_ids"], prompt_ids[start])
-        return response
+    post = lambda url, path, body: requests.post(f"{url}{path}", json=body, timeout=timeout)  # noqa: E731
 
     def complete(i, start):
-        deadline = time.monotonic() + timeout
+        chunk, deadline = prompt_ids[start : start + chunk_size], time.monotonic() + timeout
+        if images is None:
+            path, body = "/v1/completions", completions_request(model_id, chunk, n, fields)
+        else:
+            path, body = "/v1/chat/completions", chat_request(model_id, images[start], n, fields)
         for url in [u for u in (urls[(first + i + k) % len(urls)] for k in range(len(urls))) if u not in lost]:
-            response = exchange(url, start, deadline)
+            try:  # again while the server is paused (503), until the deadline
+                while (response := post(url, path, body)).status_code == 503 and time.monotonic() < deadline:
+                    time.sleep(1)
+            except (requests.ConnectionError, requests.exceptions.ChunkedEncodingError):
+                response = None
             if response is not None and (response.status_code < 500 or _answers(url)):
                 break
             lost.setdefault(url, time.time())  # a dead engine's 5xx or a closed port: the server is gone
         else:
             raise ServerLost(f"no server of {', '.join(urls)} answers")
         if response.status_code != 200:
-            raise RuntimeError(f"{response.request.path_url} failed with {response.status_code}: {response.text[:500]}")
-        return parse_completions(response.json(), len(prompt_ids[start : start + chunk_size]), n)
+            raise RuntimeError(f"{path} failed with {response.status_code}: {response.text[:500]}")
+        if images is not None:  # the prompt ids vLLM made of the messages and images
+            same_prompt(response.json()["prompt_token_ids"], chunk[0])
+        return parse_completions(response.json(), len(chunk), n)
 
     starts = range(0, len(prompt_ids), chunk_size)
     with concurrent.futures.ThreadPoolExecutor(max(1, len(starts))) as pool:
@@ -729,11 +695,9 @@ def start(args, model_path, max_prompt_length, max_images=0):
         llm_args.update(trust_remote_code=TRUST_REMOTE_CODE, model_impl=getattr(args, "vllm_model_impl", "auto"))
         if max_images:  # the most images of any prompt; the trainer's processor settings
             llm_args.update(limit_mm_per_prompt={"image": max_images}, mm_processor_kwargs=args.mm_processor_kwargs)
-        engine["images"] = max_images
+        engine.update(images=max_images, sleep=args.vllm_enable_sleep_mode)  # starts awake, with model_path's weights
         engine["llm"] = colocate_engine(model_path, args.vllm_tensor_parallel_size, args.seed, **llm_args)
-        engine["sleep"] = args.vllm_enable_sleep_mode  # starts awake with the checkpoint's weights (model_path)
-        engine["tp_group"] = tensor_parallel_group(args.vllm_tensor_parallel_size)
-        return engine
+        return engine | {"tp_group": tensor_parallel_group(args.vllm_tensor_parallel_size)}
     # serve the base model: a resume's checkpoint-N may be deleted, and start_with_weights sends this run's at once
     engine["model"] = model_path = args.model_name_or_path
     ports = _listed(args.vllm_server_port)  # several: servers of one model on this GPU, sharing each round
@@ -750,12 +714,11 @@ def start(args, model_path, max_prompt_length, max_images=0):
             "NCCL: on other GPUs serve one server with --data-parallel-size instead. One command per port:\n  "
             + "\n  ".join(serve_command(model_path, port=port, backend="ipc", servers=len(ports)) for port in ports)
         )
-    engine["base_url"], engine["server"] = urls[0], servers[0]
     for server in servers:
         if (limit := server["max_model_len"]) and max_len > limit:
             lengths = f"({max_prompt_length} tokens) + --max-completion-length {args.max_completion_length}"
             raise ValueError(f"the longest prompt {lengths} exceeds {server['url']}'s --max-model-len {limit}")
-    engine.update({key: getattr(args, key) for key in SERVER_OPTIONS})
+    engine.update({key: getattr(args, key) for key in SERVER_OPTIONS}, base_url=urls[0], server=servers[0])
     if os.environ.get("RANK", "0") == "0":  # with torchrun every rank generates over HTTP, rank 0 alone syncs
         for url, server in zip(urls, servers):
             check_transport(url, server, model_path)
@@ -814,8 +777,7 @@ def sleep(engine):
 
 
 def server_push(engine, model, urls, changed_only=False):
-    """One weight update of the servers at `urls`: the weights training changes, or (the first push, and to a restarted
-    server, which holds its start-up ones) all of them."""
+    """Update the servers at `urls`; changed_only: what training changes (not on a first push or to a restarted one)."""
     sync = {"version": engine["server"]["version"], "timeout": engine["vllm_weight_sync_timeout"]}
     sync.update(buffer_bytes=engine["vllm_weight_sync_buffer_mb"] << 20, name=engine["model"])
     if engine["server"]["backend"] == "ipc":  # no group: each chunk's handle goes over HTTP
@@ -827,9 +789,8 @@ def server_push(engine, model, urls, changed_only=False):
 
 
 def push_live(engine, model):
-    """server_push to every server that answers: the live ones and the lost ones that answer again (restarted: checked
-    again, and NCCL's group formed anew). One that stops answering during the push is marked lost, and the push goes
-    again to the others, which its failure left resumed; a failure of a server that still answers is raised."""
+    """server_push to each server that answers, lost ones back again included (checked again; NCCL's group formed anew).
+    One that stops answering mid-push is marked lost, the rest (resumed by its failure) pushed again; else: raised."""
     lost = engine.setdefault("lost", {})
     back = [url for url in lost if _answers(url)]
     for url in back:  # it may serve another model or vLLM now
@@ -905,6 +866,5 @@ def sync_weights(engine, model):
     reload = {"weights_iterator": named_weights(model), "is_checkpoint_format": True}
     engine["llm"].collective_rpc("reload_weights", kwargs=reload)
     engine["llm"].reset_prefix_cache()
-    # image features of the old weights go (the scheduler would also believe in ones the reload cleared)
-    if engine.get("images"):
+    if engine.get("images"):  # the old weights' image features go (the scheduler would trust ones the reload cleared)
         engine["llm"].llm_engine.reset_encoder_cache()
