@@ -792,7 +792,10 @@ def push_live(engine, model):
     """server_push to each server that answers, lost ones back again included (checked again; NCCL's group formed anew).
     One that stops answering mid-push is marked lost, the rest (resumed by its failure) pushed again; else: raised."""
     lost = engine.setdefault("lost", {})
-    back = [url for url in lost if _answers(url)]
+    # several ranks gather each weight together, the changed ones once a push went (sync_weights): rank 0 alone can
+    # neither send more (to a server back) nor send again (after a failed push), so a lost server stays lost
+    alone = not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1
+    back = [url for url in lost if alone and _answers(url)]
     for url in back:  # it may serve another model or vLLM now
         server = check_server(url, engine["model"])
         check_same_model(server, model, engine["model"], engine.get("trust_remote_code", False))
@@ -803,7 +806,7 @@ def push_live(engine, model):
             engine["pushed"] = True
             break
         except (RuntimeError, TimeoutError, requests.RequestException):
-            if not (dead := [url for url in urls if not _answers(url)]):
+            if not alone or not (dead := [url for url in urls if not _answers(url)]):
                 raise
             lost.update({url: lost.get(url, time.time()) for url in dead})
             back = [url for url in back if url not in dead]

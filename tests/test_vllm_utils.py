@@ -1536,3 +1536,29 @@ def test_the_serve_commands_bind_loopback_and_carry_trust_remote_code_only_when_
         start, _ = _several(monkeypatch, [{}], trust_remote_code=trust)
         vllm_utils.sync_weights(start(), _tiny_llama())
         assert compared[-1] is trust and ("--trust-remote-code" in vllm_utils._restart("my/m", "ipc")) == trust
+
+
+@pytest.mark.parametrize("fails", [False, True])
+def test_push_live_on_several_ranks_sends_what_the_other_ranks_gather(monkeypatch, fails):
+    """Under torchrun every rank takes part in each weight's FSDP2 gather, the changed weights once a push went: rank
+    0 must not take a lost server back (a full push) nor push again after a failure, or the ranks' gathers part ways
+    and the run hangs. One process does both (test_server_lost)."""
+    pushes = []
+
+    def server_push(engine, model, urls, changed_only=False):
+        pushes.append((list(urls), changed_only))
+        if fails:
+            raise requests.ConnectionError("the server went away mid-push")
+
+    monkeypatch.setattr(vllm_utils, "server_push", server_push)
+    monkeypatch.setattr(vllm_utils, "check_server", lambda url, model: {})
+    monkeypatch.setattr(vllm_utils, "check_same_model", lambda *a: None)
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda: 2)
+    urls = ["http://127.0.0.1:8001", "http://127.0.0.1:8002"]
+    engine = {"base_urls": urls, "base_url": urls[0], "lost": {urls[1]: 0.0}, "pushed": True, "model": "m"}
+    monkeypatch.setattr(vllm_utils, "_answers", lambda url, timeout=5.0: True)  # both answer: 8002 came back
+    with pytest.raises(requests.ConnectionError) if fails else contextlib.nullcontext():
+        vllm_utils.push_live(engine, None)
+    assert pushes == [([urls[0]], True)]  # once, the changed weights, to the server that was never lost
+    assert urls[1] in engine["lost"]
