@@ -1229,7 +1229,7 @@ def final_logits(logits, config):
 class TokenLogprobs(torch.autograd.Function):
     """log pi(target) and the entropy (None unless asked) of each final hidden state, (n,) each, `chunk` tokens at a
     time so that no (n, vocabulary) tensor exists. The backward recomputes each chunk's logits z (after the model's
-    transform and the temperature) from the saved log-sum-exp: d log pi(t) / dz = onehot(t) - softmax(z)."""
+    transform and the temperature) from the saved hidden states: d log pi(t) / dz = onehot(t) - softmax(z)."""
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, config, temperature, with_entropy, chunk, into_grad):

@@ -790,19 +790,20 @@ def server_push(engine, model, urls, changed_only=False):
 
 def push_live(engine, model):
     """server_push to each server that answers, lost ones back again included (checked again; NCCL's group formed anew).
-    One that stops answering mid-push is marked lost, the rest (resumed by its failure) pushed again; else: raised."""
+    One that stops answering mid-push is marked lost, the rest (resumed by its failure) pushed again (one process;
+    several ranks: raised, as any other failure)."""
     lost = engine.setdefault("lost", {})
-    # several ranks gather each weight together, the changed ones once a push went (sync_weights): rank 0 alone can
-    # neither send more (to a server back) nor send again (after a failed push), so a lost server stays lost
+    # several ranks gather each weight together, the changed ones once a push went (sync_weights): rank 0 can neither
+    # send more nor send again, so a server back gets the changed ones (frozen ones never moved from the model's)
     alone = not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1
-    back = [url for url in lost if alone and _answers(url)]
+    back = [url for url in lost if _answers(url)]
     for url in back:  # it may serve another model or vLLM now
         server = check_server(url, engine["model"])
         check_same_model(server, model, engine["model"], engine.get("trust_remote_code", False))
         engine.pop("group", None)
     while urls := [url for url in _urls(engine) if url not in lost or url in back]:
         try:
-            server_push(engine, model, urls, changed_only=engine.get("pushed", False) and not back)
+            server_push(engine, model, urls, changed_only=engine.get("pushed", False) and not (back and alone))
             engine["pushed"] = True
             break
         except (RuntimeError, TimeoutError, requests.RequestException):

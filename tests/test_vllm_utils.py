@@ -1541,8 +1541,8 @@ def test_the_serve_commands_bind_loopback_and_carry_trust_remote_code_only_when_
 @pytest.mark.parametrize("fails", [False, True])
 def test_push_live_on_several_ranks_sends_what_the_other_ranks_gather(monkeypatch, fails):
     """Under torchrun every rank takes part in each weight's FSDP2 gather, the changed weights once a push went: rank
-    0 must not take a lost server back (a full push) nor push again after a failure, or the ranks' gathers part ways
-    and the run hangs. One process does both (test_server_lost)."""
+    0 must not push a server that came back every weight nor push again after a failure, or the ranks' gathers part
+    ways and the run hangs. It takes the server back with the changed weights. One process: test_server_lost."""
     pushes = []
 
     def server_push(engine, model, urls, changed_only=False):
@@ -1560,5 +1560,5 @@ def test_push_live_on_several_ranks_sends_what_the_other_ranks_gather(monkeypatc
     monkeypatch.setattr(vllm_utils, "_answers", lambda url, timeout=5.0: True)  # both answer: 8002 came back
     with pytest.raises(requests.ConnectionError) if fails else contextlib.nullcontext():
         vllm_utils.push_live(engine, None)
-    assert pushes == [([urls[0]], True)]  # once, the changed weights, to the server that was never lost
-    assert urls[1] in engine["lost"]
+    assert pushes == [(urls, True)]  # once, the changed weights, to both (8002 back)
+    assert (urls[1] in engine["lost"]) == fails
