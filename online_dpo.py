@@ -595,9 +595,7 @@ def reward_model_scores(reward_model, input_ids, micro_batch_tokens, device):
 
 
 @dataclass
-class Run:
-    """What train() and the plumbing share, one per process: made by set_up, the counters moved on by the loop."""
-
+class Run:  # what train() and the plumbing share, one per process: made by set_up, the counters moved on by the loop
     args: "Args"  # the flags
     rank: int = 0  # this process's rank (torchrun); rank 0 alone writes the run directory's files and logs
     world_size: int = 1  # processes; each takes an equal share of every step's prompts, whole groups
@@ -638,9 +636,8 @@ class Run:
 
 
 def set_up(args, rules, problems=(), reference_model=False, steps_per_generation=1, num_iterations=1):
-    """The Run, in order: the checks of the flags (the shared ones, `rules`, `problems`) and of the data, before
-    anything loads or is written; the run directory; the seed; the prompts, models, optimizer (and a resumed
-    checkpoint's state), generator and logs. A round is steps_per_generation x num_iterations optimizer steps."""
+    """The Run; the flags (the shared ones, `rules`, `problems`) and the data are checked before anything loads or is
+    written. A round is steps_per_generation x num_iterations optimizer steps."""
     world_size, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
     run = Run(args, rank, world_size, is_main=rank == 0, prompts_per_rank=args.prompts_per_step // world_size)
     check_args(args, world_size, rules, problems, steps_per_generation * num_iterations, steps_per_generation)
@@ -655,16 +652,13 @@ def set_up(args, rules, problems=(), reference_model=False, steps_per_generation
         torch.cuda.set_device(device)
     if world_size > 1:  # (rank 0 alone may spend minutes writing a checkpoint while the others wait in a collective)
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timedelta(hours=1))
-    # the run directory, locked for the life of rank 0's process, and the checkpoint to resume: rank 0 decides
-    claimed = claim_run_dir(args) if run.is_main else (None,) * 4
-    run.output_dir, checkpoint_dir, run.identity = gather_objects(claimed[:3], world_size)[0]
-    run.lock = claimed[3]
+    claimed = claim_run_dir(args) if run.is_main else (None,) * 4  # the run directory (locked) and checkpoint to resume
+    (run.output_dir, checkpoint_dir, run.identity), run.lock = gather_objects(claimed[:3], world_size)[0], claimed[3]
     run.preemption = on_stop_signal()  # SIGTERM or Ctrl-C (SIGINT): a checkpoint at the end of the step, then exit
 
-    # seeding (random, numpy, torch): the same on every rank until sampling, so that all ranks hold the same weights
     from transformers import AutoConfig, AutoProcessor, AutoTokenizer, get_scheduler, set_seed
 
-    set_seed(args.seed)
+    set_seed(args.seed)  # random, numpy, torch: the same on every rank until sampling, so the ranks' weights agree
     # no weight cache: each weight is cast once per forward anyway, and the cache would outlive gradient checkpointing
     bf16 = args.bf16 and device.type == "cuda"
     run.autocast = dict(device_type=device.type, dtype=torch.bfloat16, enabled=bf16, cache_enabled=False)
@@ -730,8 +724,7 @@ def set_up(args, rules, problems=(), reference_model=False, steps_per_generation
 
 
 def load_models(run, model_path, checkpoint_dir, reference_model, sentence):
-    """The policy (with --use-peft its LoRA adapters on a frozen bf16 base), on run.device, and with reference_model
-    the frozen initial model; compiled (--torch-compile), sharded (several ranks), and their log-probs checked."""
+    """The policy (--use-peft: LoRA adapters on a frozen bf16 base) and, with reference_model, the initial model."""
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     args, device = run.args, run.device
@@ -742,9 +735,8 @@ def load_models(run, model_path, checkpoint_dir, reference_model, sentence):
     if run.processor is not None and args.freeze_vision_tower:  # the language model and the projector train
         for name, param in model.get_encoder("image").named_parameters():  # (Qwen2-VL's projector, merger, is in it)
             param.requires_grad_(name.startswith("merger."))
-    for module in model.modules():  # dropout would make two passes over the same tokens disagree (ratio != 1)
-        if isinstance(module, torch.nn.Dropout):
-            module.p = 0.0
+    for dropout in (m for m in model.modules() if isinstance(m, torch.nn.Dropout)):  # else two passes would disagree
+        dropout.p = 0.0
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if args.use_peft:
@@ -769,15 +761,13 @@ def load_models(run, model_path, checkpoint_dir, reference_model, sentence):
             images = image_inputs(run, run.train_set, [0])
             check_logprobs(model, run.train_set.prompt_ids[0] + sentence, device, run.world_size, images)
     run.pad_id = run.tokenizer.pad_token_id if run.tokenizer.pad_token_id is not None else run.tokenizer.eos_token_id
-    eos_ids = model.generation_config.eos_token_id
-    eos_ids = set(eos_ids if isinstance(eos_ids, list) else [eos_ids]) | {run.tokenizer.eos_token_id}
-    run.eos_ids = sorted(eos_ids - {None})
+    eos = model.generation_config.eos_token_id
+    run.eos_ids = sorted({*(eos if isinstance(eos, list) else [eos]), run.tokenizer.eos_token_id} - {None})
 
 
 def generate(run, prompt_set, rows, n=None, temperature=None):
     """(completion ids, vLLM log-probs or None) of prompt_set's `rows`, prompt-major; None: training's G / temperature
-    (0: greedy). A lost server is waited for and given the current weights (in the training thread; elsewhere it
-    raises); when none comes back, or the colocated engine died, the run stops with a checkpoint (stop_lost)."""
+    (0: greedy). A lost server is waited for, given the weights (main thread); none back, a dead engine: stop_lost."""
     prompt_ids = [prompt_set.prompt_ids[i] for i in rows]
     while run.engine is not None:
         try:
@@ -807,8 +797,7 @@ class Round(NamedTuple):
 
 
 def start_round(run):
-    """Draw the next prompts_per_step prompts (same on every rank) and start generating this rank's share (background:
-    --async-generation)."""
+    """Draw the next --prompts-per-step prompts (the same on every rank) and start generating this rank's share."""
     args, start = run.args, run.prompts_consumed
     rows = [next(run.prompts) for _ in range(args.prompts_per_step)]
     rows = rows[run.rank * run.prompts_per_rank : (run.rank + 1) * run.prompts_per_rank]
@@ -834,14 +823,12 @@ def round_output(run, round):
         if run.push is not None:  # the push in flight first: one push at a time, and the round samples its weights
             run.push.result()
         t0 = time.perf_counter()
-        output = generate(run, run.train_set, round.rows)
-        return output, time.perf_counter() - t0, run.weights_version
+        return generate(run, run.train_set, round.rows), time.perf_counter() - t0, run.weights_version
 
 
 def push_weights(run, next_round, timing):
-    """The trained weights to vLLM once the round in flight is complete (vLLM never switches weights inside a round).
-    --async-generation with one process: in the background on a CUDA stream of its own; the next round, optimizer
-    step, evaluation and the run's end wait for it (weights_pushed). Several ranks: FSDP2's gathers are collectives."""
+    """The trained weights to vLLM once the round in flight is complete (never inside a round); --async-generation with
+    one process: in the background on its own CUDA stream (weights_pushed); not on several ranks (FSDP2 collectives)."""
     t0 = time.perf_counter()
     if next_round is not None:
         wait([next_round.generation])  # (a round whose servers were lost is generated again by round_output)
@@ -854,13 +841,12 @@ def push_weights(run, next_round, timing):
         vllm_utils.sync_weights(run.engine, run.model)
         timing["timing/weight_sync"] = time.perf_counter() - t1
         return
-    stream = None
     if run.device.type == "cuda":
-        run.push_stream = stream = run.push_stream or torch.cuda.Stream(run.device)
-        stream.wait_stream(torch.cuda.current_stream(run.device))  # it reads the weights after the optimizer step
+        run.push_stream = run.push_stream or torch.cuda.Stream(run.device)
+        run.push_stream.wait_stream(torch.cuda.current_stream(run.device))  # it reads the weights after the optimizer
 
     def push():
-        with torch.cuda.stream(stream) if stream is not None else nullcontext():
+        with torch.cuda.stream(run.push_stream):  # (None, on the CPU: no stream)
             vllm_utils.sync_weights(run.engine, run.model)
         return time.perf_counter() - t1
 
@@ -869,8 +855,7 @@ def push_weights(run, next_round, timing):
 
 
 def weights_pushed(run):
-    """Wait for push_weights' background push (before the weights change or are sampled, and at the end): its
-    timing/weight_sync and timing/weight_sync_wait (what it cost the trainer), or {} if none was in flight."""
+    """Wait for push_weights' background push (before the weights change or are sampled, and at the end): timings."""
     if (push := run.push) is None:
         pushed, run.pushed = run.pushed, {}  # a push evaluation waited for: the next step logs it
         return pushed
@@ -888,8 +873,7 @@ def clock(device):
 
 def score(run, prompt_set, rows, completion_ids, num_generations):
     """The reward functions' scores (len(rows) * num_generations, num_funcs) of the completions of prompt_set's `rows`
-    (prompt-major): each gets the completions (chat messages when the dataset's prompts are, else strings, as in TRL)
-    and by name the rows' columns, the prompts, the completion ids, --max-completion-length and --reward-kwargs."""
+    (prompt-major), as chat messages when the dataset's prompts are, else strings (as in TRL); the rest by name."""
     texts = run.tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
     completions = [[{"role": "assistant", "content": t}] for t in texts] if prompt_set.prompts_are_messages else texts
     repeated = lambda values: [values[i] for i in rows for _ in range(num_generations)]
@@ -913,12 +897,8 @@ def old_and_ref_logprobs(run, prompt_ids, completion_ids, need_old, prompt_rows=
     shape = (len(completion_ids), max(max(completion_lengths), 1))
     logprobs = [None if net is None else torch.zeros(shape) for net in nets]
     model.eval()
-    with (
-        torch.no_grad(),
-        torch.autocast(**run.autocast),
-        unsharded(model, world_size),
-        unsharded(ref_model, world_size) if ref_model is not None else nullcontext(),
-    ):
+    ref_unsharded = unsharded(ref_model, world_size) if ref_model is not None else nullcontext()
+    with torch.no_grad(), torch.autocast(**run.autocast), unsharded(model, world_size), ref_unsharded:
         for mb in token_budget_batches(range(shape[0]), prompt_lengths, completion_lengths, args.micro_batch_tokens):
             batch = collate([prompt_ids[i] for i in mb], [completion_ids[i] for i in mb], run.device, run.pad_id)
             images = image_inputs(run, run.train_set, [prompt_rows[i] for i in mb]) if prompt_rows else None
@@ -950,10 +930,9 @@ def evaluate(run):
     args, device, world_size = run.args, run.device, run.world_size
     rows, real = rank_share(len(run.eval_set.prompt_ids), run.rank, world_size)
     k = args.eval_num_generations
-    round_size = run.prompts_per_rank * args.num_generations  # completions per generate call
 
-    def complete(n, temperature):  # this rank's rows, n completions each, prompt-major
-        size, ids = max(1, round_size // n), []
+    def complete(n, temperature):  # this rank's rows, n completions each, prompt-major; a round's worth per call
+        size, ids = max(1, run.prompts_per_rank * args.num_generations // n), []
         for batch in (rows[start : start + size] for start in range(0, len(rows), size)):
             ids += generate(run, run.eval_set, batch, n, temperature)[0]
         return ids
@@ -990,9 +969,7 @@ def log_metrics(run, metrics, show):
 # Data
 
 
-class PromptSet(NamedTuple):
-    """A dataset's prompts, tokenized by load_prompts."""
-
+class PromptSet(NamedTuple):  # a dataset's prompts, tokenized by load_prompts
     prompt_ids: list  # token ids per row
     prompts: list  # each prompt as chat messages (when a chat template was applied) or text
     columns: dict  # the other columns (the answer column renamed to `answer`) that reward functions receive by name
@@ -1001,13 +978,11 @@ class PromptSet(NamedTuple):
 
 
 def load_prompts(args, dataset, tokenizer, max_context, evaluation=False, processor=None):
-    """Tokenize the prompts of `dataset` (read_dataset's) into a PromptSet, images through the processor. A text prompt
-    is wrapped as a user message for the chat template, yet only chat-message prompts make the completions that the
-    reward functions get messages (TRL's rule)."""
+    """`dataset`'s prompts tokenized (images through the processor). A text prompt goes to the chat template as a user
+    message, yet only chat-message prompts make the reward functions get messages (TRL's rule)."""
     raw, images = dataset[args.prompt_column], dataset.get("images")
     prompts_are_messages = isinstance(raw[0], list)
-    use_template = prompts_are_messages or (args.use_chat_template and tokenizer.chat_template is not None)
-    if use_template:
+    if prompts_are_messages or (args.use_chat_template and tokenizer.chat_template is not None):
         system = [{"role": "system", "content": args.system_prompt}] if args.system_prompt else []
         prompts = [system + (p if prompts_are_messages else [{"role": "user", "content": p}]) for p in raw]
         chat = dict(add_generation_prompt=True, return_dict=True)
@@ -1058,9 +1033,8 @@ def eval_source(args):
 
 
 def read_dataset(args, reward_fns, evaluation=False):
-    """The training dataset (with `evaluation`, eval_source's first --eval-max-samples rows) as {column: values}, the
-    answer column as `answer`, read with `datasets` and checked (the flags' columns, prompts all strings or all chat
-    messages, the reward functions' arguments) before any model loads. A failure to read is one line."""
+    """The training dataset (`evaluation`: eval_source's first --eval-max-samples rows) as {column: values}, the answer
+    column as `answer`, checked before any model loads. A failure to read is one line."""
     from datasets import load_dataset
 
     training = args.dataset_name, args.dataset_config, args.dataset_split
@@ -1069,9 +1043,8 @@ def read_dataset(args, reward_fns, evaluation=False):
     try:
         if os.path.isfile(name) and not open(name, "rb").read(1 << 16).strip():  # (not all of a large file)
             dataset = {}  # (`datasets` fails on an empty file)
-        elif name.endswith((".json", ".jsonl", ".csv", ".parquet")):
-            builder = {".csv": "csv", ".parquet": "parquet"}.get(os.path.splitext(name)[1], "json")
-            dataset = load_dataset(builder, data_files=name, split="train")[:]
+        elif name.endswith((".json", ".jsonl", ".csv", ".parquet")):  # the builder: json (.jsonl's too), csv, parquet
+            dataset = load_dataset(name.rsplit(".", 1)[1].replace("jsonl", "json"), data_files=name, split="train")[:]
         else:  # a local directory gets no --dataset-config (its default, gsm8k's "main", is not a builder config)
             dataset = load_dataset(name, None if os.path.isdir(name) else config, split=split)[:]
     except Exception as error:  # noqa: BLE001 - any failure to read the data is the flag's problem
@@ -1141,7 +1114,7 @@ def open_image(image):
 
 
 def process_prompt(processor, messages, images):
-    """The processor's inputs of a prompt: its chat template's text (with its BOS), each image part its image's tokens."""
+    """The processor's inputs of a prompt: its chat template's text (with its BOS), each image part its image tokens."""
     text, images = processor.apply_chat_template(messages, add_generation_prompt=True), [list(map(open_image, images))]
     return processor(text=[text], images=images, add_special_tokens=False, return_tensors="pt")
 
@@ -1168,10 +1141,9 @@ def vllm_images(run, prompt_set, rows):
 
 @contextmanager
 def images_in(model, images, P, length):
-    """A batch's inputs besides ids, mask and pixels ({} without images), its prompts ending at column P of `length`:
-    per-token ones (mm_token_type_ids) padded as collate pads, per-image ones (image_grid_thw) per row, no position ids
-    for M-RoPE. Within it a hook on the embeddings (inside the model's forward, where FSDP2 holds the weights) puts each
-    prompt's image features, computed once per prompt, in place of its prompt's image tokens (as vLLM does)."""
+    """A batch's inputs besides ids, mask and pixels ({} without images), its prompts ending at column P of `length`.
+    Within it a hook on the embeddings (inside the model's forward, where FSDP2 holds the weights) puts each prompt's
+    image features, computed once per prompt, in place of its prompt's image tokens (as vLLM does)."""
     if images is None:
         yield {}
         return
