@@ -53,9 +53,17 @@ def _checkpoint_tensors(model, name, tensor):
         meta = {_strip(n): torch.empty(p.shape, device="meta") for n, p in base_parameters(model)}
         saved = revert_weight_conversion(model, dict(meta))
         model._converted_names = {n for n, t in meta.items() if n not in saved or saved[n].shape != t.shape}
-    if (name := _strip(name)) not in model._converted_names:  # the reverse is slow: only for those that change
+        model._renamed = {}  # those whose reverse hands back the same tensor under another name (a VLM's every one)
+    if (
+        name := _strip(name)
+    ) not in model._converted_names:  # the reverse is slow (~0.3 ms): only for those that change
         return [(name, tensor)]
-    return list(revert_weight_conversion(model, {name: tensor}).items())
+    if name in model._renamed:
+        return [(model._renamed[name], tensor)]
+    saved = revert_weight_conversion(model, {name: tensor})
+    if len(saved) == 1 and next(iter(saved.values())) is tensor:
+        model._renamed[name] = next(iter(saved))
+    return list(saved.items())
 
 
 def base_parameters(model, changed_only=False):
