@@ -267,7 +267,9 @@ if [ "$PHASE" = vision ]; then  # VISION=tests|encoder|vs_trl (see the header)
   VLM=/tmp/bench-qwen25vl3b; DATA=/tmp/tasks/vlm_count/count.jsonl
   case ${VISION:-tests} in
     tests)
-      GPU_RESULTS_DIR=$OUT timeout 570 python3 -m pytest -q tests/gpu/test_vision_gpu.py \
+      # (tests/gpu runs only where VLLM_TEST_MODEL exists; these tests build their own tiny VLM)
+      VLLM_TEST_MODEL=${VLLM_TEST_MODEL:-/tmp/bench-qwen05b} GPU_RESULTS_DIR=$OUT timeout 570 python3 -m pytest -q \
+        tests/gpu/test_vision_gpu.py \
         -k "${K:-colocate_holds or learns}" > "$OUT/vision.log" 2>&1
       tail -5 "$OUT/vision.log" ;;
     encoder|vs_trl)
