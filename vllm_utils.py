@@ -9,6 +9,7 @@ import concurrent.futures
 import contextlib
 import importlib.util
 import io
+import logging
 import math
 import os
 import pickle
@@ -851,6 +852,11 @@ def kv_cache_bytes(server, config):
     return cache.get("kv_cache_memory_bytes") or blocks * 4 * text.num_hidden_layers * kv_heads * head_dim or 1 << 30
 
 
+def _partial_reload(record):
+    """A logging filter: vLLM's reload warns of each layer and weight it does not get (a frozen tower's, each push)."""
+    return "Failed to load weights" not in str(record.msg) and "not loaded from checkpoint" not in str(record.msg)
+
+
 def sync_weights(engine, model):
     """Push the trainer's weights to vLLM after each optimizer step (every torchrun rank: FSDP2 gathers are collective).
     Colocate with sleep mode drops the gradients (the next step recomputes them) so that vLLM can map its memory."""
@@ -868,14 +874,19 @@ def sync_weights(engine, model):
         if torch.distributed.is_initialized():
             torch.distributed.barrier()  # no rank generates before the server has the new weights
         return
-    if engine.get("weights_asleep"):
+    if asleep := engine.get("weights_asleep"):
         model.zero_grad(set_to_none=True)  # the step is done: its gradients would hold memory vLLM is about to map
         torch.cuda.empty_cache()  # give the trainer's cached blocks back so that vLLM can map its weights again
         engine["llm"].wake_up(tags=["weights"])  # level 2 left garbage: every weight is reloaded below
         engine["weights_asleep"] = False
     # vLLM's layerwise reload reruns the post-load processing (MLA, MoE repacking, fp8) a plain load_weights skips, into
-    # the same storage (CUDA graphs stay valid); each TP rank takes its shard; streamed: one full parameter at a time
-    reload = {"weights_iterator": named_weights(model), "is_checkpoint_format": True}
+    # the same storage (CUDA graphs stay valid); each TP rank takes its shard; streamed: one full parameter at a time.
+    # Awake, the engine still holds what training never changes (a frozen vision tower: its start-up weights, as the
+    # trainer's) and gets the rest; vLLM keeps each layer that gets none, warning of each one: those warnings go
+    reload = {"weights_iterator": named_weights(model, changed_only=not asleep), "is_checkpoint_format": True}
+    if not asleep and not hasattr(model, "peft_config") and not all(p.requires_grad for p in model.parameters()):
+        for name in ("model_executor.model_loader.reload.layerwise", "v1.worker.gpu_model_runner"):
+            logging.getLogger(f"vllm.{name}").addFilter(_partial_reload)
     engine["llm"].collective_rpc("reload_weights", kwargs=reload)
     engine["llm"].reset_prefix_cache()
     if engine.get("images"):  # the old weights' image features go (the scheduler would trust ones the reload cleared)

@@ -59,7 +59,9 @@
 #          memory on the random-init Qwen2.5-VL-3B shape and the counting task, both built once), vs_trl RUNS="..."
 #          (those runs in that order, of ours_vlm_N and trl_vlm_N: GRPO colocated against TRL 1.16 on that shape, 8
 #          prompts x 8 x 64 tokens, 8 steps, bf16 weights and the tower training on both sides; OUT_DIR/vs_trl.json once
-#          a pair is complete; RUN_LIMIT: seconds a run, 330). Results in OUT_DIR.
+#          a pair is complete; RUN_LIMIT: seconds a run, 330; OURS_EXTRA: more flags, the last of a flag wins), server
+#          (docs/vision.md's one-GPU server mode on that shape: an IPC server at 0.3 of the GPU, then ours against it
+#          with OURS_EXTRA, else the defaults: fp32 weights, the tower frozen). Results in OUT_DIR.
 set -u
 PHASE=$1; OUT=$2; mkdir -p "$OUT"; OUT=$(cd "$OUT" && pwd)  # absolute: the ab phase's old runs start elsewhere
 case $PHASE in
@@ -265,6 +267,9 @@ if [ "$PHASE" = lora7b ]; then  # SIDES (default by PAIR: "ours trl" or "trl our
 fi
 if [ "$PHASE" = vision ]; then  # VISION=tests|encoder|vs_trl (see the header)
   VLM=/tmp/bench-qwen25vl3b; DATA=/tmp/tasks/vlm_count/count.jsonl
+  VLM_RUN="--model-name-or-path $VLM --dataset-name $DATA --prompt-column prompt --reward-funcs first_word_reward
+           --prompts-per-step 8 --num-generations 8 --max-completion-length 64 --beta 0 --learning-rate 1e-6
+           --max-steps 8 --use-vllm"
   case ${VISION:-tests} in
     tests)
       # (tests/gpu runs only where VLLM_TEST_MODEL exists; these tests build their own tiny VLM)
@@ -272,7 +277,7 @@ if [ "$PHASE" = vision ]; then  # VISION=tests|encoder|vs_trl (see the header)
         tests/gpu/test_vision_gpu.py \
         -k "${K:-colocate_holds or learns}" > "$OUT/vision.log" 2>&1
       tail -5 "$OUT/vision.log" ;;
-    encoder|vs_trl)
+    encoder|vs_trl|server)
       [ -f $VLM/config.json ] || timeout 300 python3 benchmarks/make_vlm_bench.py /tmp/qwen-tok $VLM \
         "$(dirname $DATA)" > "$OUT/make_vlm.log" 2>&1 ;;&
     encoder)
@@ -281,15 +286,18 @@ if [ "$PHASE" = vision ]; then  # VISION=tests|encoder|vs_trl (see the header)
     vs_trl)
       for run in ${RUNS:?RUNS=\"ours_vlm_1 trl_vlm_1 ...\"}; do
         case $run in
-          ours_vlm_*) ours "$run" "${RUN_LIMIT:-330}" grpo.py --model-name-or-path $VLM --dataset-name $DATA --prompt-column prompt \
-            --reward-funcs first_word_reward --prompts-per-step 8 --num-generations 8 --max-completion-length 64 \
-            --beta 0 --learning-rate 1e-6 --max-steps 8 --use-vllm --vllm-mode colocate --param-dtype bfloat16 \
+          ours_vlm_*) ours "$run" "${RUN_LIMIT:-330}" grpo.py $VLM_RUN --vllm-mode colocate --param-dtype bfloat16 \
             --no-freeze-vision-tower ${OURS_EXTRA:-} ;;
           trl_vlm_*) BENCH_MODEL=$VLM BENCH_DATA=$DATA trl "$run" "${RUN_LIMIT:-330}" ;;
         esac
       done
       timeout 60 python3 benchmarks/summarize.py ratios "$OUT" --commit "${COMMIT:-unknown}" ;;
-    *) echo "vision: VISION=tests, encoder or vs_trl, not $VISION" >&2; exit 2 ;;
+    server)  # docs/vision.md's one-GPU server mode: an IPC server of the shape on this GPU, then grpo.py against it
+      serve_ipc $VLM 8005 --gpu-memory-utilization 0.3 --max-model-len 4096 --limit-mm-per-prompt '{"image": 1}'
+      wait_server 8005 300 && ours ours_vlm_server "${RUN_LIMIT:-330}" grpo.py $VLM_RUN --vllm-mode server \
+        --vllm-server-port 8005 ${OURS_EXTRA:-}
+      stop_servers "serve $VLM --port 8005" ;;
+    *) echo "vision: VISION=tests, encoder, vs_trl or server, not $VISION" >&2; exit 2 ;;
   esac
 fi
 if [ "$PHASE" = lora15 ]; then  # bench-1.5b (make_bench_model.py TOK /tmp/bench-qwen15b 1.5b), full vs LoRA, colocate + sleep

@@ -168,12 +168,40 @@ def test_vision_colocated_push_resets_vllms_image_features(monkeypatch):
         reset_prefix_cache=lambda: calls.append("reset_prefix_cache"),
         llm_engine=types.SimpleNamespace(reset_encoder_cache=lambda: calls.append("reset_encoder_cache")),
     )
-    monkeypatch.setattr(vllm_utils, "named_weights", lambda model: iter(()))
-    vllm_utils.sync_weights({"mode": "colocate", "llm": llm, "images": 1}, None)
+    monkeypatch.setattr(vllm_utils, "named_weights", lambda model, changed_only: iter(()))
+    vllm_utils.sync_weights({"mode": "colocate", "llm": llm, "images": 1}, torch.nn.Linear(1, 1))
     assert calls == ["reload_weights", "reset_prefix_cache", "reset_encoder_cache"]
     calls.clear()
-    vllm_utils.sync_weights({"mode": "colocate", "llm": llm, "images": 0}, None)
+    vllm_utils.sync_weights({"mode": "colocate", "llm": llm, "images": 0}, torch.nn.Linear(1, 1))
     assert calls == ["reload_weights", "reset_prefix_cache"]
+
+
+def test_vision_colocated_push_keeps_the_frozen_tower_while_the_engine_is_awake(vlm):
+    """An awake colocated engine holds the frozen tower since it started (training never changes it): a push sends the
+    rest, and vLLM's warnings of each layer that got no weights are dropped; after sleep mode's level 2, which
+    discards every weight, a push sends them all."""
+    import logging
+
+    from transformers import AutoModelForImageTextToText
+
+    model = AutoModelForImageTextToText.from_pretrained(vlm[0])
+    for param in model.get_encoder("image").parameters():  # as grpo.py's --freeze-vision-tower (the projector aside)
+        param.requires_grad_(False)
+    sent = []
+    llm = types.SimpleNamespace(
+        collective_rpc=lambda name, kwargs: sent.append([name for name, _ in kwargs["weights_iterator"]]),
+        reset_prefix_cache=lambda: None,
+        wake_up=lambda tags: None,
+        llm_engine=types.SimpleNamespace(reset_encoder_cache=lambda: None),
+    )
+    vllm_utils.sync_weights({"mode": "colocate", "llm": llm, "images": 1}, model)
+    vllm_utils.sync_weights({"mode": "colocate", "llm": llm, "images": 1, "weights_asleep": True}, model)
+    everything = [name for name, _ in vllm_utils.named_weights(model)]
+    tower = [name for name in everything if "vision_model" in name]
+    assert len(tower) > 10 and sent == [[name for name in everything if name not in tower], everything]
+    reload_log = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
+    record = lambda msg: logging.makeLogRecord({"msg": msg, "args": ("Linear",)})  # noqa: E731
+    assert not reload_log.filter(record("%s: Failed to load weights")) and reload_log.filter(record("%s: other"))
 
 
 def test_vision_colocate_passes_the_images_and_checks_the_prompt_ids(vlm):

@@ -67,6 +67,8 @@ def test_vision_colocate_holds_the_trainers_weights(colours):
     prompt_set = grpo.load_prompts(args, grpo.read_dataset(args, []), processor.tokenizer, 10**6, processor=processor)
     run = type("Run", (), {"processor": processor, "device": torch.device("cuda")})()
     model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).cuda()
+    for param in model.get_encoder("image").parameters():  # frozen (--freeze-vision-tower): the push leaves vLLM's
+        param.requires_grad_(False)
     llm = vllm_utils.colocate_engine(
         str(path), gpu_memory_utilization=0.1, max_model_len=256, limit_mm_per_prompt={"image": 1}, enforce_eager=True
     )
