@@ -91,6 +91,7 @@ def test_vision_colocate_holds_the_trainers_weights(colours):
     assert control >= 0.2 and synced <= 0.02
 
 
+DIST = ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE")  # this process's engine set (and holds) them
 LEARN = ["--prompt-column", "prompt", "--reward-funcs", "first_word_reward", "--reward-kwargs", "partial", "0"]
 LEARN += ["--no-bf16", "--max-completion-length", "8", "--prompts-per-step", "4", "--lr-scheduler-type", "constant"]
 LEARN += ["--seed", "0", "--num-generations", "16", "--temperature", "1.0", "--max-steps", "80"]
@@ -131,7 +132,7 @@ def test_vision_grpo_learns_with_vllm(colours, mode, tmp_path):
         result = subprocess.run(
             [sys.executable, str(ROOT / "grpo.py"), *flags, "--output-dir", str(out)],
             cwd=ROOT,
-            env={**os.environ, "WANDB_MODE": "offline"},
+            env={**{k: v for k, v in os.environ.items() if k not in DIST}, "WANDB_MODE": "offline"},
             capture_output=True,
             text=True,
             timeout=900,
