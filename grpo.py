@@ -858,8 +858,7 @@ def load_models(run, model_path, checkpoint_dir, reference_model, sentence):
     # LoRA under autocast only: its adapters (fp32) take their bf16 inputs as autocast casts them (add_lora)
     with torch.autocast(**{**run.autocast, "enabled": run.autocast["enabled"] and args.use_peft}):
         check_logprobs(model, sentence, device, run.world_size)
-        if run.train_set.images is not None:  # and with the first prompt's images: the features' path, the positions
-            images = image_inputs(run, run.train_set, [0])
+        if images := image_inputs(run, run.train_set, [0]):  # and with the first prompt's images: features, positions
             check_logprobs(model, run.train_set.prompt_ids[0] + sentence, device, run.world_size, images)
     run.pad_id = run.tokenizer.pad_token_id if run.tokenizer.pad_token_id is not None else run.tokenizer.eos_token_id
     eos = model.generation_config.eos_token_id
@@ -873,18 +872,17 @@ def generate(run, prompt_set, rows, n=None, temperature=None):
     while run.engine is not None:
         try:
             return vllm_utils.generate(run.engine, prompt_ids, n, temperature, vllm_images(run, prompt_set, rows))
-        except vllm_utils.ServerLost:
-            if threading.current_thread() is not threading.main_thread() or run.world_size > 1:
+        except Exception as error:  # a dead engine: vLLM's EngineDeadError (told by name), in process a CUDA error
+            lost = isinstance(error, vllm_utils.ServerLost)
+            dead = not lost and (type(error).__name__ == "EngineDeadError" or "CUDA error" in str(error))
+            if run.world_size > 1 or not (dead or lost and threading.current_thread() is threading.main_thread()):
                 raise
+            if dead:
+                stop_lost(run, error)
             try:
                 vllm_utils.wait_for_lost(run.engine, run.model)
             except vllm_utils.ServerLost as gone:
                 stop_lost(run, gone)
-        except Exception as error:  # a dead engine: vLLM's EngineDeadError (told by name), in process a CUDA error
-            dead = type(error).__name__ == "EngineDeadError" or "CUDA error" in str(error)
-            if not dead or run.world_size > 1:
-                raise
-            stop_lost(run, error)
     with unsharded(run.model, run.world_size):  # FSDP2: full weights while decoding, ranks stop at different steps
         images = image_inputs(run, prompt_set, rows)
         return hf_generate(run.model, prompt_ids, run.args, run.eos_ids, run.pad_id, n, temperature, images)
@@ -987,7 +985,7 @@ def score(run, prompt_set, rows, completion_ids, num_generations):
     return rewards.score(run.reward_fns, completions, columns)
 
 
-def old_and_ref_logprobs(run, prompt_ids, completion_ids, need_old, prompt_rows=None):
+def old_and_ref_logprobs(run, prompt_ids, completion_ids, need_old, prompt_rows):
     """The policy's log-probs before any update (if need_old) and the reference model's (if there is one), (N, C) on
     the CPU or None, in token-budget micro-batches without gradient; prompt_rows: each one's training row (images)."""
     args, model, ref_model, world_size = run.args, run.model, run.ref_model, run.world_size
@@ -1002,7 +1000,7 @@ def old_and_ref_logprobs(run, prompt_ids, completion_ids, need_old, prompt_rows=
     with torch.no_grad(), torch.autocast(**run.autocast), unsharded(model, world_size), ref_unsharded:
         for mb in token_budget_batches(range(shape[0]), prompt_lengths, completion_lengths, args.micro_batch_tokens):
             batch = collate([prompt_ids[i] for i in mb], [completion_ids[i] for i in mb], run.device, run.pad_id)
-            images = image_inputs(run, run.train_set, [prompt_rows[i] for i in mb]) if prompt_rows else None
+            images = image_inputs(run, run.train_set, [prompt_rows[i] for i in mb])  # None: a text dataset
             for net, out in zip(nets, logprobs):
                 if net is not None:
                     logprobs_mb = per_token_logprobs(net, *batch, args.temperature, images=images)
@@ -1336,19 +1334,17 @@ class TokenLogprobs(torch.autograd.Function):
     def backward(ctx, grad_logprobs, _grad_entropy):  # the entropy is a metric: no gradient flows from it
         hidden, weight, bias, targets, lse = ctx.saved_tensors
         w, b = (None if x is None else x.to(ctx.dtype) for x in (weight, bias))
-        probe = weight.new_empty(0, weight.shape[0], dtype=ctx.dtype)  # no rows: whether the model transforms logits
-        plain = final_logits(probe, ctx.config) is probe
         # the weight's gradient in its own dtype (fp32 under autocast); into_grad: summed into .grad (no second buffer)
         into_grad = ctx.into_grad and ctx.needs_input_grad[1] and type(weight.grad) is torch.Tensor
         grad_hidden, grad_weight = torch.empty_like(hidden), weight.grad if into_grad else torch.zeros_like(weight)
         grad_bias = None if bias is None else torch.zeros_like(bias)
         for rows in (slice(start, start + ctx.chunk) for start in range(0, len(hidden), ctx.chunk)):
             h, t = hidden[rows].to(ctx.dtype), targets[rows]
-            raw = torch.nn.functional.linear(h, w, b)
+            raw = torch.nn.functional.linear(h, w, b).requires_grad_()  # (a leaf: no graph unless transformed)
             with torch.enable_grad():  # otherwise autograd differentiates the elementwise transform (no parameters)
-                logits = final_logits(raw.requires_grad_(not plain), ctx.config)
+                logits = final_logits(raw, ctx.config)
             grad = fused(softmax_grad, h)(logits.detach(), lse[rows], grad_logprobs[rows], t, ctx.temperature)
-            grad = grad if plain else torch.autograd.grad(logits, raw, grad)[0]  # through the model's transform
+            grad = grad if logits is raw else torch.autograd.grad(logits, raw, grad)[0]  # through the model's transform
             grad_hidden[rows] = grad @ w
             if ctx.needs_input_grad[1]:  # (not for a frozen LM head: --use-peft)
                 add_matmul(grad_weight, grad.T, h)
