@@ -636,8 +636,7 @@ class Run:  # what train() and the plumbing share, one per process: made by set_
 
 
 def set_up(args, rules, problems=(), reference_model=False, steps_per_generation=1, num_iterations=1):
-    """The Run; the flags (the shared ones, `rules`, `problems`) and the data are checked before anything loads or is
-    written. A round is steps_per_generation x num_iterations optimizer steps."""
+    """The Run; the flags (shared, `rules`, `problems`) and the data are checked before anything loads or is written."""
     world_size, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
     run = Run(args, rank, world_size, is_main=rank == 0, prompts_per_rank=args.prompts_per_step // world_size)
     check_args(args, world_size, rules, problems, steps_per_generation * num_iterations, steps_per_generation)
@@ -665,21 +664,20 @@ def set_up(args, rules, problems=(), reference_model=False, steps_per_generation
 
     # tokenizer and prompts before the weights (a prompt too long stops the run now), then the model and the reference
     model_path = checkpoint_dir or args.model_name_or_path
-    run.tokenizer = tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=args.trust_remote_code)
+    remote = {"trust_remote_code": args.trust_remote_code}
+    run.tokenizer = tokenizer = AutoTokenizer.from_pretrained(model_path, **remote)
     run.tokenizer_files = tokenizer_files(model_path, tokenizer)
-    has_images = "images" in dataset or "images" in (eval_dataset or {})  # (read_dataset's name for the image column)
-    mm_kwargs = args.mm_processor_kwargs
-    if has_images:  # (a checkpoint's, a LoRA checkpoint's too)
-        run.processor = AutoProcessor.from_pretrained(model_path, trust_remote_code=args.trust_remote_code, **mm_kwargs)
-    elif mm_kwargs:
+    if "images" in dataset or "images" in (eval_dataset or {}):  # (read_dataset's image column; a checkpoint's too)
+        run.processor = AutoProcessor.from_pretrained(model_path, **remote, **args.mm_processor_kwargs)
+    elif args.mm_processor_kwargs:
         raise SystemExit("error: --mm-processor-kwargs is ignored without images in the dataset: drop it")
     sentence = tokenizer("The quick brown fox jumps over the lazy dog, and then it ran away.")["input_ids"]
     if len(sentence) < 5:  # a tokenizer that lost its vocabulary knows only special tokens
         raise SystemExit(f"error: the tokenizer files in {model_path} are incomplete (no tokenizer.json?)")
     model_path = args.model_name_or_path if args.use_peft else model_path  # a LoRA checkpoint holds only the adapter
-    config = AutoConfig.from_pretrained(model_path, trust_remote_code=args.trust_remote_code)
+    config = AutoConfig.from_pretrained(model_path, **remote)
     max_context = getattr(config.get_text_config(), "max_position_embeddings", None) or 10**9
-    if has_images and getattr(config, "vision_config", None) is None:
+    if run.processor is not None and getattr(config, "vision_config", None) is None:
         raise SystemExit(f"error: the dataset has images but {model_path} is a text-only model (no vision_config)")
     run.train_set = load_prompts(args, dataset, tokenizer, max_context, processor=run.processor)
     run.eval_set = eval_dataset and load_prompts(args, eval_dataset, tokenizer, max_context, True, run.processor)
@@ -1021,8 +1019,7 @@ def prompt_stream(num_prompts, seed, start=0):
 
 
 def eval_source(args):
-    """(name, config, split) of the eval dataset: --eval-dataset, else the training dataset's --eval-dataset-split if it
-    is a hub dataset (a local file has no splits); None if there is none."""
+    """Eval (name, config, split): --eval-dataset, else the --eval-dataset-split of a hub --dataset-name; or None."""
     if not args.eval_dataset and is_local(args.dataset_name):
         return None
     name = args.eval_dataset or args.dataset_name
@@ -1336,8 +1333,7 @@ def clip_gradients(model, max_norm):
 
 
 def token_budget_batches(rows, prompt_lengths, completion_lengths, budget):
-    """Split `rows` into micro-batches whose padded size (rows x (max prompt + max completion)) fits `budget` (a longer
-    row goes alone). Rows are sorted by length so that similar lengths share a micro-batch (less padding)."""
+    """`rows` sorted by length (less padding) in micro-batches of at most `budget` padded tokens; a longer row alone."""
     batches, p, c = [], 0, 0
     for i in sorted(rows, key=lambda i: prompt_lengths[i] + completion_lengths[i]):
         p, c = max(p, prompt_lengths[i]), max(c, completion_lengths[i])
