@@ -849,9 +849,8 @@ def load_models(run, model_path, checkpoint_dir, reference_model, sentence):
     if args.torch_compile and not args.use_peft and device.type == "cuda" and args.use_vllm and run.world_size == 1:
         for layer in (layer for each in models for layer in decoder_layers(each)):  # one graph per layer type
             layer.forward = torch.compile(layer.forward, dynamic=True)
-    if run.world_size > 1:  # FSDP2: every rank keeps 1/world_size of the weights, gradients and AdamW states
-        for each in models:
-            shard_model(each, mixed_precision=args.bf16 and device.type == "cuda")
+    for each in models if run.world_size > 1 else ():  # FSDP2: each rank holds 1/world_size of all weights and states
+        shard_model(each, mixed_precision=args.bf16 and device.type == "cuda")
     # a forward that transforms its logits in a way the trainer does not model fails now, not after training on them.
     # LoRA under autocast only: its adapters (fp32) take their bf16 inputs as autocast casts them (add_lora)
     with torch.autocast(**{**run.autocast, "enabled": run.autocast["enabled"] and args.use_peft}):
@@ -1024,9 +1023,8 @@ def evaluate(run):
     --eval-num-generations k > 1, of k sampled ones, with the current weights; each rank generates its share."""
     run.pushed = weights_pushed(run)  # the current weights (its timings go to the next step's metrics)
     t0 = time.perf_counter()
-    args, device, world_size = run.args, run.device, run.world_size
-    rows, real = rank_share(len(run.eval_set.prompt_ids), run.rank, world_size)
-    k = args.eval_num_generations
+    args, k = run.args, run.args.eval_num_generations
+    rows, real = rank_share(len(run.eval_set.prompt_ids), run.rank, run.world_size)
 
     def complete(n, temperature):  # this rank's rows, n completions each, prompt-major; a round's worth per call
         size, ids = max(1, run.prompts_per_rank * args.num_generations // n), []
@@ -1037,13 +1035,13 @@ def evaluate(run):
     # HF sampling draws from the global RNG: fork it, so that training samples what it would without evaluation; the
     # scoring comes after both generations, in the fork: a reward that draws from it changes neither
     scores = lambda ids, n: score(run, run.eval_set, rows, ids, n).view(len(rows), n, -1)[:real]  # (real, n, funcs)
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+    with torch.random.fork_rng(devices=[run.device] if run.device.type == "cuda" else []):
         torch.manual_seed(args.seed + run.rank)
         greedy_ids = complete(1, 0.0)
         sampled_ids = complete(k, args.temperature) if k > 1 else None
         greedy, sampled = scores(greedy_ids, 1), (scores(sampled_ids, k) if k > 1 else None)
     lengths = torch.tensor([len(c) for c in greedy_ids[:real]], dtype=torch.float)
-    parts = gather_objects((greedy[:, 0], sampled, lengths), world_size)  # every rank's in rank order: prompts in order
+    parts = gather_objects((greedy[:, 0], sampled, lengths), run.world_size)  # in rank order: the prompts in order
     greedy, sampled, lengths = (None if part[0] is None else torch.cat(part) for part in zip(*parts))
     metrics = eval_metrics(greedy, sampled, run.reward_weights, [fn.__name__ for fn in run.reward_fns])
     metrics.update({"eval/num_prompts": len(greedy), "eval/completions/mean_length": lengths.mean().item()})
@@ -1462,9 +1460,8 @@ def add_lora(args, model, dtype, checkpoint_dir=None, autocast=False):
         targets = [n for n in names if targets == "all-linear" or any(n == t or n.endswith(f".{t}") for t in targets)]
     lora = dict(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout, target_modules=targets)
     model = peft.get_peft_model(model, peft.LoraConfig(**lora), autocast_adapter_dtype=dtype == torch.float32)
-    for layer in model.modules() if autocast else ():
-        if isinstance(layer, peft.tuners.tuners_utils.BaseTunerLayer):
-            layer.cast_input_dtype_enabled = False
+    for layer in (m for m in model.modules() if autocast and isinstance(m, peft.tuners.tuners_utils.BaseTunerLayer)):
+        layer.cast_input_dtype_enabled = False
     if checkpoint_dir:
         peft.set_peft_model_state_dict(model, peft.utils.load_peft_weights(checkpoint_dir))
     return model
