@@ -1107,8 +1107,7 @@ def image_inputs(run, prompt_set, rows):
 
 
 def vllm_images(run, prompt_set, rows):
-    """prompt_set's `rows` as vLLM takes them, a vllm_utils.ImagePrompt each (the template's ids, one placeholder per
-    image, which vLLM expands; the messages; the images), or None for a text set."""
+    """prompt_set's `rows` as vllm_utils.ImagePrompts (one placeholder per image, which vLLM expands), or None: text."""
     if prompt_set.images is None:
         return None
     template = lambda row: run.processor.apply_chat_template(prompt_set.prompts[row], add_generation_prompt=True)
