@@ -1139,12 +1139,11 @@ def images_in(model, images, P, length):
     if images is None:
         yield {}
         return
-    first, kwargs = images.inputs[0], {}
+    first = images.inputs[0]
     per_image = [key for key, value in first.items() if value.shape != first["input_ids"].shape]
-    for key in first.keys() - {*per_image, "input_ids", "attention_mask"}:  # per token
-        kwargs[key] = torch.zeros(len(images.index), length, dtype=first[key].dtype, device=first[key].device)
-        for b, u in enumerate(images.index):
-            kwargs[key][b, P - images.inputs[u][key].shape[1] : P] = images.inputs[u][key][0]
+    pad = lambda x: torch.nn.functional.pad(x, (P - x.shape[1], length - P))  # a prompt's tokens end at column P
+    per_token = first.keys() - {*per_image, "input_ids", "attention_mask"}
+    kwargs = {key: torch.cat([pad(images.inputs[u][key]) for u in images.index]) for key in per_token}
     kwargs |= {k: torch.cat([images.inputs[u][k] for u in images.index]) for k in per_image if "pixel" not in k}
     kwargs |= {"position_ids": None} if any(hasattr(m, "get_rope_index") for m in model.modules()) else {}  # M-RoPE
 
