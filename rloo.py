@@ -1659,10 +1659,10 @@ def save_final(output_dir, model, tokenizer_files, state_dict=None):
     os.rmdir(tmp)
 
 
-def save_model(directory, model, tokenizer_files, state_dict=None):
-    """save_pretrained, with the tokenizer's files as tokenizer_files read them."""
+def save_model(directory, model, files, state_dict=None):
+    """save_pretrained, then `files` ({name: bytes}: the tokenizer's as tokenizer_files read them, run.json)."""
     model.save_pretrained(directory, state_dict=state_dict)
-    for name, data in tokenizer_files.items():
+    for name, data in files.items():
         with open(os.path.join(directory, name), "wb") as f:
             f.write(data)
 
