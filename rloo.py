@@ -1386,20 +1386,17 @@ def shard_model(model, mixed_precision):
 def unsharded(model, world_size):
     """Hold an FSDP2 model's full weights for forward-only passes (generation, old/reference log-probs): no collective
     per forward, so ranks may run different numbers of passes (decoding steps, micro-batches)."""
-    if world_size == 1:
-        yield
-        return
-    layers = decoder_layers(model)
-    for module in [*layers, model]:
+    modules = [*decoder_layers(model), model] if world_size > 1 else []  # one rank: nothing is sharded
+    for module in modules:
         module.unshard()
-    for layer in layers:
+    for layer in modules[:-1]:  # (the root stays unsharded after forward anyway)
         layer.set_reshard_after_forward(False, recurse=False)
     try:
         yield
     finally:
-        for layer in layers:
+        for layer in modules[:-1]:
             layer.set_reshard_after_forward(True, recurse=False)
-        for module in [*layers, model]:
+        for module in modules:
             module.reshard()
 
 
@@ -1538,22 +1535,20 @@ def load_checkpoint(run, checkpoint_dir):
     return {k: v for k, v in state.items() if k not in ("optimizer", "scheduler", "torch_rng", "cuda_rng")}
 
 
-def save_checkpoint(run, global_step, prompts_consumed, **counters):
-    """output_dir/checkpoint-N (weights, tokenizer, trainer_state.pt, run.json), written as checkpoint-N.tmp and renamed
-    when complete; then the checkpoints beyond --save-total-limit go. Every rank calls it (a collective)."""
-    args, cuda = run.args, run.device.type == "cuda"
+def save_checkpoint(run):
+    """output_dir/checkpoint-N of run.trained (weights, tokenizer, run.json, trainer_state.pt), renamed from .tmp when
+    complete; then the checkpoints beyond --save-total-limit go. Every rank calls it (a collective)."""
+    args, cuda, step = run.args, run.device.type == "cuda", run.trained["global_step"]
     model_state, optimizer_state = full_state(run.model, run.optimizer)
     rng_states = gather_objects((torch.get_rng_state(), torch.cuda.get_rng_state() if cuda else None), run.world_size)
     if not run.is_main:
         return
-    path = own_path(run.output_dir, f"checkpoint-{global_step}")
-    save_model(own_path(f"{path}.tmp"), run.model, run.tokenizer_files, model_state)  # (a crash's went at the resume)
-    counters |= dict(global_step=global_step, prompts_consumed=prompts_consumed)
-    state = {"optimizer": optimizer_state, "scheduler": run.scheduler.state_dict(), **counters}
+    path = own_path(run.output_dir, f"checkpoint-{step}")
+    info = json.dumps({**run.identity, "script": os.path.basename(__file__), "global_step": step}, indent=1).encode()
+    save_model(own_path(f"{path}.tmp"), run.model, {**run.tokenizer_files, "run.json": info}, model_state)
+    state = {"optimizer": optimizer_state, "scheduler": run.scheduler.state_dict(), **run.trained}
     state |= {"torch_rng": [r[0] for r in rng_states], "cuda_rng": [r[1] for r in rng_states] if cuda else None}
-    torch.save(state, own_path(f"{path}.tmp", "trainer_state.pt"))
-    with open(own_path(f"{path}.tmp", "run.json"), "w") as f:
-        json.dump({**run.identity, "script": os.path.basename(__file__), "global_step": global_step}, f, indent=1)
+    torch.save(state, own_path(f"{path}.tmp", "trainer_state.pt"))  # (a crash's checkpoint-N.tmp went at the resume)
     shutil.rmtree(path, ignore_errors=True)  # a step done again after a resume from an earlier checkpoint
     os.rename(f"{path}.tmp", path)
     for old in checkpoints(run.output_dir)[: -args.save_total_limit] if args.save_total_limit else []:
@@ -1567,7 +1562,7 @@ def end_step(run, global_step, next_round, **counters):
     run.trained = {**counters, "global_step": global_step, "prompts_consumed": start}
     preempted = global_sum(run.preemption.is_set(), run.world_size, run.device) > 0 and global_step < args.max_steps
     if preempted or (args.save_steps and global_step % args.save_steps == 0 and global_step < args.max_steps):
-        save_checkpoint(run, **run.trained)
+        save_checkpoint(run)
     if preempted:  # after the checkpoint SIGTERM or Ctrl-C asked for: exit with 128 + the signal (143, 130)
         weights_pushed(run)  # no server is left inside an update
         signum = getattr(run.preemption, "signum", signal.SIGTERM)  # (another rank may have got the signal alone)
@@ -1581,7 +1576,7 @@ def stop_lost(run, error):
     if run.scheduler.last_epoch == step > 0:  # the weights are still the last completed step's
         with contextlib.suppress(Exception):  # a dead engine may have taken the CUDA context with it
             if not os.path.isdir(os.path.join(run.output_dir, f"checkpoint-{step}")):
-                save_checkpoint(run, **run.trained)
+                save_checkpoint(run)
             wrote = f"wrote checkpoint-{step}"
     if not wrote and (newest := checkpoints(run.output_dir)):
         wrote = f"the newest checkpoint is {newest[-1]}"
@@ -1630,12 +1625,12 @@ def finish(run):
 def full_state(model, optimizer):
     """Unsharded weights and optimizer state: on one rank their own tensors (torch.save copies GPU tensors one at a
     time); with FSDP2 gathered onto rank 0's CPU by parameter name (a collective; the other ranks get empty dicts)."""
+    optimizer_state = optimizer.state_dict() if optimizer is not None else None
     if not dist.is_initialized():
-        return model.state_dict(), optimizer.state_dict() if optimizer is not None else None
+        return model.state_dict(), optimizer_state
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    optimizer_state = optimizer.state_dict() if optimizer is not None else None
     if optimizer is not None and optimizer.state:  # torch would fill an empty state with an AdamW step at lr 0
         optimizer_state = get_optimizer_state_dict(model, optimizer, options=options)
     return get_model_state_dict(model, options=options), optimizer_state
@@ -1651,10 +1646,10 @@ def save_final(output_dir, model, tokenizer_files, state_dict=None):
     os.rmdir(tmp)
 
 
-def save_model(directory, model, tokenizer_files, state_dict=None):
-    """save_pretrained, with the tokenizer's files as tokenizer_files read them."""
+def save_model(directory, model, files, state_dict=None):
+    """save_pretrained, then `files` ({name: bytes}: the tokenizer's as tokenizer_files read them, run.json)."""
     model.save_pretrained(directory, state_dict=state_dict)
-    for name, data in tokenizer_files.items():
+    for name, data in files.items():
         with open(os.path.join(directory, name), "wb") as f:
             f.write(data)
 
