@@ -1228,8 +1228,8 @@ class TokenLogprobs(torch.autograd.Function):
         w, b = (None if x is None else x.to(ctx.dtype) for x in (weight, bias))
         # the weight's gradient in its own dtype (fp32 under autocast); into_grad: summed into .grad (no second buffer)
         into_grad = ctx.into_grad and ctx.needs_input_grad[1] and type(weight.grad) is torch.Tensor
-        grad_hidden, grad_weight = torch.empty_like(hidden), weight.grad if into_grad else torch.zeros_like(weight)
-        grad_bias = None if bias is None else torch.zeros_like(bias)
+        grad_weight = weight.grad if into_grad else torch.zeros_like(weight) if ctx.needs_input_grad[1] else None
+        grad_hidden, grad_bias = torch.empty_like(hidden), None if bias is None else torch.zeros_like(bias)
         for rows in (slice(start, start + ctx.chunk) for start in range(0, len(hidden), ctx.chunk)):
             h, t = hidden[rows].to(ctx.dtype), targets[rows]
             raw = torch.nn.functional.linear(h, w, b).requires_grad_()  # (a leaf: no graph unless transformed)
