@@ -884,10 +884,15 @@ def sync_weights(engine, model):
     # Awake, the engine still holds what training never changes (a frozen vision tower: its start-up weights, as the
     # trainer's) and gets the rest; vLLM keeps each layer that gets none, warning of each one: those warnings go
     reload = {"weights_iterator": named_weights(model, changed_only=not asleep), "is_checkpoint_format": True}
-    if not asleep and not hasattr(model, "peft_config") and not all(p.requires_grad for p in model.parameters()):
-        for name in ("model_executor.model_loader.reload.layerwise", "v1.worker.gpu_model_runner"):
-            logging.getLogger(f"vllm.{name}").addFilter(_partial_reload)
-    engine["llm"].collective_rpc("reload_weights", kwargs=reload)
+    partial = not asleep and not hasattr(model, "peft_config") and not all(p.requires_grad for p in model.parameters())
+    names = ("model_executor.model_loader.reload.layerwise", "v1.worker.gpu_model_runner") if partial else ()
+    for name in names:  # this push's only: a full one's warnings would tell of a weight that went missing
+        logging.getLogger(f"vllm.{name}").addFilter(_partial_reload)
+    try:
+        engine["llm"].collective_rpc("reload_weights", kwargs=reload)
+    finally:
+        for name in names:
+            logging.getLogger(f"vllm.{name}").removeFilter(_partial_reload)
     engine["llm"].reset_prefix_cache()
     if engine.get("images"):  # the old weights' image features go (the scheduler would trust ones the reload cleared)
         engine["llm"].llm_engine.reset_encoder_cache()
