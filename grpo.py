@@ -869,17 +869,17 @@ def generate(run, prompt_set, rows, n=None, temperature=None):
     while run.engine is not None:
         try:
             return vllm_utils.generate(run.engine, prompt_ids, n, temperature, vllm_images(run, prompt_set, rows))
-        except Exception as error:  # a dead engine: vLLM's EngineDeadError (told by name), in process a CUDA error
-            lost = isinstance(error, vllm_utils.ServerLost)
-            dead = not lost and (type(error).__name__ == "EngineDeadError" or "CUDA error" in str(error))
-            if run.world_size > 1 or not (dead or lost and threading.current_thread() is threading.main_thread()):
+        except vllm_utils.ServerLost:
+            if threading.current_thread() is not threading.main_thread() or run.world_size > 1:
                 raise
-            if dead:
-                stop_lost(run, error)
             try:
                 vllm_utils.wait_for_lost(run.engine, run.model)
             except vllm_utils.ServerLost as gone:
                 stop_lost(run, gone)
+        except Exception as error:  # a dead engine: vLLM's EngineDeadError (told by name), in process a CUDA error
+            if run.world_size > 1 or not (type(error).__name__ == "EngineDeadError" or "CUDA error" in str(error)):
+                raise
+            stop_lost(run, error)
     with unsharded(run.model, run.world_size):  # FSDP2: full weights while decoding, ranks stop at different steps
         images = image_inputs(run, prompt_set, rows)
         return hf_generate(run.model, prompt_ids, run.args, run.eos_ids, run.pad_id, n, temperature, images)

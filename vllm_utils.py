@@ -55,9 +55,8 @@ def _checkpoint_tensors(model, name, tensor):
         saved = revert_weight_conversion(model, dict(meta))
         model._converted_names = {n for n, t in meta.items() if n not in saved or saved[n].shape != t.shape}
         model._renamed = {}  # those whose reverse hands back the same tensor under another name (a VLM's every one)
-    if (
-        name := _strip(name)
-    ) not in model._converted_names:  # the reverse is slow (~0.3 ms): only for those that change
+    name = _strip(name)
+    if name not in model._converted_names:  # the reverse is slow (~0.3 ms a weight): only for those that change
         return [(name, tensor)]
     if name in model._renamed:
         return [(model._renamed[name], tensor)]
